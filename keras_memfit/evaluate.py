@@ -1,0 +1,155 @@
+"""`safe_evaluate`: `model.evaluate` that adapts its batch instead of dying of OOM."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import keras
+
+from keras_memfit import _validate
+from keras_memfit import backend as _backend
+from keras_memfit import data as _data
+from keras_memfit.runner import run_in_pieces
+
+
+def safe_evaluate(
+    model: keras.Model,
+    x: Any = None,
+    y: Any = None,
+    batch_size: Optional[int] = None,
+    *,
+    sample_weight: Any = None,
+    return_dict: bool = False,
+    verbose: Union[str, int] = "auto",
+    steps: Optional[int] = None,
+    callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+) -> Union[float, List[float], Dict[str, float]]:
+    """Drop-in for `model.evaluate` that never dies of out-of-memory.
+
+    Returns what `model.evaluate` returns, with the same values up to float
+    rounding. A batch that runs out of memory is retried in smaller pieces
+    from the same offset; the metric and loss state the failed attempt may
+    have touched is rolled back first, so no sample is counted twice in any
+    metric (loss trackers weight each piece by its size, so the mean loss is
+    the same whatever the split). The batch size is planned as in
+    `safe_predict`.
+
+    Args:
+        model: A compiled Keras model.
+        x: Input: arrays/tensors (or lists/dicts of them), a `tf.data.Dataset`
+            yielding `(x, y)` or `(x, y, sample_weight)`, a
+            `keras.utils.PyDataset`, or a generator.
+        y: Targets, for array input.
+        batch_size: Samples per batch for array input (default 32, as in
+            `model.evaluate`); an upper bound lowered when it does not fit.
+        sample_weight: Per-sample weights, for array input.
+        return_dict: Return `{metric name: value}` instead of a list.
+        verbose: "auto" (same as 1), 0, 1 (progress bar) or 2.
+        steps: Number of batches to evaluate, as in `model.evaluate`.
+        callbacks: Keras callbacks; they receive the `on_test_*` calls, one
+            batch per piece actually run.
+
+    Returns:
+        The scalar loss (no metrics), a list of loss and metric values in
+        `model.metrics_names` order, or a dict when `return_dict=True`.
+
+    Raises:
+        ValueError: If the model is not compiled, or an argument is invalid.
+        TypeError: If `model` is not a Keras model or `x` of an unsupported type.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit.
+
+    Example:
+        >>> loss, accuracy = safe_evaluate(model, x_test, y_test, batch_size=4096)
+    """
+    _validate.model(model)
+    batch_size = _validate.positive_int("batch_size", batch_size)
+    steps = _validate.positive_int("steps", steps)
+    verbose = _validate.verbosity(verbose)
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            "model must be compiled before safe_evaluate (call model.compile(loss=..., "
+            f"metrics=[...])); received the uncompiled model '{model.name}'"
+        )
+    if x is None:
+        raise ValueError("x must be given; received x=None")
+    if batch_size is not None and not _data.is_array_like(x):
+        raise ValueError(
+            "batch_size must be None when x is a dataset, a PyDataset or a generator "
+            f"(they are already batched); received batch_size={batch_size} with x of "
+            f"type {type(x).__name__}"
+        )
+
+    source = _data.from_input(
+        x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True
+    )
+    requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
+    backend = _backend.get()
+
+    first = next(source.chunks, None)
+    if first is None:
+        raise ValueError("x yielded no batches; there is nothing to evaluate")
+    backend.prepare_test(model, _data.rows(first, 0, 1))
+    step, rollback = backend.make_test_step(model)
+
+    callback_list = keras.callbacks.CallbackList(
+        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
+    )
+    progbar = (
+        keras.utils.Progbar(source.num_samples, verbose=verbose, unit_name="sample")
+        if verbose else None
+    )
+    model.stop_evaluating = False
+    callback_list.on_test_begin()
+    model.reset_metrics()
+    state = {"batch": 0, "done": 0, "logs": {}}
+
+    def run(piece):
+        callback_list.on_test_batch_begin(state["batch"])
+        return step(piece)
+
+    def on_piece(size, piece, logs):
+        logs = _pythonify(logs)
+        state["logs"] = logs
+        callback_list.on_test_batch_end(state["batch"], logs)
+        state["batch"] += 1
+        state["done"] += size
+        if progbar is not None:
+            progbar.update(
+                state["done"],
+                values=list(logs.items()) if isinstance(logs, dict) else None,
+                finalize=state["done"] == source.num_samples,
+            )
+        return bool(getattr(model, "stop_evaluating", False))
+
+    def chunks():
+        yield first
+        yield from source.chunks
+
+    run_in_pieces(
+        model, "evaluate", chunks(), run, on_piece, requested=requested, rollback=rollback
+    )
+    logs = _pythonify(_metrics_result(model, state["logs"]))
+    if progbar is not None and state["done"] != source.num_samples:
+        progbar.update(state["done"], values=list(logs.items()), finalize=True)
+    callback_list.on_test_end(logs)
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def _metrics_result(model: keras.Model, logs: Any) -> Any:
+    """The model's metric results, or the last step's logs for custom steps (as Keras)."""
+    metric_logs = model.get_metrics_result()
+    if isinstance(logs, dict) and set(logs) == set(metric_logs):
+        return metric_logs
+    return logs
+
+
+def _pythonify(logs: Any) -> Any:
+    if not isinstance(logs, dict):
+        return logs
+    result = {}
+    for key, value in logs.items():
+        value = _backend.get().to_numpy(value) if not isinstance(value, (int, float)) else value
+        result[key] = value.item() if getattr(value, "size", 0) == 1 else value
+    return result

@@ -1,0 +1,315 @@
+"""Choosing the batch size: estimate first, pay few OOMs, remember, grow back.
+
+Every OOM costs about ten seconds (TensorFlow's allocator waits for memory
+before it gives up), so the planner avoids them rather than searching by
+trial:
+
+1. **Estimate.** Where the backend reports memory statistics, the first two
+   pieces of a new input signature run as small probes (8 and 32 samples, real
+   work whose results are kept) whose peak memory gives bytes per sample and a
+   fixed overhead. Where the allocator's limit is known (the capped CPU
+   allocator, a GPU logical-device limit, NVML), the batch is chosen so that
+   the estimated peak stays within `MARGIN` of the free memory, before any
+   large batch is tried, and growth never goes above that estimate.
+2. **Shrink on OOM.** A batch that fails is retried smaller: half its size,
+   or less where the estimate (with the peak memory observed so far as a
+   lower bound on the limit) says so, and the estimate is corrected so that
+   it no longer predicts the failed size to fit. A batch of one that fails
+   is final.
+3. **Remember.** What fitted and what failed is kept per model, phase and
+   input signature (shapes and dtypes without the batch dimension), so a
+   second call on the same model pays no OOM.
+4. **Grow back.** After `GROW_AFTER` successful full batches below the
+   ceiling, the batch grows: it doubles, or goes half way to the ceiling once
+   a size has failed. The ceiling is the requested size, below any size that
+   already failed for this signature, and the estimate where the limit is
+   known (so growth follows memory freed elsewhere). A growth step that fails
+   freezes growth at the largest size that worked; so does the end of a call
+   that saw an OOM: the next call starts at the largest size that worked and
+   stays there, paying no OOM.
+
+Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
+caught, INFO for estimates and growth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import weakref
+from typing import Any, Dict, Hashable, List, Optional, Tuple
+
+from keras_memfit import backend as _backend
+
+logger = logging.getLogger("keras_memfit")
+
+PROBE_SIZES = (16, 64)
+MIN_PROBE_REQUEST = 128
+GROW_AFTER = 8
+MARGIN = 0.6  # share of free memory a batch may use: allocator fragmentation
+# makes peak memory grow faster than linearly near the limit (measured on the
+# capped BFC allocator: 512 samples fitted in 140 MiB, 560 failed under 200 MiB).
+
+
+@dataclasses.dataclass
+class Knowledge:
+    """What is known about one (model, phase, input signature)."""
+
+    largest_ok: int = 0
+    smallest_failed: Optional[int] = None
+    bytes_per_sample: Optional[float] = None
+    fixed_bytes: float = 0.0
+    limit_floor: int = 0
+    growth_frozen: bool = False
+
+
+_KNOWLEDGE: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Knowledge]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def knowledge_for(model: Any, phase: str, signature: Hashable) -> Knowledge:
+    """The shared record for `model` in `phase` at input `signature`."""
+    per_model = _KNOWLEDGE.setdefault(model, {})
+    return per_model.setdefault((phase, signature), Knowledge())
+
+
+def forget(model: Any) -> None:
+    """Drop everything remembered about `model` (all phases and signatures)."""
+    _KNOWLEDGE.pop(model, None)
+
+
+@dataclasses.dataclass
+class Event:
+    """One adaptation: `kind` is "estimate", "oom" or "grow"."""
+
+    phase: str
+    kind: str
+    old_size: Optional[int]
+    new_size: int
+    reason: str
+
+
+class BatchPlanner:
+    """Plans the batch size for one input signature during one call.
+
+    Args:
+        model: The Keras model (the key under which knowledge is kept).
+        phase: "predict", "evaluate" or "train".
+        signature: Hashable description of the input without the batch dim.
+        requested: Largest batch size allowed, or None for no bound (the
+            pieces are then bounded by the incoming batches).
+        events: Optional list that receives an `Event` per adaptation.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        phase: str,
+        signature: Hashable,
+        requested: Optional[int],
+        events: Optional[List[Event]] = None,
+    ) -> None:
+        self._backend = _backend.get()
+        self.phase = phase
+        self.requested = requested
+        self.events = events if events is not None else []
+        self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
+        self._k = knowledge_for(model, phase, signature)
+        self._device = self._backend.compute_device()
+        self._limit = self._backend.memory_limit(self._device)
+        self._stats_ok = self._backend.memory_stats(self._device) is not None
+        self._probes: List[int] = []
+        self._samples: List[Tuple[int, int]] = []
+        self._before: Optional[int] = None
+        self._streak = 0
+        self._growing = False
+        k = self._k
+        if k.smallest_failed is not None and k.largest_ok:
+            # An earlier call already found the boundary: stay below it.
+            k.growth_frozen = True
+        fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
+        big = requested is None or requested >= MIN_PROBE_REQUEST
+        if fresh and big and self._stats_ok:
+            self._probes = list(PROBE_SIZES)
+            self._size = self._probes[0]
+        else:
+            self._size = self._initial_size()
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    # ------------------------------------------------------------------ sizes
+    def next_size(self) -> float:
+        """The batch size to try next (may be `math.inf` when unbounded)."""
+        return self._probes[0] if self._probes else self._size
+
+    def _initial_size(self) -> float:
+        cap = self.ceiling()
+        if self._exact_limit() and self.requested is not None and cap < self.requested:
+            self._record("estimate", self.requested, int(cap), self._estimate_reason())
+        return cap
+
+    def ceiling(self) -> float:
+        """The largest size the planner would currently use."""
+        k = self._k
+        cap = math.inf if self.requested is None else self.requested
+        if k.smallest_failed is not None:
+            cap = min(cap, k.smallest_failed - 1)
+        if k.growth_frozen and k.largest_ok:
+            cap = min(cap, k.largest_ok)
+        if self._exact_limit():
+            estimate = self.estimate()
+            if estimate is not None:
+                cap = min(cap, estimate)
+        return max(1, cap)
+
+    def _exact_limit(self) -> bool:
+        return self._limit is not None and self._limit[1]
+
+    def estimate(self, limit: Optional[int] = None) -> Optional[int]:
+        """Largest batch estimated to fit, from memory statistics, or None."""
+        k = self._k
+        if not k.bytes_per_sample:
+            return None
+        if limit is None:
+            if self._limit is None:
+                return None
+            limit = self._limit[0]
+        stats = self._backend.memory_stats(self._device)
+        if stats is None:
+            return None
+        budget = (limit - stats[0]) * MARGIN - k.fixed_bytes
+        return max(1, int(budget // k.bytes_per_sample))
+
+    def _estimate_reason(self) -> str:
+        k = self._k
+        stats = self._backend.memory_stats(self._device)
+        free = (self._limit[0] - stats[0]) if (self._limit and stats) else None
+        return (
+            f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample plus "
+            f"{k.fixed_bytes / 2**20:.1f} MiB, "
+            + (f"{free / 2**20:.0f} MiB free on {self._device}" if free is not None else "")
+        )
+
+    # -------------------------------------------------------------- attempts
+    def started(self, size: int) -> None:
+        """Call right before running a piece of `size` samples."""
+        if self._probes:
+            self._note_floor()
+            self._backend.reset_peak(self._device)
+            stats = self._backend.memory_stats(self._device)
+            self._before = stats[0] if stats else None
+
+    def succeeded(self, size: int, full: bool) -> None:
+        """Call after a piece of `size` samples ran; `full` if it was not clipped."""
+        k = self._k
+        k.largest_ok = max(k.largest_ok, size)
+        if self._probes:
+            self._take_probe(size)
+            return
+        self._growing = False
+        if not full or self._size >= self.requested_or_inf():
+            return
+        self._streak += 1
+        if self._streak < GROW_AFTER:
+            return
+        self._streak = 0
+        ceiling = self.ceiling()
+        if ceiling > self._size:
+            new = min(ceiling, self._size * 2)
+            if self._k.smallest_failed is not None:  # bisect towards the failure
+                new = min(new, self._size + max(1, (ceiling - self._size) // 2))
+            self._record(
+                "grow", int(self._size), int(new),
+                f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}",
+                level=logging.INFO,
+            )
+            self._size = new
+            self._growing = True
+
+    def requested_or_inf(self) -> float:
+        return math.inf if self.requested is None else self.requested
+
+    def failed(self, size: int) -> bool:
+        """Call after a piece of `size` samples ran out of memory.
+
+        Returns:
+            True if a smaller size will be tried, False if `size` was 1.
+        """
+        k = self._k
+        self._note_floor()
+        k.smallest_failed = size if k.smallest_failed is None else min(k.smallest_failed, size)
+        self._streak = 0
+        if size <= 1:
+            return False
+        if self._growing:
+            k.growth_frozen = True
+            self._growing = False
+        self._probes = []
+        new = size // 2
+        limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
+        self._calibrate(size, limit)
+        estimate = self.estimate(limit)
+        if estimate is not None:
+            new = min(new, estimate)
+        if k.largest_ok and k.growth_frozen:
+            new = min(new, k.largest_ok)
+        new = max(1, new)
+        self._record(
+            "oom", size, new,
+            f"out of memory at batch_size={size}; retrying the same samples at "
+            f"batch_size={new}",
+            level=logging.WARNING,
+        )
+        self._size = new
+        return True
+
+    # ----------------------------------------------------------------- probes
+    def _take_probe(self, size: int) -> None:
+        stats = self._backend.memory_stats(self._device)
+        if stats is not None and self._before is not None:
+            self._samples.append((size, max(0, stats[1] - self._before)))
+        self._probes.pop(0)
+        sizes = {s for s, _ in self._samples}
+        if self._probes and len(sizes) < 2:
+            return
+        self._probes = []
+        self._fit_probes()
+        self._size = self._initial_size()
+
+    def _fit_probes(self) -> None:
+        k = self._k
+        if not self._samples:
+            return
+        (s1, m1), (s2, m2) = self._samples[0], self._samples[-1]
+        per_sample = m2 / s2 if s2 else 0.0
+        if s2 != s1:
+            per_sample = max(per_sample, (m2 - m1) / (s2 - s1))
+        if per_sample > 0:
+            k.bytes_per_sample = per_sample
+            k.fixed_bytes = 0.0
+
+    def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
+        """Correct the estimate so that it no longer predicts `failed_size` to fit."""
+        k = self._k
+        stats = self._backend.memory_stats(self._device)
+        if limit is None or stats is None or not k.bytes_per_sample:
+            return
+        free = limit - stats[0] - k.fixed_bytes
+        if free > 0:
+            k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
+
+    def _note_floor(self) -> None:
+        stats = self._backend.memory_stats(self._device)
+        if stats is not None:
+            self._k.limit_floor = max(self._k.limit_floor, stats[1])
+
+    def _record(self, kind: str, old: Optional[int], new: int, reason: str,
+                level: int = logging.INFO) -> None:
+        event = Event(self.phase, kind, old, new, reason)
+        self.events.append(event)
+        logger.log(level, "keras_memfit: %s: %s", self._label, reason if kind != "estimate"
+                   else f"using batch_size={new} instead of {old} ({reason})")

@@ -1,0 +1,318 @@
+"""`safe_predict`: `model.predict` that adapts its batch instead of dying of OOM."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import keras
+import numpy as np
+
+from keras_memfit import _validate
+from keras_memfit import backend as _backend
+from keras_memfit import data as _data
+from keras_memfit.backend import Spec
+from keras_memfit.runner import run_in_pieces
+
+logger = logging.getLogger("keras_memfit")
+
+# One compiled step per (model, postprocess): repeated calls do not retrace.
+_STEPS: "weakref.WeakKeyDictionary[Any, Dict[Any, Callable]]" = weakref.WeakKeyDictionary()
+_MAX_STEPS_PER_MODEL = 4
+
+
+def safe_predict(
+    model: keras.Model,
+    x: Any,
+    batch_size: Optional[int] = None,
+    *,
+    postprocess: Optional[Callable[[Any], Any]] = None,
+    out: Any = None,
+    verbose: Union[str, int] = "auto",
+    steps: Optional[int] = None,
+    callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+    max_batch_size: Optional[int] = None,
+) -> Any:
+    """Drop-in for `model.predict` that never dies of out-of-memory.
+
+    Accepts what `model.predict` accepts and returns the same structure,
+    dtypes and row order, with values equal up to float rounding. On an OOM
+    it splits the batch it holds and carries on from the failed offset, so no
+    sample is lost, duplicated or reordered, whatever the input kind (a
+    pre-batched dataset's batches are split too). Each finished batch's
+    outputs are copied to host memory at once, so the device never
+    accumulates outputs. The batch size is estimated from memory statistics
+    before a large batch is tried, remembered per model and input signature,
+    and grown back after a run of successes (see `keras_memfit.planner`).
+
+    Args:
+        model: A Keras model (compiled or not).
+        x: Input: a numpy array or tensor, a list/dict of them for
+            multi-input models, a batched `tf.data.Dataset`, a
+            `keras.utils.PyDataset`, or a generator yielding batches.
+        batch_size: Samples per batch for array input (default 32, as in
+            `model.predict`); an upper bound that is lowered when it does not
+            fit. Must be None for datasets, PyDatasets and generators.
+        postprocess: Function applied to the model's outputs inside the
+            compiled predict step, on the device, e.g.
+            `lambda y: keras.ops.argmax(y, axis=-1)`; only its (smaller)
+            result crosses to the host. It must return tensors that keep the
+            batch dimension.
+        out: Optional preallocated numpy array (or `np.memmap`), or a
+            structure of them matching the outputs, to write results into
+            (for results larger than host RAM). Its dtype and trailing shape
+            must match the outputs; its length must equal the number of
+            samples for array input.
+        verbose: "auto" (same as 1), 0 (silent), 1 (progress bar) or 2 (one
+            line at the end), as in `model.predict`.
+        steps: Number of batches to predict, as in `model.predict`.
+        callbacks: Keras callbacks; they receive the `on_predict_*` calls,
+            one batch per piece actually run.
+        max_batch_size: Upper bound on any batch run, including pieces of a
+            dataset's batches.
+
+    Returns:
+        A numpy array, or a list/dict of them for multi-output models (the
+        structure `model.predict` returns); `out` when it was given.
+
+    Raises:
+        ValueError: If `batch_size`, `max_batch_size`, `steps`, `verbose` or
+            `out` are invalid, or `postprocess` drops the batch dimension.
+        TypeError: If `model` is not a Keras model, `x` is of an unsupported
+            type, `out` is not a numpy array, or `postprocess` returns
+            something other than tensors.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit.
+
+    Example:
+        >>> probs = safe_predict(model, x_test, batch_size=28000)
+        >>> labels = safe_predict(
+        ...     model, x_test, batch_size=28000,
+        ...     postprocess=lambda y: keras.ops.argmax(y, axis=-1))
+    """
+    _validate.model(model)
+    batch_size = _validate.positive_int("batch_size", batch_size)
+    max_batch_size = _validate.positive_int("max_batch_size", max_batch_size)
+    steps = _validate.positive_int("steps", steps)
+    verbose = _validate.verbosity(verbose)
+    if postprocess is not None and not callable(postprocess):
+        raise TypeError(
+            "postprocess must be a callable taking the model's outputs; received "
+            f"{type(postprocess).__name__}: {postprocess!r:.80}"
+        )
+    if out is not None:
+        _check_out_types(out)
+    if batch_size is not None and not _data.is_array_like(x):
+        raise ValueError(
+            "batch_size must be None when x is a dataset, a PyDataset or a generator "
+            f"(they are already batched); received batch_size={batch_size} with x of "
+            f"type {type(x).__name__}. Use max_batch_size to bound the pieces run."
+        )
+
+    source = _data.from_input(
+        x, batch_size=batch_size, steps=steps, with_targets=False
+    )
+    requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
+    if max_batch_size is not None:
+        requested = max_batch_size if requested is None else min(requested, max_batch_size)
+
+    backend = _backend.get()
+    step = _predict_step(model, postprocess)
+    writer = _OutputWriter(source.num_samples, out)
+
+    first = next(source.chunks, None)
+    if first is not None:
+        spec = backend.output_spec(step, first[0])
+        if spec is not None:
+            writer.check_spec(spec, postprocess)
+        chunks = _chain(first, source.chunks)
+    else:
+        chunks = iter(())
+
+    callback_list = keras.callbacks.CallbackList(
+        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
+    )
+    progbar = (
+        keras.utils.Progbar(source.num_samples, verbose=verbose, unit_name="sample")
+        if verbose else None
+    )
+    model.stop_predicting = False
+    callback_list.on_predict_begin()
+    state = {"batch": 0, "done": 0}
+
+    def run(piece):
+        callback_list.on_predict_batch_begin(state["batch"])
+        return keras.tree.map_structure(backend.to_numpy, step(piece[0]))
+
+    def on_piece(size, piece, result):
+        writer.write(result, size, postprocess)
+        callback_list.on_predict_batch_end(state["batch"], {"outputs": result})
+        state["batch"] += 1
+        state["done"] += size
+        if progbar is not None:
+            progbar.update(state["done"], finalize=state["done"] == source.num_samples)
+        return bool(getattr(model, "stop_predicting", False))
+
+    run_in_pieces(model, "predict", chunks, run, on_piece, requested=requested)
+    if progbar is not None and state["done"] != source.num_samples:
+        progbar.update(state["done"], finalize=True)
+    callback_list.on_predict_end()
+    if first is None or state["done"] == 0:
+        return writer.empty(step, first)
+    return writer.result()
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _predict_step(model: keras.Model, postprocess: Optional[Callable]) -> Callable:
+    key = (postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+    steps = _STEPS.setdefault(model, {})
+    step = steps.get(key)
+    if step is None:
+        if len(steps) >= _MAX_STEPS_PER_MODEL:
+            steps.pop(next(iter(steps)))
+        step = steps[key] = _backend.get().make_predict_step(model, postprocess)
+    return step
+
+
+def _check_out_types(out: Any) -> None:
+    for leaf in keras.tree.flatten(out):
+        if not isinstance(leaf, np.ndarray):
+            raise TypeError(
+                "out must be a numpy array or np.memmap (or a list/dict of them "
+                f"matching the model's outputs); received {type(leaf).__name__}"
+            )
+        if not leaf.flags.writeable:
+            raise ValueError("out must be writeable; received a read-only array")
+
+
+class _OutputWriter:
+    """Collects each piece's host outputs in order, into `out` or new arrays."""
+
+    def __init__(self, num_samples: Optional[int], out: Any) -> None:
+        self.num_samples = num_samples
+        self.out = out
+        self.structure = None
+        self.buffers: Optional[List[np.ndarray]] = None
+        self.parts: Optional[List[List[np.ndarray]]] = None
+        self.offset = 0
+        if out is not None and num_samples is not None:
+            for leaf in keras.tree.flatten(out):
+                if leaf.ndim == 0 or leaf.shape[0] != num_samples:
+                    raise ValueError(
+                        f"out must have {num_samples} rows, one per input sample; "
+                        f"received out of shape {leaf.shape}"
+                    )
+
+    def check_spec(self, spec: Any, postprocess: Optional[Callable]) -> None:
+        """Validate traced outputs (see `backend.output_spec`) before any work."""
+        source = "postprocess" if postprocess is not None else "the model's predict_step"
+        for leaf in keras.tree.flatten(spec):
+            if not isinstance(leaf, Spec):
+                raise TypeError(
+                    f"{source} must return a tensor or a structure of tensors; "
+                    f"received {type(leaf).__name__}: {leaf!r:.80}"
+                )
+            if leaf.shape is not None and (len(leaf.shape) == 0 or leaf.shape[0] is not None):
+                raise ValueError(
+                    f"{source} must keep the batch dimension (one row per sample); "
+                    f"it returned a tensor of shape {leaf.shape} for a batch of "
+                    "unknown size"
+                )
+        if self.out is not None:
+            self._check_out_against(
+                spec, lambda s: (tuple(s.shape[1:]) if s.shape else None, s.dtype)
+            )
+
+    def _check_out_against(self, outputs: Any, describe: Callable) -> None:
+        try:
+            keras.tree.assert_same_structure(self.out, outputs)
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                "out must have the structure of the model's outputs; received "
+                f"{_describe(self.out)} for outputs {_describe(outputs)}"
+            ) from err
+        for target, output in zip(keras.tree.flatten(self.out), keras.tree.flatten(outputs)):
+            trailing, dtype = describe(output)
+            shape_ok = trailing is None or any(d is None for d in trailing) or (
+                tuple(target.shape[1:]) == tuple(trailing)
+            )
+            if not shape_ok or target.dtype != dtype:
+                raise ValueError(
+                    f"out must have trailing shape {trailing} and dtype {dtype} to hold "
+                    f"the outputs; received shape {target.shape} and dtype {target.dtype}"
+                )
+
+    def write(self, result: Any, size: int, postprocess: Optional[Callable]) -> None:
+        leaves = keras.tree.flatten(result)
+        if self.structure is None:
+            self._start(result, leaves, size, postprocess)
+        if self.buffers is not None:
+            stop = self.offset + size
+            for buffer, leaf in zip(self.buffers, leaves):
+                if stop > buffer.shape[0]:
+                    raise ValueError(
+                        f"out has {buffer.shape[0]} rows but the input yielded more "
+                        "samples; pass an out with one row per sample"
+                    )
+                buffer[self.offset:stop] = leaf
+        else:
+            for part, leaf in zip(self.parts, leaves):
+                part.append(leaf)
+        self.offset += size
+
+    def _start(self, result, leaves, size, postprocess) -> None:
+        self.structure = result
+        for leaf in leaves:
+            if leaf.ndim == 0 or leaf.shape[0] != size:
+                source = "postprocess" if postprocess is not None else "the model"
+                raise ValueError(
+                    f"{source} must return one row per sample; a batch of {size} "
+                    f"gave shape {leaf.shape}"
+                )
+        if self.out is not None:
+            self._check_out_against(result, lambda a: (a.shape[1:], a.dtype))
+            self.buffers = keras.tree.flatten(self.out)
+        elif self.num_samples is not None:
+            self.buffers = [
+                np.empty((self.num_samples,) + leaf.shape[1:], leaf.dtype) for leaf in leaves
+            ]
+        else:
+            self.parts = [[] for _ in leaves]
+
+    def result(self) -> Any:
+        if self.out is not None:
+            rows = keras.tree.flatten(self.out)[0].shape[0]
+            if self.offset < rows:
+                return keras.tree.map_structure(lambda a: a[: self.offset], self.out)
+            return self.out
+        if self.buffers is not None:
+            leaves = [b[: self.offset] if self.offset < b.shape[0] else b for b in self.buffers]
+        else:
+            leaves = [np.concatenate(p, axis=0) for p in self.parts]
+        return keras.tree.pack_sequence_as(self.structure, leaves)
+
+    def empty(self, step: Callable, first: Any) -> Any:
+        """The empty result for an input with no samples."""
+        if self.out is not None:
+            return keras.tree.map_structure(lambda a: a[:0], self.out)
+        if first is None:
+            raise ValueError(
+                "x yielded no batches, so the output shapes are unknown; pass at "
+                "least one batch"
+            )
+        backend = _backend.get()
+        spec = backend.output_spec(step, first[0])
+        if spec is None:
+            return keras.tree.map_structure(backend.to_numpy, step(first[0]))
+        return keras.tree.map_structure(
+            lambda s: np.empty((0,) + tuple(d or 0 for d in (s.shape or (0,))[1:]), s.dtype),
+            spec,
+        )
+
+
+def _describe(value: Any) -> str:
+    return str(keras.tree.map_structure(lambda a: getattr(a, "shape", a), value))

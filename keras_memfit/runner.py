@@ -1,0 +1,89 @@
+"""Running a compiled step over chunks in pieces, retrying smaller on OOM.
+
+This is the loop shared by `safe_predict` and `safe_evaluate` (and, later,
+MemFit's validation): for every chunk, run the step on consecutive pieces of
+the size the planner chooses; when a piece runs out of memory, undo what the
+failed step touched (`rollback`), let the planner choose a smaller size and
+carry on from the same offset. So every sample is in exactly one successful
+piece, in input order. Errors that are not OOMs propagate untouched; a piece
+of one sample that runs out of memory raises `OutOfMemoryError`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
+
+from keras_memfit import data as _data
+from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.planner import BatchPlanner, Event
+
+
+def run_in_pieces(
+    model: Any,
+    phase: str,
+    chunks: Iterable[Any],
+    step: Callable[[Any], Any],
+    on_piece: Callable[[int, Any, Any], bool],
+    *,
+    requested: Optional[int],
+    rollback: Optional[Callable[[], None]] = None,
+    events: Optional[List[Event]] = None,
+) -> int:
+    """Run `step` over every chunk in adaptive pieces.
+
+    Args:
+        model: The model (key for the planner's memory).
+        phase: "predict", "evaluate" or "train".
+        chunks: Iterable of chunk structures (see `keras_memfit.data`).
+        step: Runs one piece; its first leaf of `x` decides the signature.
+        on_piece: Called as `on_piece(num_rows, piece, result)` after each
+            successful piece; returning True stops early.
+        requested: Largest piece size, or None to be bounded by the chunks.
+        rollback: Undoes the state a failed step may have touched.
+        events: Receives one `Event` per adaptation.
+
+    Returns:
+        The number of samples processed.
+
+    Raises:
+        OutOfMemoryError: If a piece of a single sample runs out of memory.
+    """
+    planners: Dict[Hashable, BatchPlanner] = {}
+    done = 0
+    for chunk in chunks:
+        n = _data.num_rows(chunk)
+        sig = _data.signature(chunk[0])
+        planner = planners.get(sig)
+        if planner is None:
+            planner = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
+        offset = 0
+        while offset < n:
+            planned = planner.next_size()
+            size = int(min(planned, n - offset))
+            piece = _data.rows(chunk, offset, offset + size)
+            planner.started(size)
+            try:
+                result = step(piece)
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                if rollback is not None:
+                    rollback()
+                if not planner.failed(size):
+                    raise OutOfMemoryError(
+                        getattr(model, "name", type(model).__name__),
+                        phase,
+                        _data.shapes(piece[0]),
+                        planner.device,
+                    ) from exc
+                del exc
+                gc.collect()
+                continue
+            planner.succeeded(size, full=size >= planned or math.isinf(planned))
+            offset += size
+            done += size
+            if on_piece(size, piece, result):
+                return done
+    return done

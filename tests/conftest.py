@@ -1,0 +1,168 @@
+"""Shared test harness: real OOMs under a capped allocator, and fault injection.
+
+Real OOMs
+    `@pytest.mark.memory_cap(mb)` runs the test in a fresh subprocess whose
+    CPU device sits behind TensorFlow's BFC allocator capped at `mb` MiB
+    (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=mb`, set
+    before TensorFlow is imported). Over-large batches then fail with a
+    genuine `ResourceExhaustedError`, and the process recovers. oneDNN is
+    turned off there: its kernels crash (SIGSEGV) instead of raising when the
+    capped allocator refuses them. Each real OOM costs about 10 s.
+
+Fault injection
+    The `inject_oom` fixture makes every compiled step keras_memfit builds
+    raise a real `tf.errors.ResourceExhaustedError` when its batch has more
+    rows than a threshold, either before the step runs or after it ran (to
+    check that state a failed step touched is rolled back).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CAPPED_ENV = "KERAS_MEMFIT_TEST_CAPPED"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "memory_cap(mb): run the test in a subprocess whose CPU allocator is capped "
+        "at `mb` MiB, so that over-large batches hit a real ResourceExhaustedError",
+    )
+    config.addinivalue_line(
+        "markers", "gpu: needs a real GPU; skipped where TensorFlow sees none"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_marked:
+        return
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        skip = pytest.mark.skip(reason="needs a real GPU; none is visible to TensorFlow")
+        for item in gpu_marked:
+            item.add_marker(skip)
+
+
+def in_capped_subprocess() -> bool:
+    return os.environ.get(CAPPED_ENV) == "1"
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    marker = pyfuncitem.get_closest_marker("memory_cap")
+    if marker is None or in_capped_subprocess():
+        return None
+    mb = marker.kwargs.get("mb", marker.args[0] if marker.args else None)
+    if not isinstance(mb, int) or mb <= 0:
+        raise pytest.UsageError(
+            f"memory_cap needs a positive int of MiB; received {mb!r} on {pyfuncitem.nodeid}"
+        )
+    env = dict(
+        os.environ,
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(mb),
+        TF_ENABLE_ONEDNN_OPTS="0",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        **{CAPPED_ENV: "1"},
+    )
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "--no-header", "-rA", pyfuncitem.nodeid,
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    passed = result.returncode == 0 and " passed" in result.stdout
+    if not passed:
+        pytest.fail(
+            f"capped subprocess ({mb} MiB) failed with exit code {result.returncode}:\n"
+            f"{result.stdout[-6000:]}\n{result.stderr[-3000:]}",
+            pytrace=False,
+        )
+    return True
+
+
+class OOMInjector:
+    """Makes keras_memfit's compiled steps raise OOM above a batch-size threshold."""
+
+    def __init__(self):
+        self.threshold = None
+        self.after = False
+        self.phases = None
+        self.calls = []  # (phase, rows, raised)
+
+    def __call__(self, threshold, *, after=False, phases=None):
+        """Fail batches of more than `threshold` rows (None: never).
+
+        Args:
+            threshold: Largest batch that succeeds.
+            after: Raise after the real step ran (its state changes happened).
+            phases: Only inject in these phases ("predict", "evaluate").
+        """
+        self.threshold = threshold
+        self.after = after
+        self.phases = phases
+        return self
+
+    @property
+    def ooms(self):
+        return [rows for _, rows, raised in self.calls if raised]
+
+    def wrap(self, phase, step):
+        import keras
+        import tensorflow as tf
+
+        def wrapped(data):
+            rows = next(
+                int(leaf.shape[0]) for leaf in keras.tree.flatten(data) if leaf is not None
+            )
+            fail = (
+                self.threshold is not None
+                and rows > self.threshold
+                and (self.phases is None or phase in self.phases)
+            )
+            self.calls.append((phase, rows, fail))
+            if fail and not self.after:
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
+                )
+            result = step(data)
+            if fail:
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
+                )
+            return result
+
+        # Keep the traced function reachable for output_spec.
+        wrapped.__wrapped__ = step
+        return wrapped
+
+
+@pytest.fixture
+def inject_oom(monkeypatch):
+    """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
+    from keras_memfit import predict as predict_module
+    from keras_memfit.backend import tensorflow as tf_backend
+
+    injector = OOMInjector()
+    make_predict = tf_backend.make_predict_step
+    make_test = tf_backend.make_test_step
+
+    def make_predict_step(model, postprocess=None):
+        return injector.wrap("predict", make_predict(model, postprocess))
+
+    def make_test_step(model):
+        step, rollback = make_test(model)
+        return injector.wrap("evaluate", step), rollback
+
+    monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
+    monkeypatch.setattr(tf_backend, "make_test_step", make_test_step)
+    monkeypatch.setattr(predict_module, "_STEPS", type(predict_module._STEPS)())
+    return injector
