@@ -171,7 +171,7 @@ def _iterate_batches(x: Any) -> Iterable[Any]:
     except ValueError as err:
         raise TypeError(
             "x must be an array, a tensor, a list/dict of them, a tf.data.Dataset, "
-            f"a keras.utils.PyDataset or a generator; received {type(x).__name__}"
+            f"a keras.utils.PyDataset or a generator; received {type(x).__name__}: {err}"
         ) from err
     on_begin = getattr(adapter, "on_epoch_begin", None)
     if on_begin:

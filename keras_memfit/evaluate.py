@@ -101,14 +101,20 @@ def safe_evaluate(
     model.stop_evaluating = False
     callback_list.on_test_begin()
     model.reset_metrics()
-    state = {"batch": 0, "done": 0, "logs": {}}
+    state = {"batch": 0, "done": 0, "begun": -1, "logs": {}}
+    # Reading logs back from the device every step would serialise the steps;
+    # only do it when something shows them.
+    show_logs = progbar is not None or bool(callbacks)
 
     def run(piece):
-        callback_list.on_test_batch_begin(state["batch"])
+        if state["begun"] != state["batch"]:  # once per batch, not per retry
+            callback_list.on_test_batch_begin(state["batch"])
+            state["begun"] = state["batch"]
         return step(piece)
 
     def on_piece(size, piece, logs):
-        logs = _pythonify(logs)
+        if show_logs:
+            logs = _pythonify(logs)
         state["logs"] = logs
         callback_list.on_test_batch_end(state["batch"], logs)
         state["batch"] += 1

@@ -175,6 +175,7 @@ class OutOfMemoryError(*_backend.get().oom_error_bases()):
         self.phase = phase
         self.batch_shape = tuple(batch_shape)
         self.device = device
+        self.detail = detail
         where = f" on {device}" if device else ""
         shapes = ", ".join(str(tuple(s)) for s in self.batch_shape) or "unknown"
         message = (
@@ -190,5 +191,5 @@ class OutOfMemoryError(*_backend.get().oom_error_bases()):
     def __reduce__(self):  # keep it picklable despite the backend base's __init__
         return (
             type(self),
-            (self.model_name, self.phase, self.batch_shape, self.device),
+            (self.model_name, self.phase, self.batch_shape, self.device, self.detail),
         )

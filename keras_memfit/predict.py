@@ -123,7 +123,7 @@ def safe_predict(
     first = next(source.chunks, None)
     if first is not None:
         spec = backend.output_spec(step, first[0])
-        if spec is not None:
+        if spec is not _backend.NO_SPEC:
             writer.check_spec(spec, postprocess)
         chunks = _chain(first, source.chunks)
     else:
@@ -138,11 +138,23 @@ def safe_predict(
     )
     model.stop_predicting = False
     callback_list.on_predict_begin()
-    state = {"batch": 0, "done": 0}
+    state = {"batch": 0, "done": 0, "begun": -1}
 
     def run(piece):
-        callback_list.on_predict_batch_begin(state["batch"])
-        return keras.tree.map_structure(backend.to_numpy, step(piece[0]))
+        if state["begun"] != state["batch"]:  # once per batch, not per retry
+            callback_list.on_predict_batch_begin(state["batch"])
+            state["begun"] = state["batch"]
+        outputs = step(piece[0])
+        if writer.structure is not None:
+            return keras.tree.map_structure(backend.to_numpy, outputs)
+        for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
+            if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
+                source = "postprocess" if postprocess is not None else "the model's predict_step"
+                raise TypeError(
+                    f"{source} must return a tensor or a structure of tensors; "
+                    f"received {type(leaf).__name__}: {leaf!r:.80}"
+                )
+        return keras.tree.map_structure(backend.to_numpy, outputs)
 
     def on_piece(size, piece, result):
         writer.write(result, size, postprocess)
@@ -306,7 +318,7 @@ class _OutputWriter:
             )
         backend = _backend.get()
         spec = backend.output_spec(step, first[0])
-        if spec is None:
+        if spec is _backend.NO_SPEC:
             return keras.tree.map_structure(backend.to_numpy, step(first[0]))
         return keras.tree.map_structure(
             lambda s: np.empty((0,) + tuple(d or 0 for d in (s.shape or (0,))[1:]), s.dtype),

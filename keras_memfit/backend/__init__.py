@@ -27,6 +27,9 @@ import numpy as np
 _SUPPORTED = ("tensorflow",)
 
 
+NO_SPEC = object()  # output_spec's answer for a step that cannot be traced
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """Shape (None for unknown dimensions) and dtype of a traced output."""

@@ -159,7 +159,7 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Optional[Any]:
-    """Output structure of `step(x)` by tracing only; None for eager steps.
+    """Output structure of `step(x)` by tracing only; `NO_SPEC` for eager steps.
 
     Each tensor leaf becomes a `keras_memfit.backend.Spec` with `None` for unknown
     dimensions (the batch dimension is traced as unknown, so the same trace
@@ -170,7 +170,8 @@ def output_spec(step: Callable, x: Any) -> Optional[Any]:
     if not isinstance(step, polymorphic):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
         if not isinstance(step, polymorphic):
-            return None
+            from keras_memfit.backend import NO_SPEC
+            return NO_SPEC
     spec = keras.tree.map_structure(
         lambda a: tf.TensorSpec((None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)), x
     )
