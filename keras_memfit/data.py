@@ -81,7 +81,7 @@ def rows(chunk: Any, start: int, stop: int) -> Any:
 def signature(x: Any) -> Tuple:
     """Shapes (without the batch dimension) and dtypes of the leaves of `x`."""
     return tuple(
-        (tuple(leaf.shape[1:]), str(getattr(leaf, "dtype", type(leaf).__name__)))
+        (tuple(leaf.shape[1:]), keras.backend.standardize_dtype(leaf.dtype))
         for leaf in keras.tree.flatten(x)
         if leaf is not None
     )

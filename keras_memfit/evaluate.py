@@ -89,7 +89,8 @@ def safe_evaluate(
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
     backend.prepare_test(model, _data.rows(first, 0, 1))
-    step, rollback = backend.make_test_step(model)
+    step = backend.make_test_step(model)
+    guard = backend.guard_variables(model.metrics_variables)
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
@@ -132,7 +133,7 @@ def safe_evaluate(
         yield from source.chunks
 
     run_in_pieces(
-        model, "evaluate", chunks(), run, on_piece, requested=requested, rollback=rollback
+        model, "evaluate", chunks(), run, on_piece, requested=requested, guard=guard
     )
     logs = _pythonify(_metrics_result(model, state["logs"]))
     if progbar is not None and state["done"] != source.num_samples:

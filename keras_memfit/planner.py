@@ -5,9 +5,10 @@ before it gives up), so the planner avoids them rather than searching by
 trial:
 
 1. **Estimate.** Where the backend reports memory statistics, the first two
-   pieces of a new input signature run as small probes (8 and 32 samples, real
-   work whose results are kept) whose peak memory gives bytes per sample and a
-   fixed overhead. Where the allocator's limit is known (the capped CPU
+   pieces of a new input signature run as small probes (16 and 64 samples,
+   real work whose results are kept) whose peak memory gives the bytes per
+   sample (the larger of the slope between them and the larger probe's
+   average: memory per sample is not linear at small sizes). Where the allocator's limit is known (the capped CPU
    allocator, a GPU logical-device limit, NVML), the batch is chosen so that
    the estimated peak stays within `MARGIN` of the free memory, before any
    large batch is tried, and growth never goes above that estimate.
@@ -245,18 +246,20 @@ class BatchPlanner:
         self._streak = 0
         if size <= 1:
             return False
-        if self._growing:
-            k.growth_frozen = True
-            self._growing = False
         self._probes = []
-        new = size // 2
         limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
         self._calibrate(size, limit)
-        estimate = self.estimate(limit)
-        if estimate is not None:
-            new = min(new, estimate)
-        if k.largest_ok and k.growth_frozen:
-            new = min(new, k.largest_ok)
+        if self._growing:  # back to the size that worked, and stay there
+            k.growth_frozen = True
+            self._growing = False
+            new = min(k.largest_ok, size - 1)
+        else:
+            new = size // 2
+            estimate = self.estimate(limit)
+            if estimate is not None:
+                new = min(new, estimate)
+            if k.largest_ok and k.growth_frozen:
+                new = min(new, k.largest_ok)
         new = max(1, new)
         self._record(
             "oom", size, new,

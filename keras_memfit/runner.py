@@ -3,8 +3,10 @@
 This is the loop shared by `safe_predict` and `safe_evaluate` (and, later,
 MemFit's validation): for every chunk, run the step on consecutive pieces of
 the size the planner chooses; when a piece runs out of memory, undo what the
-failed step touched (`rollback`), let the planner choose a smaller size and
-carry on from the same offset. So every sample is in exactly one successful
+failed step touched, let the planner choose a smaller size and
+carry on from the same offset. A `guard` (see `backend.guard_variables`)
+snapshots the state a step may touch before every attempt and restores it
+after a failed one. So every sample is in exactly one successful
 piece, in input order. Errors that are not OOMs propagate untouched; a piece
 of one sample that runs out of memory raises `OutOfMemoryError`.
 """
@@ -28,7 +30,7 @@ def run_in_pieces(
     on_piece: Callable[[int, Any, Any], bool],
     *,
     requested: Optional[int],
-    rollback: Optional[Callable[[], None]] = None,
+    guard: Any = None,
     events: Optional[List[Event]] = None,
 ) -> int:
     """Run `step` over every chunk in adaptive pieces.
@@ -41,7 +43,8 @@ def run_in_pieces(
         on_piece: Called as `on_piece(num_rows, piece, result)` after each
             successful piece; returning True stops early.
         requested: Largest piece size, or None to be bounded by the chunks.
-        rollback: Undoes the state a failed step may have touched.
+        guard: Object with `snapshot()` and `restore()`, called before every
+            attempt and after a failed one, for state a step may touch.
         events: Receives one `Event` per adaptation.
 
     Returns:
@@ -64,13 +67,15 @@ def run_in_pieces(
             size = int(min(planned, n - offset))
             piece = _data.rows(chunk, offset, offset + size)
             planner.started(size)
+            if guard is not None:
+                guard.snapshot()
             try:
                 result = step(piece)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                if rollback is not None:
-                    rollback()
+                if guard is not None:
+                    guard.restore()
                 if not planner.failed(size):
                     raise OutOfMemoryError(
                         getattr(model, "name", type(model).__name__),

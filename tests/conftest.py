@@ -159,8 +159,7 @@ def inject_oom(monkeypatch):
         return injector.wrap("predict", make_predict(model, postprocess))
 
     def make_test_step(model):
-        step, rollback = make_test(model)
-        return injector.wrap("evaluate", step), rollback
+        return injector.wrap("evaluate", make_test(model))
 
     monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
     monkeypatch.setattr(tf_backend, "make_test_step", make_test_step)

@@ -9,7 +9,8 @@ one module per backend, each offering the same functions:
   `memory_limit(device)`;
 - compiled steps: `make_predict_step(model, postprocess)`,
   `make_test_step(model)`, `output_spec(step, batch)`, `to_numpy(tensor)`,
-  `prepare_test(model, batch)`.
+  `prepare_test(model, batch)`;
+- undoing a failed step: `guard_variables(variables)` (snapshot/restore).
 
 Only TensorFlow is implemented; `get()` names the backend in its error for the
 others, so adding JAX or PyTorch means adding one module here.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -126,30 +126,49 @@ def make_predict_step(
     return _compile(model, predict_step)
 
 
-def make_test_step(model: keras.Model) -> Tuple[Callable, Callable[[], None]]:
-    """A compiled `(x, y, sample_weight) -> logs` step and a `rollback()`.
+def make_test_step(model: keras.Model) -> Callable:
+    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`."""
+    return _compile(model, model.test_step)
 
-    The step first copies every metric variable into a shadow variable, on the
-    device, in the same compiled function; `rollback()` copies them back, so a
-    step that failed half-way (an OOM after some metrics were updated) leaves
-    no sample counted.
+
+class VariableGuard:
+    """Copies of some variables, taken before a step and restored if it fails.
+
+    The copies live on the variables' own devices and are taken by one small
+    compiled function, so a snapshot costs one dispatch, not a host round trip.
+    Take the snapshot *before* each attempt: a step that fails may have
+    updated some of the variables, or none.
     """
-    variables = list(model.metrics_variables)
-    shadows = []
-    for v in variables:
-        with tf.device(v.value.device):
-            shadows.append(tf.Variable(v.value, trainable=False))
 
-    def test_step(data):
-        for shadow, v in zip(shadows, variables):
-            shadow.assign(v.value)
-        return model.test_step(data)
+    def __init__(self, variables: Sequence[Any]) -> None:
+        self._variables = list(variables)
+        self._shadows = []
+        for v in self._variables:
+            with tf.device(v.value.device):
+                self._shadows.append(tf.Variable(v.value, trainable=False))
+        pairs = list(zip(self._shadows, self._variables))
 
-    def rollback():
-        for shadow, v in zip(shadows, variables):
+        @tf.function
+        def snapshot():
+            for shadow, v in pairs:
+                shadow.assign(v.value)
+
+        self._snapshot = snapshot if pairs else None
+
+    def snapshot(self) -> None:
+        """Record the variables' current values."""
+        if self._snapshot is not None:
+            self._snapshot()
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        for shadow, v in zip(self._shadows, self._variables):
             v.assign(shadow)
 
-    return _compile(model, test_step), rollback
+
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    """A `VariableGuard` over `variables` (see its docstring)."""
+    return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:

@@ -1,0 +1,594 @@
+"""The Digit Recognizer demo: `model.predict` dies of OOM, `safe_predict` does not.
+
+A Kaggle user trains a small CNN on the Digit Recognizer data, then
+`model.predict(x_test)` on the 28,000 test images fails with
+`ResourceExhaustedError: OOM when allocating tensor with shape[28000,...]`.
+`run_demo` (and `python -m keras_memfit demo`) replays that story on any
+machine, with no download:
+
+1. draws Kaggle-shaped digits (`keras_memfit.digits`) and trains the usual
+   CNN (Conv2D 32 > Conv2D 64 > MaxPool > Flatten > Dense 10) briefly;
+2. calls the plain `model.predict(x_test, batch_size=28000)` under a memory
+   limit, which fails with TensorFlow's real `ResourceExhaustedError`;
+3. calls `keras_memfit.safe_predict(model, x_test, batch_size=28000,
+   postprocess=argmax)`, which adapts its batch size and succeeds;
+4. writes `submission.csv` in Kaggle's format (`ImageId,Label`), and reports
+   what failed, what safe_predict adapted (the `keras_memfit` logger's
+   records), the batch sizes it ran, the times, and the accuracy against the
+   generated test labels.
+
+The memory limit must be in place before TensorFlow is imported, and
+`import keras_memfit` imports TensorFlow, so the work runs in a child process
+(`python -m keras_memfit.demo --worker ...`) started with the limit in its
+environment:
+
+- **CPU** (no GPU visible): TensorFlow's BFC allocator capped at N MiB
+  (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=N`), oneDNN
+  off (`TF_ENABLE_ONEDNN_OPTS=0`: its kernels crash instead of raising when
+  the capped allocator refuses them) and GPUs hidden. Default N:
+  `DEFAULT_CPU_MEMORY_LIMIT_MB`.
+- **GPU**: the first GPU gets a logical device with `memory_limit=N` MiB
+  (`tf.config.set_logical_device_configuration`) before any op runs, and the
+  other GPUs are hidden. Default N: `DEFAULT_GPU_MEMORY_LIMIT_MB`. (This path
+  is written for, but was not run on, a GPU machine.)
+
+Every real OOM costs about 10 s: TensorFlow's allocator waits for memory to be
+freed before it gives up. The whole demo takes about a minute on two CPU cores.
+
+Example:
+    >>> from keras_memfit.demo import run_demo
+    >>> result = run_demo("submission.csv")
+    >>> result.plain_error is not None, result.accuracy > 0.9
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = [
+    "DEFAULT_CPU_MEMORY_LIMIT_MB",
+    "DEFAULT_EPOCHS",
+    "DEFAULT_GPU_MEMORY_LIMIT_MB",
+    "DEFAULT_TRAIN_SAMPLES",
+    "DemoError",
+    "DemoResult",
+    "MIN_CPU_MEMORY_LIMIT_MB",
+    "TEST_SAMPLES",
+    "run_demo",
+    "worker_environment",
+]
+
+# Measured on 2 CPU cores (TensorFlow 2.21, Keras 3.15): the CNN needs about
+# 0.32 MiB per sample at predict time, so ~750 samples fit under 400 MiB, and
+# the plain call's first activation alone ([28000, 26, 26, 32] float32) is
+# 2.3 GiB. The cap must still hold the test set that plain `model.predict`
+# converts to one 88 MiB tensor: below about 300 MiB that conversion fails,
+# and TensorFlow then crashes (SIGSEGV) instead of raising.
+DEFAULT_CPU_MEMORY_LIMIT_MB = 400
+MIN_CPU_MEMORY_LIMIT_MB = 300  # 300 measured to work, 200 to crash
+# On a GPU the conv activations for 28,000 images need ~7 GiB; 1 GiB leaves
+# room for cuDNN's workspace and a batch of ~2,000.
+DEFAULT_GPU_MEMORY_LIMIT_MB = 1024
+DEFAULT_TRAIN_SAMPLES = 3000
+DEFAULT_EPOCHS = 1
+TEST_SAMPLES = 28000  # rows of Kaggle's test.csv
+_TRAIN_BATCH_SIZE = 32
+_DEVICES = ("auto", "cpu", "gpu")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Reporter = Callable[[str], None]
+
+
+class DemoError(RuntimeError):
+    """The demo could not run (bad argument, unwritable output, worker failure)."""
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What the demo did, as reported by its worker process.
+
+    Attributes:
+        output: Absolute path of the submission written.
+        device: "cpu" or "gpu".
+        memory_limit_mb: The memory limit the worker ran under.
+        train_samples: Number of generated training images.
+        epochs: Training epochs.
+        train_accuracy: Training accuracy of the last epoch.
+        plain_error: One line describing the error plain `model.predict`
+            raised, or None if it did not run out of memory.
+        plain_seconds: Time the plain call took (to fail).
+        safe_seconds: Time `safe_predict` took.
+        batch_sizes: Size of every batch `safe_predict` ran, in order.
+        ooms_paid: Out-of-memory errors `safe_predict` caught and recovered from.
+        adaptations: The `keras_memfit` logger's messages during `safe_predict`.
+        accuracy: Share of submitted labels equal to the generated test labels.
+        rows: Number of rows written to the submission (28,000).
+        total_seconds: Wall time of the worker process's work.
+    """
+
+    output: str
+    device: str
+    memory_limit_mb: int
+    train_samples: int
+    epochs: int
+    train_accuracy: float
+    plain_error: Optional[str]
+    plain_seconds: float
+    safe_seconds: float
+    batch_sizes: List[int]
+    ooms_paid: int
+    adaptations: List[str]
+    accuracy: float
+    rows: int
+    total_seconds: float
+
+
+def _stdout_reporter(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------
+# Parent side: choose the device, start the worker, relay its report
+# --------------------------------------------------------------------------
+def run_demo(
+    output: "str | os.PathLike[str]" = "submission.csv",
+    memory_limit_mb: Optional[int] = None,
+    train_samples: int = DEFAULT_TRAIN_SAMPLES,
+    epochs: int = DEFAULT_EPOCHS,
+    verbose: bool = True,
+    *,
+    device: str = "auto",
+    seed: int = 0,
+    report: Optional[Reporter] = None,
+) -> DemoResult:
+    """Run the Digit Recognizer OOM demo in a memory-limited child process.
+
+    Args:
+        output: Where to write the Kaggle submission (`ImageId,Label`).
+        memory_limit_mb: Memory the worker's device may use, in MiB; default
+            `DEFAULT_CPU_MEMORY_LIMIT_MB` on CPU, `DEFAULT_GPU_MEMORY_LIMIT_MB`
+            on GPU. It must be small enough that 28,000 images at once do not
+            fit, and (on CPU) large enough to hold the 88 MiB test set.
+        train_samples: Generated training images (Kaggle has 42,000; a few
+            thousand reach >95% accuracy in one epoch).
+        epochs: Training epochs.
+        verbose: Report each step as it happens; if False, only the summary.
+        device: "auto" (a GPU if TensorFlow sees one, else the CPU), "cpu" or "gpu".
+        seed: Seed for the generated digits and the model's initialisation.
+        report: Called with each line of the worker's report; default: print
+            it to stdout.
+
+    Returns:
+        A `DemoResult` describing what happened.
+
+    Raises:
+        ValueError: If an argument is out of range (on the CPU,
+            `memory_limit_mb` below `MIN_CPU_MEMORY_LIMIT_MB`).
+        DemoError: If the output cannot be written or the worker fails.
+
+    Example:
+        >>> result = run_demo("submission.csv", train_samples=2000)
+        >>> result.batch_sizes[:2], result.ooms_paid
+        ([16, 64], 0)
+    """
+    for name, value, low in (("train_samples", train_samples, 100), ("epochs", epochs, 1)):
+        _check_int(name, value, low)
+    if memory_limit_mb is not None:
+        _check_int("memory_limit_mb", memory_limit_mb, 1)
+    _check_int("seed", seed, 0)
+    if device not in _DEVICES:
+        raise ValueError(f"device must be one of {list(_DEVICES)}; received device={device!r}")
+    report = report or _stdout_reporter
+    output = os.path.abspath(os.fspath(output))
+    folder = os.path.dirname(output)
+    if not os.path.isdir(folder):
+        raise DemoError(f"cannot write {output}: folder {folder} does not exist")
+    if os.path.isdir(output):
+        raise DemoError(f"cannot write {output}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise DemoError(f"cannot write {output}: folder {folder} is not writable")
+
+    if device == "auto":
+        device = "gpu" if _gpu_visible() else "cpu"
+    if memory_limit_mb is None:
+        memory_limit_mb = (
+            DEFAULT_GPU_MEMORY_LIMIT_MB if device == "gpu" else DEFAULT_CPU_MEMORY_LIMIT_MB
+        )
+    elif device == "cpu" and memory_limit_mb < MIN_CPU_MEMORY_LIMIT_MB:
+        raise ValueError(
+            f"memory_limit_mb must be at least {MIN_CPU_MEMORY_LIMIT_MB} on the CPU, where "
+            "TensorFlow crashes instead of raising when the capped allocator cannot hold "
+            f"the 88 MiB test set; received memory_limit_mb={memory_limit_mb}"
+        )
+    config = dict(
+        output=output, device=device, memory_limit_mb=int(memory_limit_mb),
+        train_samples=int(train_samples), epochs=int(epochs), verbose=bool(verbose),
+        seed=int(seed),
+    )
+    with tempfile.TemporaryDirectory(prefix="keras_memfit_demo_") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        stderr_path = os.path.join(tmp, "stderr.txt")
+        command = [
+            sys.executable, "-m", "keras_memfit.demo", "--worker",
+            json.dumps(config), result_path,
+        ]
+        env = worker_environment(device, int(memory_limit_mb))
+        with open(stderr_path, "w+", encoding="utf-8", errors="replace") as stderr:
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                encoding="utf-8", errors="replace",
+            )
+            try:
+                for line in proc.stdout:
+                    report(line.rstrip("\n"))
+                code = proc.wait()
+            except BaseException:  # Ctrl-C or a failing reporter: stop the worker
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                proc.stdout.close()
+            stderr.seek(0)
+            errors = stderr.read()
+        result = _read_json(result_path)
+    if result is not None and "error" in result:
+        raise DemoError(result["error"])
+    if code != 0 or result is None:
+        raise DemoError(_crash_message(code, errors, device, int(memory_limit_mb)))
+    return DemoResult(**result)
+
+
+def worker_environment(
+    device: str, memory_limit_mb: int, base: Optional[Dict[str, str]] = None
+) -> Dict[str, str]:
+    """The environment the demo's worker process runs with.
+
+    Args:
+        device: "cpu" or "gpu".
+        memory_limit_mb: The limit in MiB (applied through the environment
+            on CPU; the worker applies it itself on GPU).
+        base: Environment to start from; default `os.environ`.
+
+    Returns:
+        A new environment mapping: on CPU with TensorFlow's capped BFC
+        allocator, oneDNN off and GPUs hidden; on GPU without CPU caps.
+
+    Raises:
+        ValueError: If `device` is not "cpu" or "gpu".
+
+    Example:
+        >>> env = worker_environment("cpu", 400)
+        >>> env["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
+        '400'
+    """
+    env = dict(os.environ if base is None else base)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONIOENCODING"] = "utf-8"
+    env["KERAS_BACKEND"] = "tensorflow"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if device == "cpu":
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(memory_limit_mb))
+        env["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN segfaults under the capped allocator
+        env["CUDA_VISIBLE_DEVICES"] = "-1"  # the model must run on the capped CPU
+    elif device == "gpu":
+        env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
+        env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
+    else:
+        raise ValueError(f'device must be "cpu" or "gpu"; received device={device!r}')
+    return env
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; received {name}={value!r}")
+
+
+def _gpu_visible() -> bool:
+    """Whether TensorFlow sees a GPU, without importing it just to ask."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        try:
+            return bool(tf.config.list_physical_devices("GPU"))
+        except Exception:  # a broken CUDA install: run on the CPU
+            return False
+    return os.path.exists("/dev/nvidia0")
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _crash_message(code: int, errors: str, device: str, limit: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        message = f"the demo's worker process crashed ({name})"
+        if device == "cpu" and name == "SIGSEGV":
+            message += (
+                f"; TensorFlow crashes instead of raising when the capped CPU allocator "
+                f"cannot hold the 88 MiB test set: try a --memory-limit above {limit}"
+            )
+        return message
+    lines = [line.strip() for line in errors.splitlines() if line.strip()]
+    last = lines[-1] if lines else "no error message"
+    return f"the demo's worker process failed (exit code {code}): {last}"
+
+
+# --------------------------------------------------------------------------
+# Worker side: runs in the memory-limited child process
+# --------------------------------------------------------------------------
+_OOM_LINE = re.compile(r"OOM when allocating tensor with shape\[[^\]]*\][^\n\[]*")
+
+
+def _oom_summary(exc: BaseException) -> str:
+    """One line for an OOM error: its type and TensorFlow's "OOM when..." line."""
+    message = getattr(exc, "message", None) or str(exc)
+    match = _OOM_LINE.search(message)
+    text = match.group(0).strip() if match else message.strip().splitlines()[0]
+    return f"{type(exc).__name__}: {text}"
+
+
+def _describe_sizes(sizes: Sequence[int]) -> str:
+    """ "16, 64, 755 x 36, 648": consecutive equal sizes run-length encoded."""
+    parts: List[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j + 1 < len(sizes) and sizes[j + 1] == sizes[i]:
+            j += 1
+        count = j - i + 1
+        parts.append(f"{sizes[i]} x {count}" if count > 1 else str(sizes[i]))
+        i = j + 1
+    return ", ".join(parts)
+
+
+class _Records(logging.Handler):
+    """Keeps the `keras_memfit` logger's messages, and shows them as they come."""
+
+    def __init__(self, show: Optional[Reporter]) -> None:
+        super().__init__(logging.INFO)
+        self.messages: List[str] = []
+        self.warnings = 0
+        self.show = show
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.messages.append(message)
+        if record.levelno >= logging.WARNING:
+            self.warnings += 1
+        if self.show is not None:
+            self.show(f"      [{record.levelname}] {message}")
+
+
+def _configure_gpu(memory_limit_mb: int) -> None:
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise DemoError("device 'gpu' was asked for but TensorFlow sees no GPU; use --device cpu")
+    try:
+        tf.config.set_visible_devices(gpus[0], "GPU")
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)]
+        )
+    except RuntimeError as err:  # devices were initialised already
+        raise DemoError(f"could not limit the GPU's memory: {err}") from err
+
+
+def _build_model(keras: Any) -> Any:
+    """The Kaggle notebooks' CNN."""
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10, activation="softmax"),
+        ],
+        name="digits_cnn",
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
+    """The demo itself; returns the fields of `DemoResult`."""
+    start = time.perf_counter()
+    device, limit = config["device"], config["memory_limit_mb"]
+    verbose = config["verbose"]
+    step = say if verbose else (lambda line: None)
+    if device == "gpu":
+        _configure_gpu(limit)  # before any op touches the GPU
+
+    import keras
+    import numpy as np
+
+    import keras_memfit
+    from keras_memfit import digits
+
+    where = "GPU:0" if device == "gpu" else "CPU"
+    step(
+        f"keras_memfit demo: Kaggle Digit Recognizer, {TEST_SAMPLES} test images, "
+        f"{where} memory limited to {limit} MiB"
+    )
+    t = time.perf_counter()
+    x_train, y_train, x_test, y_test = digits.load_digits(
+        config["train_samples"], TEST_SAMPLES, config["seed"], return_test_labels=True
+    )
+    x_train = (x_train[..., None] / 255.0).astype("float32")
+    x_test = (x_test[..., None] / 255.0).astype("float32")
+    step(
+        f"[1/4] Generated {len(x_train)} training and {len(x_test)} test digits "
+        f"in {time.perf_counter() - t:.1f} s (no download)"
+    )
+
+    keras.utils.set_random_seed(config["seed"])
+    model = _build_model(keras)
+    t = time.perf_counter()
+    history = model.fit(
+        x_train, y_train, batch_size=_TRAIN_BATCH_SIZE, epochs=config["epochs"], verbose=0
+    )
+    train_accuracy = float(history.history["accuracy"][-1])
+    del x_train, y_train, history
+    gc.collect()
+    step(
+        f"[2/4] Trained the CNN (Conv2D 32 > Conv2D 64 > MaxPool > Dense 10) for "
+        f"{config['epochs']} epoch(s) in {time.perf_counter() - t:.1f} s: training "
+        f"accuracy {train_accuracy:.3f}"
+    )
+
+    n = len(x_test)
+    step(f"[3/4] model.predict(x_test, batch_size={n}) ... (an OOM takes ~10 s to surface)")
+    t = time.perf_counter()
+    plain_error = None
+    try:
+        model.predict(x_test, batch_size=n, verbose=0)
+    except Exception as exc:
+        if not keras_memfit.is_oom_error(exc):
+            raise
+        plain_error = _oom_summary(exc)
+    gc.collect()  # release what the failed call held before safe_predict runs
+    plain_seconds = time.perf_counter() - t
+    if plain_error is not None:
+        step(f"      FAILED after {plain_seconds:.1f} s: {plain_error}")
+    else:
+        step(
+            f"      did not run out of memory ({plain_seconds:.1f} s): {limit} MiB is "
+            "enough for the whole batch; use a smaller --memory-limit to see the OOM"
+        )
+
+    step(
+        f"[4/4] keras_memfit.safe_predict(model, x_test, batch_size={n}, "
+        "postprocess=argmax) ..."
+    )
+    records = _Records(step if verbose else None)
+    sizes: List[int] = []
+
+    class _BatchSizes(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            sizes.append(len(logs["outputs"]))
+
+    logger = logging.getLogger("keras_memfit")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
+    t = time.perf_counter()
+    try:
+        labels = keras_memfit.safe_predict(
+            model, x_test, batch_size=n,
+            postprocess=lambda y: keras.ops.argmax(y, axis=-1),
+            verbose=0, callbacks=[_BatchSizes()],
+        )
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(old_level)
+    safe_seconds = time.perf_counter() - t
+    step(f"      OK in {safe_seconds:.1f} s: {len(labels)} labels")
+
+    digits.write_submission(config["output"], labels)
+    accuracy = float(np.mean(np.asarray(labels) == y_test))
+    total = time.perf_counter() - start
+
+    step("")
+    say("Summary")
+    say(
+        f"  plain model.predict(batch_size={n}):  "
+        + (f"FAILED in {plain_seconds:.1f} s with {plain_error}" if plain_error
+           else f"did not run out of memory ({plain_seconds:.1f} s)")
+    )
+    say(
+        f"  keras_memfit.safe_predict(batch_size={n}):  OK, {len(labels)} labels in "
+        f"{safe_seconds:.1f} s, {records.warnings} OOM(s) paid"
+    )
+    largest = max(sizes) if sizes else 0
+    say(f"    batch size used: {largest} (batches run: {_describe_sizes(sizes)})")
+    for message in records.messages:
+        say(f"    adapted: {message}")
+    if not records.messages:
+        say("    adapted: nothing (the whole batch fitted)")
+    say(f"  accuracy against the generated test labels: {accuracy:.4f}")
+    say(f"  wrote {config['output']} (ImageId,Label; {len(labels)} rows)")
+    say(f"  demo time: {total:.1f} s ({where}, {limit} MiB)")
+    return dict(
+        output=config["output"], device=device, memory_limit_mb=limit,
+        train_samples=config["train_samples"], epochs=config["epochs"],
+        train_accuracy=train_accuracy, plain_error=plain_error,
+        plain_seconds=plain_seconds, safe_seconds=safe_seconds, batch_sizes=sizes,
+        ooms_paid=records.warnings, adaptations=records.messages,
+        accuracy=accuracy, rows=int(len(labels)), total_seconds=total,
+    )
+
+
+def _worker_main(config_json: str, result_path: str) -> int:
+    """Entry point of the worker process: run `_work`, write its result as JSON."""
+    try:
+        config = json.loads(config_json)
+        result = _work(config, _stdout_reporter)
+        code = 0
+    except DemoError as err:
+        result, code = {"error": str(err)}, 1
+    except Exception as err:  # reported by the parent as one line
+        message = str(getattr(err, "message", None) or err).strip().splitlines()
+        result = {"error": f"{type(err).__name__}: {message[0] if message else ''}"}
+        code = 1
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m keras_memfit.demo`: the worker entry, or the `demo` command.
+
+    Args:
+        argv: Arguments; `--worker CONFIG_JSON RESULT_PATH` runs the worker,
+            anything else is passed to `keras-memfit demo`.
+
+    Returns:
+        The exit status.
+
+    Example:
+        >>> main(["--output", "submission.csv"])  # same as `keras-memfit demo ...`
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        if len(argv) != 3:
+            sys.stderr.write("usage: python -m keras_memfit.demo --worker CONFIG_JSON RESULT_PATH\n")
+            return 2
+        return _worker_main(argv[1], argv[2])
+    from keras_memfit import cli
+
+    return cli.main(["demo", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
