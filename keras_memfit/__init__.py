@@ -3,19 +3,45 @@
 Public API:
     safe_predict: `model.predict` that adapts its batch instead of dying of OOM.
     safe_evaluate: `model.evaluate` that adapts its batch, counting each sample once.
+    MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
     OutOfMemoryError: Raised when even a single sample does not fit.
+
+The names are loaded on first use, so that `python -m keras_memfit` (whose
+demo must set memory limits before TensorFlow starts) and `--help` do not
+import TensorFlow.
 """
 
-from keras_memfit.evaluate import safe_evaluate
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
-from keras_memfit.predict import safe_predict
+import importlib
+from typing import TYPE_CHECKING, Any, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "OutOfMemoryError",
-    "is_oom_error",
-    "safe_evaluate",
-    "safe_predict",
-]
+_EXPORTS = {
+    "MemFit": "keras_memfit.callbacks",
+    "OutOfMemoryError": "keras_memfit.oom",
+    "is_oom_error": "keras_memfit.oom",
+    "safe_evaluate": "keras_memfit.evaluate",
+    "safe_predict": "keras_memfit.predict",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time, see __getattr__
+    from keras_memfit.callbacks import MemFit
+    from keras_memfit.evaluate import safe_evaluate
+    from keras_memfit.oom import OutOfMemoryError, is_oom_error
+    from keras_memfit.predict import safe_predict
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

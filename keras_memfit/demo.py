@@ -108,7 +108,9 @@ class DemoResult:
         train_accuracy: Training accuracy of the last epoch.
         plain_error: One line describing the error plain `model.predict`
             raised, or None if it did not run out of memory.
-        plain_seconds: Time the plain call took (to fail).
+        plain_seconds: Time the plain call took to fail (or succeed).
+        cleanup_seconds: Time `gc.collect()` took afterwards to release what
+            the failed call held (sometimes ~10 s more, see `_work`).
         safe_seconds: Time `safe_predict` took.
         batch_sizes: Size of every batch `safe_predict` ran, in order.
         ooms_paid: Out-of-memory errors `safe_predict` caught and recovered from.
@@ -126,6 +128,7 @@ class DemoResult:
     train_accuracy: float
     plain_error: Optional[str]
     plain_seconds: float
+    cleanup_seconds: float
     safe_seconds: float
     batch_sizes: List[int]
     ooms_paid: int
@@ -476,14 +479,25 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         if not keras_memfit.is_oom_error(exc):
             raise
         plain_error = _oom_summary(exc)
-    gc.collect()  # release what the failed call held before safe_predict runs
     plain_seconds = time.perf_counter() - t
+    # Release what the failed call held (its input pipeline, the 88 MiB copy
+    # of x_test) before safe_predict runs. This sometimes takes another ~10 s:
+    # destroying the failed call's tf.data iterator waits for its prefetch
+    # thread, which may itself be waiting in the capped allocator.
+    t = time.perf_counter()
+    gc.collect()
+    cleanup_seconds = time.perf_counter() - t
     if plain_error is not None:
         step(f"      FAILED after {plain_seconds:.1f} s: {plain_error}")
     else:
         step(
             f"      did not run out of memory ({plain_seconds:.1f} s): {limit} MiB is "
             "enough for the whole batch; use a smaller --memory-limit to see the OOM"
+        )
+    if cleanup_seconds >= 1.0:
+        step(
+            f"      (TensorFlow took another {cleanup_seconds:.1f} s to release the failed "
+            "call's memory)"
         )
 
     step(
@@ -529,8 +543,9 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         f"  keras_memfit.safe_predict(batch_size={n}):  OK, {len(labels)} labels in "
         f"{safe_seconds:.1f} s, {records.warnings} OOM(s) paid"
     )
-    largest = max(sizes) if sizes else 0
-    say(f"    batch size used: {largest} (batches run: {_describe_sizes(sizes)})")
+    # The size most batches ran at (the probes and the last, clipped batch are smaller).
+    used = max(sorted(set(sizes), reverse=True), key=sizes.count) if sizes else 0
+    say(f"    batch size used: {used} (batches run: {_describe_sizes(sizes)})")
     for message in records.messages:
         say(f"    adapted: {message}")
     if not records.messages:
@@ -542,7 +557,8 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         output=config["output"], device=device, memory_limit_mb=limit,
         train_samples=config["train_samples"], epochs=config["epochs"],
         train_accuracy=train_accuracy, plain_error=plain_error,
-        plain_seconds=plain_seconds, safe_seconds=safe_seconds, batch_sizes=sizes,
+        plain_seconds=plain_seconds, cleanup_seconds=cleanup_seconds,
+        safe_seconds=safe_seconds, batch_sizes=sizes,
         ooms_paid=records.warnings, adaptations=records.messages,
         accuracy=accuracy, rows=int(len(labels)), total_seconds=total,
     )

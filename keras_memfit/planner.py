@@ -102,6 +102,10 @@ class BatchPlanner:
         requested: Largest batch size allowed, or None for no bound (the
             pieces are then bounded by the incoming batches).
         events: Optional list that receives an `Event` per adaptation.
+        probe: "first" to probe before the first large batch of a new
+            signature (inference: the probes are ordinary work), or "after_oom"
+            to try the full batch first and probe only the pieces that follow
+            an OOM (training, where a split has a cost even when it fits).
     """
 
     def __init__(
@@ -111,7 +115,10 @@ class BatchPlanner:
         signature: Hashable,
         requested: Optional[int],
         events: Optional[List[Event]] = None,
+        probe: str = "first",
     ) -> None:
+        if probe not in ("first", "after_oom"):
+            raise ValueError(f'probe must be "first" or "after_oom"; received probe={probe!r}')
         self._backend = _backend.get()
         self.phase = phase
         self.requested = requested
@@ -132,7 +139,8 @@ class BatchPlanner:
             k.growth_frozen = True
         fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
         big = requested is None or requested >= MIN_PROBE_REQUEST
-        if fresh and big and self._stats_ok:
+        self._probe_after_oom = probe == "after_oom" and fresh and self._stats_ok
+        if fresh and big and self._stats_ok and probe == "first":
             self._probes = list(PROBE_SIZES)
             self._size = self._probes[0]
         else:
@@ -149,7 +157,7 @@ class BatchPlanner:
 
     def _initial_size(self) -> float:
         cap = self.ceiling()
-        if self._exact_limit() and self.requested is not None and cap < self.requested:
+        if self._exact_limit() and not math.isinf(cap) and cap < self.requested_or_inf():
             self._record("estimate", self.requested, int(cap), self._estimate_reason())
         return cap
 
@@ -249,6 +257,17 @@ class BatchPlanner:
         self._probes = []
         limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
         self._calibrate(size, limit)
+        if self._probe_after_oom and not k.bytes_per_sample and size > PROBE_SIZES[-1]:
+            # Measure on the pieces that follow, then size the rest from that.
+            self._probe_after_oom = False
+            self._probes = list(PROBE_SIZES)
+            self._record(
+                "oom", size, self._probes[0],
+                f"out of memory at batch_size={size}; measuring memory on pieces of "
+                f"{' and '.join(map(str, PROBE_SIZES))} samples to size the rest",
+                level=logging.WARNING,
+            )
+            return True
         if self._growing:  # back to the size that worked, and stay there
             k.growth_frozen = True
             self._growing = False
@@ -314,5 +333,7 @@ class BatchPlanner:
                 level: int = logging.INFO) -> None:
         event = Event(self.phase, kind, old, new, reason)
         self.events.append(event)
-        logger.log(level, "keras_memfit: %s: %s", self._label, reason if kind != "estimate"
-                   else f"using batch_size={new} instead of {old} ({reason})")
+        if kind == "estimate":
+            instead = f" instead of {old}" if old is not None else ""
+            reason = f"using batch_size={new}{instead} ({reason})"
+        logger.log(level, "keras_memfit: %s: %s", self._label, reason)

@@ -32,6 +32,7 @@ def run_in_pieces(
     requested: Optional[int],
     guard: Any = None,
     events: Optional[List[Event]] = None,
+    planner: Optional[BatchPlanner] = None,
 ) -> int:
     """Run `step` over every chunk in adaptive pieces.
 
@@ -46,6 +47,8 @@ def run_in_pieces(
         guard: Object with `snapshot()` and `restore()`, called before every
             attempt and after a failed one, for state a step may touch.
         events: Receives one `Event` per adaptation.
+        planner: A planner to use for every chunk instead of one per input
+            signature (the caller keeps it across calls).
 
     Returns:
         The number of samples processed.
@@ -58,15 +61,15 @@ def run_in_pieces(
     for chunk in chunks:
         n = _data.num_rows(chunk)
         sig = _data.signature(chunk[0])
-        planner = planners.get(sig)
-        if planner is None:
-            planner = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
+        current = planner or planners.get(sig)
+        if current is None:
+            current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
         offset = 0
         while offset < n:
-            planned = planner.next_size()
+            planned = current.next_size()
             size = int(min(planned, n - offset))
             piece = _data.rows(chunk, offset, offset + size)
-            planner.started(size)
+            current.started(size)
             if guard is not None:
                 guard.snapshot()
             try:
@@ -76,17 +79,17 @@ def run_in_pieces(
                     raise
                 if guard is not None:
                     guard.restore()
-                if not planner.failed(size):
+                if not current.failed(size):
                     raise OutOfMemoryError(
                         getattr(model, "name", type(model).__name__),
                         phase,
                         _data.shapes(piece[0]),
-                        planner.device,
+                        current.device,
                     ) from exc
                 del exc
                 gc.collect()
                 continue
-            planner.succeeded(size, full=size >= planned or math.isinf(planned))
+            current.succeeded(size, full=size >= planned or math.isinf(planned))
             offset += size
             done += size
             if on_piece(size, piece, result):

@@ -104,7 +104,8 @@ class OOMInjector:
         Args:
             threshold: Largest batch that succeeds.
             after: Raise after the real step ran (its state changes happened).
-            phases: Only inject in these phases ("predict", "evaluate").
+            phases: Only inject in these phases ("predict", "evaluate", "train";
+                "train" covers full steps and accumulated micro-batches).
         """
         self.threshold = threshold
         self.after = after
@@ -161,7 +162,23 @@ def inject_oom(monkeypatch):
     def make_test_step(model):
         return injector.wrap("evaluate", make_test(model))
 
+    make_train = tf_backend.make_train_step
+    make_custom_train = tf_backend.make_custom_train_step
+    add = tf_backend.GradientAccumulator.add
+
+    def make_train_step(model):
+        return injector.wrap("train", make_train(model))
+
+    def make_custom_train_step(model):
+        return injector.wrap("train", make_custom_train(model))
+
+    def add_micro_batch(self, data, weight):
+        injector.wrap("train", lambda d: add(self, d, weight))(data)
+
     monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
     monkeypatch.setattr(tf_backend, "make_test_step", make_test_step)
+    monkeypatch.setattr(tf_backend, "make_train_step", make_train_step)
+    monkeypatch.setattr(tf_backend, "make_custom_train_step", make_custom_train_step)
+    monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
     monkeypatch.setattr(predict_module, "_STEPS", type(predict_module._STEPS)())
     return injector

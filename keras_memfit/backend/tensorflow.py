@@ -218,3 +218,222 @@ def reset_peak(device: str) -> None:
         tf.config.experimental.reset_memory_stats(device)
     except (ValueError, tf.errors.OpError):
         pass
+
+
+# --------------------------------------------------------------------------
+# Training (MemFit)
+# --------------------------------------------------------------------------
+def _default_train_step() -> Callable:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.train_step
+
+
+def has_default_train_step(model: keras.Model) -> bool:
+    """Whether `model` uses Keras's own `train_step` (no override)."""
+    return getattr(type(model).train_step, "__code__", None) is getattr(
+        _default_train_step(), "__code__", object()
+    )
+
+
+def uses_distribution(model: keras.Model) -> bool:
+    """Whether `model` was built under a tf.distribute strategy."""
+    return getattr(model, "_distribute_strategy", None) is not None or tf.distribute.has_strategy()
+
+
+def loss_reductions(model: keras.Model) -> list:
+    """The reductions of the losses `model` was compiled with."""
+    reductions = []
+    for loss in keras.tree.flatten(getattr(model, "loss", None)):
+        if loss is None:
+            continue
+        if isinstance(loss, keras.losses.Loss):
+            reductions.append(loss.reduction)
+        else:  # strings and plain functions are wrapped with Keras's default
+            reductions.append("sum_over_batch_size")
+    return reductions
+
+
+def train_state_variables(model: keras.Model) -> list:
+    """The small state a failed train step may have updated before failing.
+
+    Metric and loss-tracker variables, the non-trainable variables of
+    trainable layers (BatchNorm moving statistics, RNG seed states) and the
+    optimizer's scalar variables (iterations, loss-scale counters). Trainable
+    weights and optimizer slots are not copied: the train steps keras_memfit
+    compiles update them only after every gradient exists (see
+    `make_train_step`), so a step that fails has not touched them.
+    """
+    frozen = set()
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    for layer in layers:
+        if not layer.trainable:
+            frozen.update(id(v) for v in layer.weights)
+    chosen, seen = [], set()
+
+    def add(v):
+        if id(v) not in seen:
+            seen.add(id(v))
+            chosen.append(v)
+
+    for v in model.metrics_variables:
+        add(v)
+    for v in model.non_trainable_variables:
+        if id(v) not in frozen:
+            add(v)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        for v in optimizer.variables:
+            if int(np.prod(v.shape)) <= 1:
+                add(v)
+    return chosen
+
+
+def _unpack(data):
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
+def _rows(x) -> Any:
+    return tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
+
+
+def _forward_loss(model: keras.Model, x, y, sample_weight):
+    if model._call_has_training_arg:
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    loss = model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+    return y_pred, loss
+
+
+def _unscaled(loss):
+    from keras.src.losses import loss as loss_module
+
+    return loss_module.unscale_loss_for_distribution(loss)
+
+
+def _barrier(gradients):
+    """Make every update wait until every gradient exists (all-or-nothing steps)."""
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return gradients
+    with tf.control_dependencies(present):
+        return [None if g is None else tf.identity(g) for g in gradients]
+
+
+def make_train_step(model: keras.Model) -> Callable:
+    """Keras's default train step, compiled, with updates after all gradients.
+
+    Same computation as `TensorFlowTrainer.train_step`; the only difference is
+    a control dependency so that no weight, slot or iteration counter is
+    updated before the whole backward pass has succeeded: an OOM anywhere in
+    the forward or backward pass leaves them untouched.
+    """
+
+    def train_step(data):
+        x, y, sample_weight = _unpack(data)
+        with tf.GradientTape() as tape:
+            y_pred, loss = _forward_loss(model, x, y, sample_weight)
+            scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+        weights = model.trainable_weights
+        if weights:
+            gradients = _barrier(tape.gradient(scaled, weights))
+            model.optimizer.apply_gradients(zip(gradients, weights))
+        model._loss_tracker.update_state(_unscaled(loss), sample_weight=_rows(x))
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return _compile(model, train_step)
+
+
+def metrics_result(model: keras.Model) -> dict:
+    return model.get_metrics_result()
+
+
+def next_batches(iterator: Any, count: int) -> list:
+    """Up to `count` batches from a Keras epoch iterator (StopIteration at the end)."""
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if batches:
+                break
+            raise
+    return batches
+
+
+def make_custom_train_step(model: keras.Model) -> Callable:
+    """The model's own (overridden) `train_step`, compiled as Keras would."""
+    return _compile(model, model.train_step)
+
+
+class GradientAccumulator:
+    """Sums weighted micro-batch gradients in place and applies them once.
+
+    The sums live in one non-trainable variable per trainable weight, created
+    on first use (they cost the size of the weights, only once a batch has
+    had to be split), so adding a micro-batch's gradients allocates nothing
+    beyond the gradients themselves.
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self._model = model
+        self._weights = list(model.trainable_weights)
+        self._sums = []
+        for w in self._weights:
+            with tf.device(w.value.device):
+                self._sums.append(tf.Variable(tf.zeros_like(w.value), trainable=False))
+        # Which weights get no gradient is known when the step is traced.
+        traced = {"mask": tuple(False for _ in self._weights)}
+        self._traced = traced
+        sums = self._sums
+
+        def add_step(data, weight):
+            x, y, sample_weight = _unpack(data)
+            with tf.GradientTape() as tape:
+                y_pred, loss = _forward_loss(model, x, y, sample_weight)
+                scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
+            gradients = tape.gradient(scaled, model.trainable_weights)
+            for total, g in zip(sums, gradients):
+                if isinstance(g, tf.IndexedSlices):
+                    total.scatter_add(g)
+                elif g is not None:
+                    total.assign_add(g)
+            model._loss_tracker.update_state(_unscaled(loss), sample_weight=_rows(x))
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            traced["mask"] = tuple(g is None for g in gradients)
+
+        def apply_step(mask):
+            pairs = [
+                (total.read_value(), w)
+                for total, w, missing in zip(sums, model.trainable_weights, mask)
+                if not missing
+            ]
+            model.optimizer.apply_gradients(pairs)
+
+        @tf.function
+        def reset():
+            for total in sums:
+                total.assign(tf.zeros_like(total))
+
+        self._add = _compile(model, add_step)
+        self._apply = _compile(model, apply_step)
+        self._reset = reset
+
+    def reset(self) -> None:
+        """Start a new batch: zero the sums."""
+        self._reset()
+
+    def add(self, data: Any, weight: float) -> None:
+        """Add `weight` times the gradient of the loss on micro-batch `data`."""
+        self._add(data, tf.constant(weight, tf.float32))
+
+    def apply(self) -> None:
+        """Apply the summed gradients as one optimizer step."""
+        self._apply(self._traced["mask"])
+
+
+def make_accumulator(model: keras.Model) -> GradientAccumulator:
+    return GradientAccumulator(model)
