@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional
 import keras
 import numpy as np
 
+from keras_memfit import _cache
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
@@ -255,15 +256,26 @@ class MemFit(keras.callbacks.Callback):
             model._symbolic_build(data_batch=_data.rows((x, y, sample_weight), 0, 1))
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
-            if backend.has_default_train_step(model):
-                step = backend.make_train_step(model)
-            else:
-                step = backend.make_custom_train_step(model)
-            self._train_parts = {
-                "step": step,
-                "guard": backend.guard_variables(backend.train_state_variables(model)),
-                "accumulator": None,
-            }
+            custom = not backend.has_default_train_step(model)
+            key = (
+                "train",
+                custom,
+                id(model.optimizer),
+                tuple(id(v) for v in model.trainable_variables),
+                tuple(id(v) for v in model.metrics_variables),
+                bool(getattr(model, "run_eagerly", False)),
+                model.jit_compile,
+            )
+
+            def build():
+                make = backend.make_custom_train_step if custom else backend.make_train_step
+                return {
+                    "step": make(model),
+                    "guard": backend.guard_variables(backend.train_state_variables(model)),
+                    "accumulator": None,
+                }
+
+            self._train_parts = _cache.per_model(model, key, build)
         return self._train_parts
 
     def _planner(self, phase: str, signature, requested=None, probe="first") -> BatchPlanner:
@@ -416,10 +428,17 @@ class MemFit(keras.callbacks.Callback):
             if self._test_parts is None:
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
                 backend.prepare_test(model, _data.rows((x, y, sample_weight), 0, 1))
-                self._test_parts = {
-                    "step": backend.make_test_step(model),
-                    "guard": backend.guard_variables(model.metrics_variables),
-                }
+                key = (
+                    "evaluate",
+                    tuple(id(v) for v in model.metrics_variables),
+                    bool(getattr(model, "run_eagerly", False)),
+                    model.jit_compile,
+                )
+                step, guard = _cache.per_model(model, key, lambda: (
+                    backend.make_test_step(model),
+                    backend.guard_variables(model.metrics_variables),
+                ))
+                self._test_parts = {"step": step, "guard": guard}
             chunk = _as_chunk(batch)
 
             def on_piece(size, piece, result):
@@ -442,7 +461,11 @@ class MemFit(keras.callbacks.Callback):
     def _predict_batches(self, data):
         backend = _backend.get()
         if self._predict_step is None:
-            self._predict_step = backend.make_predict_step(self.model)
+            model = self.model
+            key = ("predict", None, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+            self._predict_step = _cache.per_model(
+                model, key, lambda: backend.make_predict_step(model)
+            )
         per_batch = []
         for batch in data:
             x = keras.utils.unpack_x_y_sample_weight(batch)[0]

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import keras
 
-from keras_memfit import _validate
+from keras_memfit import _cache, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.runner import run_in_pieces
@@ -89,8 +89,16 @@ def safe_evaluate(
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
     backend.prepare_test(model, _data.rows(first, 0, 1))
-    step = backend.make_test_step(model)
-    guard = backend.guard_variables(model.metrics_variables)
+    key = (
+        "evaluate",
+        tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
+        bool(getattr(model, "run_eagerly", False)),
+        model.jit_compile,
+    )
+    step, guard = _cache.per_model(
+        model, key,
+        lambda: (backend.make_test_step(model), backend.guard_variables(model.metrics_variables)),
+    )
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import keras
 import numpy as np
 
-from keras_memfit import _validate
+from keras_memfit import _cache, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.backend import Spec
@@ -17,9 +16,6 @@ from keras_memfit.runner import run_in_pieces
 
 logger = logging.getLogger("keras_memfit")
 
-# One compiled step per (model, postprocess): repeated calls do not retrace.
-_STEPS: "weakref.WeakKeyDictionary[Any, Dict[Any, Callable]]" = weakref.WeakKeyDictionary()
-_MAX_STEPS_PER_MODEL = 4
 
 
 def safe_predict(
@@ -180,14 +176,10 @@ def _chain(first, rest):
 
 
 def _predict_step(model: keras.Model, postprocess: Optional[Callable]) -> Callable:
-    key = (postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
-    steps = _STEPS.setdefault(model, {})
-    step = steps.get(key)
-    if step is None:
-        if len(steps) >= _MAX_STEPS_PER_MODEL:
-            steps.pop(next(iter(steps)))
-        step = steps[key] = _backend.get().make_predict_step(model, postprocess)
-    return step
+    key = ("predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+    return _cache.per_model(
+        model, key, lambda: _backend.get().make_predict_step(model, postprocess)
+    )
 
 
 def _check_out_types(out: Any) -> None:

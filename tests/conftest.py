@@ -149,7 +149,7 @@ class OOMInjector:
 @pytest.fixture
 def inject_oom(monkeypatch):
     """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
-    from keras_memfit import predict as predict_module
+    from keras_memfit import _cache
     from keras_memfit.backend import tensorflow as tf_backend
 
     injector = OOMInjector()
@@ -180,5 +180,6 @@ def inject_oom(monkeypatch):
     monkeypatch.setattr(tf_backend, "make_train_step", make_train_step)
     monkeypatch.setattr(tf_backend, "make_custom_train_step", make_custom_train_step)
     monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
-    monkeypatch.setattr(predict_module, "_STEPS", type(predict_module._STEPS)())
-    return injector
+    _cache.clear()  # steps compiled before the patch would bypass it
+    yield injector
+    _cache.clear()

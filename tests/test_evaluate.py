@@ -553,3 +553,23 @@ def test_callback_can_stop_evaluation():
 
     result = safe_evaluate(model, x, y, batch_size=10, verbose=0, callbacks=[StopAfterTwo()])
     _close(result, expected)
+
+
+def test_repeated_calls_reuse_the_compiled_step(monkeypatch):
+    from keras_memfit import _cache
+
+    x, y, _ = _data()
+    model = _classifier()
+    built = []
+    make = tf_backend.make_test_step
+
+    def counting(m):
+        built.append(1)
+        return make(m)
+
+    monkeypatch.setattr(tf_backend, "make_test_step", counting)
+    _cache.clear()
+    expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
+    for _ in range(3):
+        _close(safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True), expected)
+    assert len(built) == 1

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_memfit import _cache
 from keras_memfit import OutOfMemoryError, safe_predict
 from keras_memfit import predict as predict_module
 from keras_memfit.backend import tensorflow as tf_backend
@@ -129,7 +130,7 @@ def fault_at(monkeypatch):
         return step
 
     monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
-    monkeypatch.setattr(predict_module, "_STEPS", weakref.WeakKeyDictionary())
+    _cache.clear()  # steps compiled before the patch would bypass it
     return fault
 
 
@@ -153,7 +154,7 @@ def raising_step(monkeypatch):
         return step
 
     monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
-    monkeypatch.setattr(predict_module, "_STEPS", weakref.WeakKeyDictionary())
+    _cache.clear()  # steps compiled before the patch would bypass it
 
     def configure(exc, above=0):
         state["exc"], state["above"] = exc, above
@@ -1221,3 +1222,33 @@ def test_no_warning_without_oom(inject_oom, caplog):
     with caplog.at_level(logging.WARNING, logger="keras_memfit"):
         safe_predict(dense_model(), random_data(100), batch_size=50, verbose=0)
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_cached_steps_do_not_keep_a_deleted_model_alive():
+    import gc
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    safe_predict(model, np.zeros((8, 4), "float32"), verbose=0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_repeated_calls_reuse_the_compiled_step(monkeypatch):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
+    built = []
+    make = tf_backend.make_predict_step
+
+    def counting(model, postprocess=None):
+        built.append(1)
+        return make(model, postprocess)
+
+    monkeypatch.setattr(tf_backend, "make_predict_step", counting)
+    _cache.clear()
+    first = safe_predict(model, x, batch_size=16, verbose=0)
+    second = safe_predict(model, x, batch_size=16, verbose=0)
+    assert len(built) == 1
+    np.testing.assert_allclose(second, first)
+    np.testing.assert_allclose(first, model.predict(x, batch_size=8, verbose=0), rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import keras
@@ -107,6 +108,12 @@ def _nvml_limit(index: int) -> Optional[Tuple[int, bool]]:
 # Compiled steps
 # --------------------------------------------------------------------------
 def _compile(model: keras.Model, fn: Callable) -> Callable:
+    """`fn` compiled as Keras would compile the model's own steps.
+
+    The step functions below reach the model through a weak reference, so
+    that caching a compiled step per model (`keras_memfit._cache`) does not
+    keep the model alive.
+    """
     if getattr(model, "run_eagerly", False):
         return fn
     return tf.function(fn, reduce_retracing=True, jit_compile=bool(model.jit_compile))
@@ -116,9 +123,10 @@ def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Callable:
     """A compiled `x -> outputs` running `model.predict_step` then `postprocess`."""
+    model_ref = weakref.ref(model)
 
     def predict_step(x):
-        outputs = model.predict_step((x,))
+        outputs = model_ref().predict_step((x,))
         if postprocess is not None:
             outputs = postprocess(outputs)
         return outputs
@@ -128,7 +136,12 @@ def make_predict_step(
 
 def make_test_step(model: keras.Model) -> Callable:
     """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`."""
-    return _compile(model, model.test_step)
+    model_ref = weakref.ref(model)
+
+    def test_step(data):
+        return model_ref().test_step(data)
+
+    return _compile(model, test_step)
 
 
 class VariableGuard:
@@ -332,7 +345,10 @@ def make_train_step(model: keras.Model) -> Callable:
     the forward or backward pass leaves them untouched.
     """
 
+    model_ref = weakref.ref(model)
+
     def train_step(data):
+        model = model_ref()
         x, y, sample_weight = _unpack(data)
         with tf.GradientTape() as tape:
             y_pred, loss = _forward_loss(model, x, y, sample_weight)
@@ -366,7 +382,12 @@ def next_batches(iterator: Any, count: int) -> list:
 
 def make_custom_train_step(model: keras.Model) -> Callable:
     """The model's own (overridden) `train_step`, compiled as Keras would."""
-    return _compile(model, model.train_step)
+    model_ref = weakref.ref(model)
+
+    def train_step(data):
+        return model_ref().train_step(data)
+
+    return _compile(model, train_step)
 
 
 class GradientAccumulator:
@@ -379,7 +400,7 @@ class GradientAccumulator:
     """
 
     def __init__(self, model: keras.Model) -> None:
-        self._model = model
+        model_ref = weakref.ref(model)
         self._weights = list(model.trainable_weights)
         self._sums = []
         for w in self._weights:
@@ -391,6 +412,7 @@ class GradientAccumulator:
         sums = self._sums
 
         def add_step(data, weight):
+            model = model_ref()
             x, y, sample_weight = _unpack(data)
             with tf.GradientTape() as tape:
                 y_pred, loss = _forward_loss(model, x, y, sample_weight)
@@ -406,6 +428,7 @@ class GradientAccumulator:
             traced["mask"] = tuple(g is None for g in gradients)
 
         def apply_step(mask):
+            model = model_ref()
             pairs = [
                 (total.read_value(), w)
                 for total, w, missing in zip(sums, model.trainable_weights, mask)

@@ -1,0 +1,29 @@
+"""Compiled steps and state guards kept per model, so repeated calls do not retrace.
+
+Entries are keyed weakly by the model; what is cached must not hold the model
+strongly (the backend's step factories reach it through a weak reference),
+so a model that is deleted is freed together with its entries.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, Hashable
+
+_PER_MODEL: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Any]]" = weakref.WeakKeyDictionary()
+_LIMIT = 8  # entries per model; the oldest goes first
+
+
+def per_model(model: Any, key: Hashable, build: Callable[[], Any]) -> Any:
+    """The value cached for `(model, key)`, built with `build()` on a miss."""
+    entries = _PER_MODEL.setdefault(model, {})
+    if key not in entries:
+        if len(entries) >= _LIMIT:
+            entries.pop(next(iter(entries)))
+        entries[key] = build()
+    return entries[key]
+
+
+def clear() -> None:
+    """Forget every cached entry (tests use this between cases)."""
+    _PER_MODEL.clear()
