@@ -118,19 +118,17 @@ class MemFit(keras.callbacks.Callback):
         self._train_parts: Optional[Dict[str, Any]] = None
         self._test_parts: Optional[Dict[str, Any]] = None
         self._predict_step = None
-        self._fit_history = None
 
+    # Keras looks the step functions up right after the `on_*_batch_begin`
+    # calls, so MemFit installs its own there and removes them as soon as they
+    # return or raise: whatever else fails during fit, Keras's own functions
+    # are back in place.
     def on_train_begin(self, logs=None):
         self._check_supported()
         self._uninstall_all()
         self._reset()
         self.events = []
         self._in_fit = True
-        # Keras makes a new History for every fit: it tells this fit from a later
-        # one that finds our functions left behind by a fit that raised elsewhere.
-        self._fit_history = getattr(self.model, "history", None)
-        self._install("train_function", self._train_function)
-        self._install("test_function", self._test_function)
 
     def on_train_end(self, logs=None):
         self._uninstall_all()
@@ -148,19 +146,23 @@ class MemFit(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._step = batch
+        self._install("train_function", self._train_function)
 
     def on_test_begin(self, logs=None):
         if not self._in_fit:
             self._start_standalone()
-            self._install("test_function", self._test_function)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._install("test_function", self._test_function)
 
     def on_test_end(self, logs=None):
-        if not self._in_fit:
-            self._uninstall("test_function")
+        self._uninstall("test_function")
 
     def on_predict_begin(self, logs=None):
         if not self._in_fit:
             self._start_standalone()
+
+    def on_predict_batch_begin(self, batch, logs=None):
         self._install("predict_function", self._predict_function)
 
     def on_predict_end(self, logs=None):
@@ -221,25 +223,21 @@ class MemFit(keras.callbacks.Callback):
         for name in list(self._originals):
             self._uninstall(name)
 
-    def _guarded(self, function, *args):
-        """Run `function`; on any error but end-of-data, give Keras its functions back."""
+    def _run_installed(self, name: str, function, *args):
+        """Run `function` (MemFit's `name`), then give Keras its own back."""
         try:
             return function(*args)
         except (StopIteration, _end_of_data()):
-            raise
+            raise  # the end of an epoch, not an error
         except BaseException:
-            self._uninstall_all()
             self._in_fit = False
             raise
+        finally:
+            self._uninstall(name)
 
     # ---------------------------------------------------------------- train
     def _train_function(self, iterator):
-        if getattr(self.model, "history", None) is not self._fit_history:
-            # Left behind by a fit that raised outside MemFit: not ours to run.
-            self._uninstall_all()
-            self._in_fit = False
-            return self.model.train_function(iterator)
-        return self._guarded(self._train_batches, iterator)
+        return self._run_installed("train_function", self._train_batches, iterator)
 
     def _train_batches(self, iterator):
         backend = _backend.get()
@@ -269,9 +267,13 @@ class MemFit(keras.callbacks.Callback):
 
             def build():
                 make = backend.make_custom_train_step if custom else backend.make_train_step
+                step = make(model)
+                flags = [step.update_started] if hasattr(step, "update_started") else []
                 return {
-                    "step": make(model),
-                    "guard": backend.guard_variables(backend.train_state_variables(model)),
+                    "step": step,
+                    "guard": backend.guard_variables(
+                        backend.train_state_variables(model), zero=flags
+                    ),
                     "accumulator": None,
                 }
 
@@ -301,6 +303,8 @@ class MemFit(keras.callbacks.Callback):
                 if not is_oom_error(exc):
                     raise
                 guard.restore()
+                if _update_began(parts["step"]):
+                    raise self._update_oom_error(batch, planner) from exc
                 if not planner.failed(n):
                     raise self._oom_error(batch, planner) from exc
                 del exc
@@ -322,9 +326,20 @@ class MemFit(keras.callbacks.Callback):
             return False
 
         chunk = _as_chunk(batch)
+
+        def step(piece):
+            piece = _as_batch(piece)
+            try:
+                return parts["step"](piece)
+            except Exception as exc:
+                if is_oom_error(exc) and _update_began(parts["step"]):
+                    parts["guard"].restore()
+                    raise self._update_oom_error(piece, planner) from exc
+                raise
+
         try:
             run_in_pieces(
-                self.model, "train", [chunk], lambda piece: parts["step"](_as_batch(piece)),
+                self.model, "train", [chunk], step,
                 on_piece, requested=None, guard=parts["guard"], planner=planner,
             )
         finally:
@@ -374,12 +389,7 @@ class MemFit(keras.callbacks.Callback):
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            raise OutOfMemoryError(
-                model.name, "train", _data.shapes(_data.rows(chunk, 0, 1)[0]), planner.device,
-                detail="The optimizer update itself ran out of memory; its memory does not "
-                "depend on the batch size, so splitting the batch cannot help (the "
-                "weights and optimizer slots may be partly updated).",
-            ) from exc
+            raise self._update_oom_error(_as_batch(chunk), planner) from exc
         self._epoch_split = max(self._epoch_split, pieces)
         self._note_events(n)
         return backend.metrics_result(model)
@@ -390,6 +400,15 @@ class MemFit(keras.callbacks.Callback):
             self.model.name, "train", _data.shapes(_data.rows(x, 0, 1)), planner.device,
             detail="The training state is as it was before this step: save it, then "
             "resume with `initial_epoch`.",
+        )
+
+    def _update_oom_error(self, batch, planner) -> OutOfMemoryError:
+        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+        return OutOfMemoryError(
+            self.model.name, "train", _data.shapes(_data.rows(x, 0, 1)), planner.device,
+            detail="The optimizer update itself ran out of memory; its memory does not "
+            "depend on the batch size, so splitting the batch cannot help, and the "
+            "weights and optimizer slots may be partly updated.",
         )
 
     def _note_events(self, batch_rows: Optional[int]) -> None:
@@ -418,7 +437,7 @@ class MemFit(keras.callbacks.Callback):
 
     # ----------------------------------------------------------- evaluate
     def _test_function(self, iterator):
-        return self._guarded(self._test_batches, iterator)
+        return self._run_installed("test_function", self._test_batches, iterator)
 
     def _test_batches(self, iterator):
         backend = _backend.get()
@@ -456,7 +475,7 @@ class MemFit(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ predict
     def _predict_function(self, data):
-        return self._guarded(self._predict_batches, data)
+        return self._run_installed("predict_function", self._predict_batches, data)
 
     def _predict_batches(self, data):
         backend = _backend.get()
@@ -503,6 +522,12 @@ def _warn_if_untested_keras() -> None:
             "Keras's training loop; Keras %s is outside that range.",
             *low, *high, keras.__version__,
         )
+
+
+def _update_began(step) -> bool:
+    """Whether a failed train step had begun its optimizer update."""
+    began = getattr(step, "update_began", None)
+    return bool(began()) if began is not None else False
 
 
 def _as_chunk(batch) -> tuple:

@@ -75,8 +75,8 @@ def run_in_pieces(
             try:
                 result = step(piece)
             except Exception as exc:
-                if not is_oom_error(exc):
-                    raise
+                if not is_oom_error(exc) or isinstance(exc, OutOfMemoryError):
+                    raise  # not an OOM, or one already judged final
                 if guard is not None:
                     guard.restore()
                 if not current.failed(size):

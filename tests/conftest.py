@@ -167,7 +167,12 @@ def inject_oom(monkeypatch):
     add = tf_backend.GradientAccumulator.add
 
     def make_train_step(model):
-        return injector.wrap("train", make_train(model))
+        step = make_train(model)
+        wrapped = injector.wrap("train", step)
+        # Keep the TrainStep's "did the optimizer update begin" flag visible.
+        wrapped.update_started = step.update_started
+        wrapped.update_began = step.update_began
+        return wrapped
 
     def make_custom_train_step(model):
         return injector.wrap("train", make_custom_train(model))

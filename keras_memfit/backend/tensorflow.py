@@ -107,16 +107,31 @@ def _nvml_limit(index: int) -> Optional[Tuple[int, bool]]:
 # --------------------------------------------------------------------------
 # Compiled steps
 # --------------------------------------------------------------------------
-def _compile(model: keras.Model, fn: Callable) -> Callable:
+def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
     """`fn` compiled as Keras would compile the model's own steps.
 
     The step functions below reach the model through a weak reference, so
     that caching a compiled step per model (`keras_memfit._cache`) does not
-    keep the model alive.
+    keep the model alive. `static_shapes` traces once per piece size instead
+    of relaxing the batch dimension to unknown (see `_needs_static_batch`).
     """
     if getattr(model, "run_eagerly", False):
         return fn
-    return tf.function(fn, reduce_retracing=True, jit_compile=bool(model.jit_compile))
+    return tf.function(
+        fn, reduce_retracing=not static_shapes, jit_compile=bool(model.jit_compile)
+    )
+
+
+def _needs_static_batch(model: keras.Model) -> bool:
+    """Whether a step that splits batches must be traced with a static batch size.
+
+    Keras weights each per-output loss tracker (multi-output models) by the
+    *static* batch size of the outputs; in a step traced with an unknown batch
+    dimension every piece would count as one sample, so pieces of different
+    sizes would skew the per-output losses.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    return bool(getattr(compile_loss, "metrics", None))
 
 
 def make_predict_step(
@@ -141,7 +156,7 @@ def make_test_step(model: keras.Model) -> Callable:
     def test_step(data):
         return model_ref().test_step(data)
 
-    return _compile(model, test_step)
+    return _compile(model, test_step, static_shapes=_needs_static_batch(model))
 
 
 class VariableGuard:
@@ -153,20 +168,23 @@ class VariableGuard:
     updated some of the variables, or none.
     """
 
-    def __init__(self, variables: Sequence[Any]) -> None:
+    def __init__(self, variables: Sequence[Any], zero: Sequence[Any] = ()) -> None:
         self._variables = list(variables)
         self._shadows = []
         for v in self._variables:
             with tf.device(v.value.device):
                 self._shadows.append(tf.Variable(v.value, trainable=False))
         pairs = list(zip(self._shadows, self._variables))
+        flags = list(zero)
 
         @tf.function
         def snapshot():
             for shadow, v in pairs:
                 shadow.assign(v.value)
+            for flag in flags:
+                flag.assign(tf.zeros_like(flag))
 
-        self._snapshot = snapshot if pairs else None
+        self._snapshot = snapshot if pairs or flags else None
 
     def snapshot(self) -> None:
         """Record the variables' current values."""
@@ -179,9 +197,9 @@ class VariableGuard:
             v.assign(shadow)
 
 
-def guard_variables(variables: Sequence[Any]) -> VariableGuard:
-    """A `VariableGuard` over `variables` (see its docstring)."""
-    return VariableGuard(variables)
+def guard_variables(variables: Sequence[Any], zero: Sequence[Any] = ()) -> VariableGuard:
+    """A `VariableGuard` over `variables`; `zero` are set to 0 by each snapshot."""
+    return VariableGuard(variables, zero)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
@@ -336,15 +354,36 @@ def _barrier(gradients):
         return [None if g is None else tf.identity(g) for g in gradients]
 
 
-def make_train_step(model: keras.Model) -> Callable:
+class TrainStep:
     """Keras's default train step, compiled, with updates after all gradients.
 
-    Same computation as `TensorFlowTrainer.train_step`; the only difference is
-    a control dependency so that no weight, slot or iteration counter is
-    updated before the whole backward pass has succeeded: an OOM anywhere in
-    the forward or backward pass leaves them untouched.
+    Same computation as `TensorFlowTrainer.train_step`; the differences are
+    control dependencies so that no weight or slot is updated before the whole
+    backward pass has succeeded (an OOM in the forward or backward pass leaves
+    them untouched), and `update_started`, a flag set to 1 just before the
+    optimizer update begins: a step that failed with the flag set may have
+    updated some weights and must not be retried. Pass it as `zero=` to
+    `guard_variables` so that each snapshot clears it before a step.
     """
 
+    def __init__(self, model: keras.Model) -> None:
+        self.update_started = tf.Variable(0, dtype=tf.int32, trainable=False)
+        self._step = _make_train_step(model, self.update_started)
+
+    def __call__(self, data: Any) -> Any:
+        return self._step(data)
+
+    def update_began(self) -> bool:
+        """Whether the last step got as far as the optimizer update."""
+        return bool(self.update_started.numpy())
+
+
+def make_train_step(model: keras.Model) -> TrainStep:
+    """A `TrainStep` for `model` (see its docstring)."""
+    return TrainStep(model)
+
+
+def _make_train_step(model: keras.Model, update_started: tf.Variable) -> Callable:
     model_ref = weakref.ref(model)
 
     def train_step(data):
@@ -356,6 +395,10 @@ def make_train_step(model: keras.Model) -> Callable:
         weights = model.trainable_weights
         if weights:
             gradients = _barrier(tape.gradient(scaled, weights))
+            with tf.control_dependencies([g for g in gradients if g is not None]):
+                started = update_started.assign(1)
+            with tf.control_dependencies([started]):
+                gradients = [None if g is None else tf.identity(g) for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, weights))
         model._loss_tracker.update_state(_unscaled(loss), sample_weight=_rows(x))
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -441,7 +484,7 @@ class GradientAccumulator:
             for total in sums:
                 total.assign(tf.zeros_like(total))
 
-        self._add = _compile(model, add_step)
+        self._add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
         self._apply = _compile(model, apply_step)
         self._reset = reset
 
