@@ -77,8 +77,9 @@ class MemFit(keras.callbacks.Callback):
             `phase` ("train", "evaluate", "predict"), `kind` ("oom",
             "estimate", "grow"), `batch_size`, `old_size`, `new_size`,
             `old_split`, `new_split` (micro-batches per batch) and `reason`.
-            Epoch logs also get `memfit_ooms` (OOMs caught that epoch) and
-            `memfit_split` (the most micro-batches one batch was run as).
+            Epoch logs also get `memfit_ooms` (OOMs caught that epoch, in
+            training and validation) and `memfit_split` (the most pieces one
+            training batch was run as that epoch; 1 when none was split).
 
     Raises:
         ValueError: At the start of `fit`, if `mode="accumulate"` cannot be
@@ -169,8 +170,7 @@ class MemFit(keras.callbacks.Callback):
         self._uninstall("predict_function")
 
     def _start_standalone(self) -> None:
-        if _backend.name() != "tensorflow":
-            _backend.get()  # raises NotImplementedError naming the backend
+        _backend.get()  # raises NotImplementedError for unsupported backends
         self._uninstall_all()
         self._reset()
         self.events = []

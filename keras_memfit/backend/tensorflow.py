@@ -494,7 +494,7 @@ class GradientAccumulator:
 
     def add(self, data: Any, weight: float) -> None:
         """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        self._add(data, tf.constant(weight, tf.float32))
+        self._add(data, tf.constant(weight, tf.float64))  # cast to the loss dtype inside
 
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
