@@ -196,12 +196,12 @@ class BatchPlanner:
     def _estimate_reason(self) -> str:
         k = self._k
         stats = self._backend.memory_stats(self._device)
-        free = (self._limit[0] - stats[0]) if (self._limit and stats) else None
-        return (
-            f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample plus "
-            f"{k.fixed_bytes / 2**20:.1f} MiB, "
-            + (f"{free / 2**20:.0f} MiB free on {self._device}" if free is not None else "")
-        )
+        reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
+        if k.fixed_bytes:
+            reason += f" plus {k.fixed_bytes / 2**20:.1f} MiB"
+        if self._limit and stats:
+            reason += f", {(self._limit[0] - stats[0]) / 2**20:.0f} MiB free on {self._device}"
+        return reason
 
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
