@@ -43,8 +43,10 @@ import numpy as np
 from keras_memfit import _cache
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
+from keras_memfit.evaluate import test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planner import BatchPlanner, Event
+from keras_memfit.predict import predict_step
 from keras_memfit.runner import run_in_pieces
 
 logger = logging.getLogger("keras_memfit")
@@ -445,18 +447,7 @@ class MemFit(keras.callbacks.Callback):
         logs = {}
         for batch in backend.next_batches(iterator, model.steps_per_execution):
             if self._test_parts is None:
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-                backend.prepare_test(model, _data.rows((x, y, sample_weight), 0, 1))
-                key = (
-                    "evaluate",
-                    tuple(id(v) for v in model.metrics_variables),
-                    bool(getattr(model, "run_eagerly", False)),
-                    model.jit_compile,
-                )
-                step, guard = _cache.per_model(model, key, lambda: (
-                    backend.make_test_step(model),
-                    backend.guard_variables(model.metrics_variables),
-                ))
+                step, guard = test_step_and_guard(model, _as_chunk(batch))
                 self._test_parts = {"step": step, "guard": guard}
             chunk = _as_chunk(batch)
 
@@ -468,7 +459,7 @@ class MemFit(keras.callbacks.Callback):
                 model, "evaluate", [chunk],
                 lambda piece: self._test_parts["step"](_as_batch(piece)),
                 on_piece, requested=None, guard=self._test_parts["guard"],
-                events=self._planner_events,
+                planner=self._planner("evaluate", _data.signature(chunk[0])),
             )
             self._note_events(_data.num_rows(chunk))
         return logs.get("value", {})
@@ -480,11 +471,7 @@ class MemFit(keras.callbacks.Callback):
     def _predict_batches(self, data):
         backend = _backend.get()
         if self._predict_step is None:
-            model = self.model
-            key = ("predict", None, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
-            self._predict_step = _cache.per_model(
-                model, key, lambda: backend.make_predict_step(model)
-            )
+            self._predict_step = predict_step(self.model)
         per_batch = []
         for batch in data:
             x = keras.utils.unpack_x_y_sample_weight(batch)[0]
@@ -499,7 +486,7 @@ class MemFit(keras.callbacks.Callback):
                 lambda piece: keras.tree.map_structure(
                     backend.to_numpy, self._predict_step(piece[0])
                 ),
-                on_piece, requested=None, events=self._planner_events,
+                on_piece, requested=None, planner=self._planner("predict", _data.signature(x)),
             )
             self._note_events(_data.num_rows(x))
             per_batch.extend(pieces)

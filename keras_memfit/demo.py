@@ -19,8 +19,8 @@ machine, with no download:
 
 The memory limit must be in place before TensorFlow is imported, and
 `import keras_memfit` imports TensorFlow, so the work runs in a child process
-(`python -m keras_memfit.demo --worker ...`) started with the limit in its
-environment:
+(`keras_memfit._child`, shared with `keras-memfit predict`) started with the
+limit in its environment:
 
 - **CPU** (no GPU visible): TensorFlow's BFC allocator capped at N MiB
   (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=N`), oneDNN
@@ -46,16 +46,18 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+from keras_memfit import _child
+from keras_memfit._child import LogRecords as _Records
+from keras_memfit._child import Reporter
+from keras_memfit._child import describe_sizes as _describe_sizes
+from keras_memfit._child import gpu_visible as _gpu_visible
+from keras_memfit._child import stdout_reporter as _stdout_reporter
 
 __all__ = [
     "DEFAULT_CPU_MEMORY_LIMIT_MB",
@@ -86,12 +88,9 @@ DEFAULT_EPOCHS = 1
 TEST_SAMPLES = 28000  # rows of Kaggle's test.csv
 _TRAIN_BATCH_SIZE = 32
 _DEVICES = ("auto", "cpu", "gpu")
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-Reporter = Callable[[str], None]
 
 
-class DemoError(RuntimeError):
+class DemoError(_child.WorkerError):
     """The demo could not run (bad argument, unwritable output, worker failure)."""
 
 
@@ -136,11 +135,6 @@ class DemoResult:
     accuracy: float
     rows: int
     total_seconds: float
-
-
-def _stdout_reporter(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------
@@ -221,36 +215,18 @@ def run_demo(
         train_samples=int(train_samples), epochs=int(epochs), verbose=bool(verbose),
         seed=int(seed),
     )
-    with tempfile.TemporaryDirectory(prefix="keras_memfit_demo_") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        stderr_path = os.path.join(tmp, "stderr.txt")
-        command = [
-            sys.executable, "-m", "keras_memfit.demo", "--worker",
-            json.dumps(config), result_path,
-        ]
-        env = worker_environment(device, int(memory_limit_mb))
-        with open(stderr_path, "w+", encoding="utf-8", errors="replace") as stderr:
-            proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=stderr, env=env,
-                encoding="utf-8", errors="replace",
-            )
-            try:
-                for line in proc.stdout:
-                    report(line.rstrip("\n"))
-                code = proc.wait()
-            except BaseException:  # Ctrl-C or a failing reporter: stop the worker
-                proc.kill()
-                proc.wait()
-                raise
-            finally:
-                proc.stdout.close()
-            stderr.seek(0)
-            errors = stderr.read()
-        result = _read_json(result_path)
-    if result is not None and "error" in result:
-        raise DemoError(result["error"])
-    if code != 0 or result is None:
-        raise DemoError(_crash_message(code, errors, device, int(memory_limit_mb)))
+    segv_hint = (
+        "TensorFlow crashes instead of raising when the capped CPU allocator "
+        f"cannot hold the 88 MiB test set: try a --memory-limit above {memory_limit_mb}"
+        if device == "cpu" else None
+    )
+    try:
+        result = _child.run_worker(
+            "keras_memfit.demo:_work", config, report=report,
+            what="the demo's worker process", segv_hint=segv_hint,
+        )
+    except _child.WorkerError as err:
+        raise DemoError(str(err)) from err
     return DemoResult(**result)
 
 
@@ -267,7 +243,8 @@ def worker_environment(
 
     Returns:
         A new environment mapping: on CPU with TensorFlow's capped BFC
-        allocator, oneDNN off and GPUs hidden; on GPU without CPU caps.
+        allocator, oneDNN off and GPUs hidden; on GPU without CPU caps
+        (see `keras_memfit._child.worker_environment`).
 
     Raises:
         ValueError: If `device` is not "cpu" or "gpu".
@@ -277,68 +254,12 @@ def worker_environment(
         >>> env["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
         '400'
     """
-    env = dict(os.environ if base is None else base)
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONIOENCODING"] = "utf-8"
-    env["KERAS_BACKEND"] = "tensorflow"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    if device == "cpu":
-        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(memory_limit_mb))
-        env["TF_ENABLE_ONEDNN_OPTS"] = "0"  # oneDNN segfaults under the capped allocator
-        env["CUDA_VISIBLE_DEVICES"] = "-1"  # the model must run on the capped CPU
-    elif device == "gpu":
-        env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
-        env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
-    else:
-        raise ValueError(f'device must be "cpu" or "gpu"; received device={device!r}')
-    return env
+    return _child.worker_environment(device, int(memory_limit_mb), base)
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}; received {name}={value!r}")
-
-
-def _gpu_visible() -> bool:
-    """Whether TensorFlow sees a GPU, without importing it just to ask."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
-        return False
-    tf = sys.modules.get("tensorflow")
-    if tf is not None:
-        try:
-            return bool(tf.config.list_physical_devices("GPU"))
-        except Exception:  # a broken CUDA install: run on the CPU
-            return False
-    return os.path.exists("/dev/nvidia0")
-
-
-def _read_json(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _crash_message(code: int, errors: str, device: str, limit: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        message = f"the demo's worker process crashed ({name})"
-        if device == "cpu" and name == "SIGSEGV":
-            message += (
-                f"; TensorFlow crashes instead of raising when the capped CPU allocator "
-                f"cannot hold the 88 MiB test set: try a --memory-limit above {limit}"
-            )
-        return message
-    lines = [line.strip() for line in errors.splitlines() if line.strip()]
-    last = lines[-1] if lines else "no error message"
-    return f"the demo's worker process failed (exit code {code}): {last}"
 
 
 # --------------------------------------------------------------------------
@@ -353,53 +274,6 @@ def _oom_summary(exc: BaseException) -> str:
     match = _OOM_LINE.search(message)
     text = match.group(0).strip() if match else message.strip().splitlines()[0]
     return f"{type(exc).__name__}: {text}"
-
-
-def _describe_sizes(sizes: Sequence[int]) -> str:
-    """ "16, 64, 755 x 36, 648": consecutive equal sizes run-length encoded."""
-    parts: List[str] = []
-    i = 0
-    while i < len(sizes):
-        j = i
-        while j + 1 < len(sizes) and sizes[j + 1] == sizes[i]:
-            j += 1
-        count = j - i + 1
-        parts.append(f"{sizes[i]} x {count}" if count > 1 else str(sizes[i]))
-        i = j + 1
-    return ", ".join(parts)
-
-
-class _Records(logging.Handler):
-    """Keeps the `keras_memfit` logger's messages, and shows them as they come."""
-
-    def __init__(self, show: Optional[Reporter]) -> None:
-        super().__init__(logging.INFO)
-        self.messages: List[str] = []
-        self.warnings = 0
-        self.show = show
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        self.messages.append(message)
-        if record.levelno >= logging.WARNING:
-            self.warnings += 1
-        if self.show is not None:
-            self.show(f"      [{record.levelname}] {message}")
-
-
-def _configure_gpu(memory_limit_mb: int) -> None:
-    import tensorflow as tf
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        raise DemoError("device 'gpu' was asked for but TensorFlow sees no GPU; use --device cpu")
-    try:
-        tf.config.set_visible_devices(gpus[0], "GPU")
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)]
-        )
-    except RuntimeError as err:  # devices were initialised already
-        raise DemoError(f"could not limit the GPU's memory: {err}") from err
 
 
 def _build_model(keras: Any) -> Any:
@@ -429,8 +303,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     device, limit = config["device"], config["memory_limit_mb"]
     verbose = config["verbose"]
     step = say if verbose else (lambda line: None)
-    if device == "gpu":
-        _configure_gpu(limit)  # before any op touches the GPU
+    # On GPU, the child's entry (`_child.worker_main`) has set the limit already.
 
     import keras
     import numpy as np
@@ -511,20 +384,13 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         def on_predict_batch_end(self, batch, logs=None):
             sizes.append(len(logs["outputs"]))
 
-    logger = logging.getLogger("keras_memfit")
-    old_level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(records)
     t = time.perf_counter()
-    try:
+    with records.capture():
         labels = keras_memfit.safe_predict(
             model, x_test, batch_size=n,
             postprocess=lambda y: keras.ops.argmax(y, axis=-1),
             verbose=0, callbacks=[_BatchSizes()],
         )
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(old_level)
     safe_seconds = time.perf_counter() - t
     step(f"      OK in {safe_seconds:.1f} s: {len(labels)} labels")
 
@@ -566,19 +432,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
 
 def _worker_main(config_json: str, result_path: str) -> int:
     """Entry point of the worker process: run `_work`, write its result as JSON."""
-    try:
-        config = json.loads(config_json)
-        result = _work(config, _stdout_reporter)
-        code = 0
-    except DemoError as err:
-        result, code = {"error": str(err)}, 1
-    except Exception as err:  # reported by the parent as one line
-        message = str(getattr(err, "message", None) or err).strip().splitlines()
-        result = {"error": f"{type(err).__name__}: {message[0] if message else ''}"}
-        code = 1
-    with open(result_path, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    return code
+    return _child.worker_main(_work, config_json, result_path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

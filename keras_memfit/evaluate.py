@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
@@ -88,17 +88,7 @@ def safe_evaluate(
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
-    backend.prepare_test(model, _data.rows(first, 0, 1))
-    key = (
-        "evaluate",
-        tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
-        bool(getattr(model, "run_eagerly", False)),
-        model.jit_compile,
-    )
-    step, guard = _cache.per_model(
-        model, key,
-        lambda: (backend.make_test_step(model), backend.guard_variables(model.metrics_variables)),
-    )
+    step, guard = test_step_and_guard(model, first)
 
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
@@ -150,6 +140,27 @@ def safe_evaluate(
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
+
+
+def test_step_and_guard(model: keras.Model, batch: Any) -> Tuple[Any, Any]:
+    """The compiled test step for `model` and a guard over its metric state.
+
+    Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
+    chunk) first; both are cached per model, so repeated calls (and MemFit's
+    validation) trace once.
+    """
+    backend = _backend.get()
+    backend.prepare_test(model, _data.rows(batch, 0, 1))
+    key = (
+        "evaluate",
+        tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
+        bool(getattr(model, "run_eagerly", False)),
+        model.jit_compile,
+    )
+    return _cache.per_model(
+        model, key,
+        lambda: (backend.make_test_step(model), backend.guard_variables(model.metrics_variables)),
+    )
 
 
 def _metrics_result(model: keras.Model, logs: Any) -> Any:

@@ -113,7 +113,7 @@ def safe_predict(
         requested = max_batch_size if requested is None else min(requested, max_batch_size)
 
     backend = _backend.get()
-    step = _predict_step(model, postprocess)
+    step = predict_step(model, postprocess)
     writer = _OutputWriter(source.num_samples, out)
 
     first = next(source.chunks, None)
@@ -145,9 +145,9 @@ def safe_predict(
             return keras.tree.map_structure(backend.to_numpy, outputs)
         for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
             if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
-                source = "postprocess" if postprocess is not None else "the model's predict_step"
+                origin = "postprocess" if postprocess is not None else "the model's predict_step"
                 raise TypeError(
-                    f"{source} must return a tensor or a structure of tensors; "
+                    f"{origin} must return a tensor or a structure of tensors; "
                     f"received {type(leaf).__name__}: {leaf!r:.80}"
                 )
         return keras.tree.map_structure(backend.to_numpy, outputs)
@@ -175,7 +175,8 @@ def _chain(first, rest):
     yield from rest
 
 
-def _predict_step(model: keras.Model, postprocess: Optional[Callable]) -> Callable:
+def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
+    """The compiled predict step (then `postprocess`) for `model`, cached per model."""
     key = ("predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
     return _cache.per_model(
         model, key, lambda: _backend.get().make_predict_step(model, postprocess)
