@@ -269,13 +269,9 @@ class MemFit(keras.callbacks.Callback):
 
             def build():
                 make = backend.make_custom_train_step if custom else backend.make_train_step
-                step = make(model)
-                flags = [step.update_started] if hasattr(step, "update_started") else []
                 return {
-                    "step": step,
-                    "guard": backend.guard_variables(
-                        backend.train_state_variables(model), zero=flags
-                    ),
+                    "step": make(model),
+                    "guard": backend.guard_variables(backend.train_state_variables(model)),
                     "accumulator": None,
                 }
 
@@ -297,15 +293,21 @@ class MemFit(keras.callbacks.Callback):
         n = _data.num_rows(x)
         planner = self._planner("train", _data.signature(x), probe="after_oom")
         guard = parts["guard"]
+        step = parts["step"]
         if planner.next_size() >= n:
-            guard.snapshot()
+            # Keras's default step snapshots its own small state inside the
+            # compiled call; a custom one needs a separate snapshot first.
+            fused = hasattr(step, "last_outcome")
+            if not fused:
+                guard.snapshot()
             try:
-                logs = parts["step"](batch)
+                logs = step(batch)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                guard.restore()
-                if _update_began(parts["step"]):
+                if not fused:
+                    guard.restore()
+                elif step.last_outcome == step.UPDATE_BEGAN:
                     raise self._update_oom_error(batch, planner) from exc
                 if not planner.failed(n):
                     raise self._oom_error(batch, planner) from exc
@@ -335,7 +337,6 @@ class MemFit(keras.callbacks.Callback):
                 return parts["step"](piece)
             except Exception as exc:
                 if is_oom_error(exc) and _update_began(parts["step"]):
-                    parts["guard"].restore()
                     raise self._update_oom_error(piece, planner) from exc
                 raise
 
@@ -512,9 +513,9 @@ def _warn_if_untested_keras() -> None:
 
 
 def _update_began(step) -> bool:
-    """Whether a failed train step had begun its optimizer update."""
-    began = getattr(step, "update_began", None)
-    return bool(began()) if began is not None else False
+    """Whether a failed train step had begun its optimizer update (custom steps: unknown)."""
+    outcome = getattr(step, "last_outcome", None)
+    return outcome is not None and outcome == step.UPDATE_BEGAN
 
 
 def _as_chunk(batch) -> tuple:

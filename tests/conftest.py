@@ -146,6 +146,38 @@ class OOMInjector:
         return wrapped
 
 
+class _InjectedTrainStep:
+    """A backend `TrainStep` whose calls go through the injector.
+
+    An OOM injected *before* the step leaves it untouched, as a real OOM at
+    allocation time would; one injected *after* it ran is settled by the step
+    as a real late OOM would be (small state restored, `last_outcome` set).
+    """
+
+    def __init__(self, injector, step):
+        self._step = step
+        self.UNTOUCHED, self.RESTORED, self.UPDATE_BEGAN = (
+            step.UNTOUCHED, step.RESTORED, step.UPDATE_BEGAN)
+        self.last_outcome = None
+        self._call = injector.wrap("train", self._run)
+
+    def _run(self, data):
+        self._ran = True
+        return self._step(data)
+
+    def __call__(self, data):
+        self._ran = False
+        try:
+            return self._call(data)
+        except Exception:
+            if self._ran:  # failed after the real step completed
+                self._step._completed -= 1
+                self.last_outcome = self._step._settle()
+            else:
+                self.last_outcome = self._step.UNTOUCHED
+            raise
+
+
 @pytest.fixture
 def inject_oom(monkeypatch):
     """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
@@ -167,12 +199,7 @@ def inject_oom(monkeypatch):
     add = tf_backend.GradientAccumulator.add
 
     def make_train_step(model):
-        step = make_train(model)
-        wrapped = injector.wrap("train", step)
-        # Keep the TrainStep's "did the optimizer update begin" flag visible.
-        wrapped.update_started = step.update_started
-        wrapped.update_began = step.update_began
-        return wrapped
+        return _InjectedTrainStep(injector, make_train(model))
 
     def make_custom_train_step(model):
         return injector.wrap("train", make_custom_train(model))

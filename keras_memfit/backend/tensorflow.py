@@ -345,56 +345,94 @@ def _unscaled(loss):
     return loss_module.unscale_loss_for_distribution(loss)
 
 
-def _barrier(gradients):
-    """Make every update wait until every gradient exists (all-or-nothing steps)."""
-    present = [g for g in gradients if g is not None]
-    if not present:
-        return gradients
-    with tf.control_dependencies(present):
-        return [None if g is None else tf.identity(g) for g in gradients]
-
-
 class TrainStep:
-    """Keras's default train step, compiled, with updates after all gradients.
+    """Keras's default train step, compiled, that can tell how far a failed step got.
 
-    Same computation as `TensorFlowTrainer.train_step`; the differences are
-    control dependencies so that no weight or slot is updated before the whole
-    backward pass has succeeded (an OOM in the forward or backward pass leaves
-    them untouched), and `update_started`, a flag set to 1 just before the
-    optimizer update begins: a step that failed with the flag set may have
-    updated some weights and must not be retried. Pass it as `zero=` to
-    `guard_variables` so that each snapshot clears it before a step.
+    Same computation as `TensorFlowTrainer.train_step`, plus, inside the same
+    compiled function (no extra call per step):
+
+    - a snapshot of `guarded` (the small state a step updates: see
+      `train_state_variables`) into shadow variables, then a bump of
+      `generation`; the forward pass depends on both, so nothing that needs
+      memory runs before them;
+    - control dependencies so that no weight or slot is updated before every
+      gradient exists, and `update_started`, set to 1 right before the
+      optimizer update begins.
+
+    When a call raises an `Exception`, the step reads the two counters (host
+    reads, only then), restores the small state if the snapshot had run, and
+    sets `last_outcome`: `UNTOUCHED` (nothing ran: XLA, for one, allocates
+    before it executes anything), `RESTORED` (it ran part-way; its small state
+    is back), or `UPDATE_BEGAN` (the optimizer update had begun: weights may be
+    partly updated, so the step must not be retried).
     """
 
-    def __init__(self, model: keras.Model) -> None:
+    UNTOUCHED = "untouched"
+    RESTORED = "restored"
+    UPDATE_BEGAN = "update_began"
+
+    def __init__(self, model: keras.Model, guarded: Sequence[Any]) -> None:
         self.update_started = tf.Variable(0, dtype=tf.int32, trainable=False)
-        self._step = _make_train_step(model, self.update_started)
+        self.generation = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._completed = 0  # generations the host knows have run
+        self.last_outcome: Optional[str] = None
+        self._guarded = list(guarded)
+        self._shadows = []
+        for v in self._guarded:
+            with tf.device(v.value.device):
+                self._shadows.append(tf.Variable(v.value, trainable=False))
+        self._step = _make_train_step(
+            model, self.update_started, self.generation, list(zip(self._shadows, self._guarded))
+        )
 
     def __call__(self, data: Any) -> Any:
-        return self._step(data)
+        try:
+            logs = self._step(data)
+        except Exception:
+            self.last_outcome = self._settle()
+            raise
+        except BaseException:  # KeyboardInterrupt: whatever ran, ran
+            self._completed = int(self.generation.numpy())
+            raise
+        self._completed += 1
+        return logs
 
-    def update_began(self) -> bool:
-        """Whether the last step got as far as the optimizer update."""
-        return bool(self.update_started.numpy())
+    def _settle(self) -> str:
+        generation = int(self.generation.numpy())
+        if generation == self._completed:
+            return self.UNTOUCHED
+        self._completed = generation
+        for shadow, v in zip(self._shadows, self._guarded):
+            v.assign(shadow)
+        return self.UPDATE_BEGAN if int(self.update_started.numpy()) else self.RESTORED
 
 
 def make_train_step(model: keras.Model) -> TrainStep:
-    """A `TrainStep` for `model` (see its docstring)."""
-    return TrainStep(model)
+    """A `TrainStep` for `model`, guarding `train_state_variables(model)`."""
+    return TrainStep(model, train_state_variables(model))
 
 
-def _make_train_step(model: keras.Model, update_started: tf.Variable) -> Callable:
+def _make_train_step(model: keras.Model, update_started, generation, pairs) -> Callable:
     model_ref = weakref.ref(model)
 
     def train_step(data):
         model = model_ref()
+        reads = [shadow.assign(v.value) for shadow, v in pairs]
+        with tf.control_dependencies(reads):
+            reset = update_started.assign(0)
+        with tf.control_dependencies(reads + [reset]):
+            bumped = generation.assign_add(1)
+        with tf.control_dependencies([bumped]):
+            data = keras.tree.map_structure(
+                lambda t: None if t is None else tf.identity(t), data
+            )
         x, y, sample_weight = _unpack(data)
         with tf.GradientTape() as tape:
             y_pred, loss = _forward_loss(model, x, y, sample_weight)
             scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
         weights = model.trainable_weights
         if weights:
-            gradients = _barrier(tape.gradient(scaled, weights))
+            gradients = tape.gradient(scaled, weights)
             with tf.control_dependencies([g for g in gradients if g is not None]):
                 started = update_started.assign(1)
             with tf.control_dependencies([started]):
