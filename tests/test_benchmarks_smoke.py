@@ -30,10 +30,11 @@ def test_overhead_benchmark_quick_runs_and_prints_ratios(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ratios = re.findall(
-        r"^ratio (\w+) (predict|evaluate) batch=\d+: (\d+\.\d+)", proc.stdout, re.MULTILINE
+        r"^ratio (\w+) (predict|evaluate|fit) batch=\d+: (\d+\.\d+)", proc.stdout,
+        re.MULTILINE,
     )
     calls = {call for _, call, _ in ratios}
-    assert calls == {"predict", "evaluate"}, proc.stdout[-3000:]
+    assert calls == {"predict", "evaluate", "fit"}, proc.stdout[-3000:]
     assert all(float(value) > 0 for _, _, value in ratios)
     assert "| Ratio of medians |" in proc.stdout
     # --quick writes nothing unless --write is given.
