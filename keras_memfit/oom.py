@@ -150,6 +150,13 @@ class OutOfMemoryError(*_backend.get().oom_error_bases()):
     `except tf.errors.ResourceExhaustedError:` code keeps catching it. The
     backend error that caused it is chained as `__cause__`.
 
+    Args:
+        model_name: Name of the model that ran out of memory.
+        phase: What was running: "predict", "evaluate" or "train".
+        batch_shape: Shapes of the inputs of the one-sample batch that failed.
+        device: The device whose memory ran out, when known.
+        detail: Extra sentence about this failure, placed before the advice.
+
     Attributes:
         model_name: Name of the model that ran out of memory.
         phase: What was running: "predict", "evaluate" or "train".
