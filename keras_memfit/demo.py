@@ -68,8 +68,8 @@ __all__ = [
     "DemoResult",
     "MIN_CPU_MEMORY_LIMIT_MB",
     "TEST_SAMPLES",
+    "build_cnn",
     "run_demo",
-    "worker_environment",
 ]
 
 # Measured on 2 CPU cores (TensorFlow 2.21, Keras 3.15): the CNN needs about
@@ -230,33 +230,6 @@ def run_demo(
     return DemoResult(**result)
 
 
-def worker_environment(
-    device: str, memory_limit_mb: int, base: Optional[Dict[str, str]] = None
-) -> Dict[str, str]:
-    """The environment the demo's worker process runs with.
-
-    Args:
-        device: "cpu" or "gpu".
-        memory_limit_mb: The limit in MiB (applied through the environment
-            on CPU; the worker applies it itself on GPU).
-        base: Environment to start from; default `os.environ`.
-
-    Returns:
-        A new environment mapping: on CPU with TensorFlow's capped BFC
-        allocator, oneDNN off and GPUs hidden; on GPU without CPU caps
-        (see `keras_memfit._child.worker_environment`).
-
-    Raises:
-        ValueError: If `device` is not "cpu" or "gpu".
-
-    Example:
-        >>> env = worker_environment("cpu", 400)
-        >>> env["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
-        '400'
-    """
-    return _child.worker_environment(device, int(memory_limit_mb), base)
-
-
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}; received {name}={value!r}")
@@ -276,8 +249,21 @@ def _oom_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _build_model(keras: Any) -> Any:
-    """The Kaggle notebooks' CNN."""
+def build_cnn() -> Any:
+    """The Kaggle Digit Recognizer notebooks' CNN, compiled.
+
+    Returns:
+        `Conv2D 32 > Conv2D 64 > MaxPool > Flatten > Dense 10 softmax` on
+        28x28x1 inputs, compiled with Adam, sparse categorical cross-entropy
+        and accuracy (the demo's and the benchmarks' model).
+
+    Example:
+        >>> model = build_cnn()
+        >>> model.output_shape
+        (None, 10)
+    """
+    import keras
+
     model = keras.Sequential(
         [
             keras.Input((28, 28, 1)),
@@ -328,7 +314,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     )
 
     keras.utils.set_random_seed(config["seed"])
-    model = _build_model(keras)
+    model = build_cnn()
     t = time.perf_counter()
     history = model.fit(
         x_train, y_train, batch_size=_TRAIN_BATCH_SIZE, epochs=config["epochs"], verbose=0

@@ -83,7 +83,6 @@ def safe_evaluate(
         x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True
     )
     requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
-    backend = _backend.get()
 
     first = next(source.chunks, None)
     if first is None:

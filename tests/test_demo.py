@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 
+from keras_memfit import _child
 from keras_memfit import cli, demo, digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,17 +171,17 @@ def test_submission_round_trip(tmp_path):
 # --------------------------------------------------------------------------
 def test_worker_environment_caps_the_cpu_allocator_or_leaves_it_for_the_gpu():
     base = {"PATH": "/bin", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "9", "PYTHONPATH": "/x"}
-    cpu = demo.worker_environment("cpu", 400, base)
+    cpu = _child.worker_environment("cpu", 400, base)
     assert cpu["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
     assert cpu["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "400"
     assert cpu["TF_ENABLE_ONEDNN_OPTS"] == "0"
     assert cpu["CUDA_VISIBLE_DEVICES"] == "-1"
     assert cpu["PYTHONPATH"].split(os.pathsep) == [ROOT, "/x"]
-    gpu = demo.worker_environment("gpu", 1024, base)
+    gpu = _child.worker_environment("gpu", 1024, base)
     assert "TF_CPU_BFC_MEM_LIMIT_IN_MB" not in gpu and "TF_CPU_ALLOCATOR_USE_BFC" not in gpu
     assert base["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "9"  # not modified
     with pytest.raises(ValueError, match="device"):
-        demo.worker_environment("tpu", 1)
+        _child.worker_environment("tpu", 1)
 
 
 def test_describe_sizes_run_length_encodes():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import weakref
 
 import keras
 import numpy as np
@@ -15,7 +14,6 @@ import keras_memfit
 from keras_memfit import _cache
 from keras_memfit import OutOfMemoryError, is_oom_error
 from keras_memfit import oom as oom_module
-from keras_memfit import predict as predict_module
 from keras_memfit.backend import tensorflow as tf_backend
 
 XLA_MESSAGE = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12345 bytes."

@@ -18,7 +18,6 @@ import tensorflow as tf
 
 from keras_memfit import _cache
 from keras_memfit import OutOfMemoryError, safe_predict
-from keras_memfit import predict as predict_module
 from keras_memfit.backend import tensorflow as tf_backend
 
 RTOL, ATOL = 1e-5, 1e-6

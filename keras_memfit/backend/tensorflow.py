@@ -168,23 +168,20 @@ class VariableGuard:
     updated some of the variables, or none.
     """
 
-    def __init__(self, variables: Sequence[Any], zero: Sequence[Any] = ()) -> None:
+    def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
         self._shadows = []
         for v in self._variables:
             with tf.device(v.value.device):
                 self._shadows.append(tf.Variable(v.value, trainable=False))
         pairs = list(zip(self._shadows, self._variables))
-        flags = list(zero)
 
         @tf.function
         def snapshot():
             for shadow, v in pairs:
                 shadow.assign(v.value)
-            for flag in flags:
-                flag.assign(tf.zeros_like(flag))
 
-        self._snapshot = snapshot if pairs or flags else None
+        self._snapshot = snapshot if pairs else None
 
     def snapshot(self) -> None:
         """Record the variables' current values."""
@@ -197,9 +194,9 @@ class VariableGuard:
             v.assign(shadow)
 
 
-def guard_variables(variables: Sequence[Any], zero: Sequence[Any] = ()) -> VariableGuard:
-    """A `VariableGuard` over `variables`; `zero` are set to 0 by each snapshot."""
-    return VariableGuard(variables, zero)
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    """A `VariableGuard` over `variables` (see its docstring)."""
+    return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
