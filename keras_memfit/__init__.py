@@ -6,6 +6,10 @@ Public API:
     MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
     OutOfMemoryError: Raised when even a single sample does not fit.
+    memory_report: Per-layer memory (weights, optimizer slots, activations),
+        FLOPs, devices and the bytes crossing each candidate device cut.
+    place: Pin oversized embedding/input layers to `/CPU:0`, the rest on the
+        accelerator.
 
 The names are loaded on first use, so that `python -m keras_memfit` (whose
 demo must set memory limits before TensorFlow starts) and `--help` do not
@@ -21,6 +25,8 @@ _EXPORTS = {
     "MemFit": "keras_memfit.callbacks",
     "OutOfMemoryError": "keras_memfit.oom",
     "is_oom_error": "keras_memfit.oom",
+    "memory_report": "keras_memfit.report",
+    "place": "keras_memfit.placement",
     "safe_evaluate": "keras_memfit.evaluate",
     "safe_predict": "keras_memfit.predict",
 }
@@ -31,7 +37,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, see __getattr__
     from keras_memfit.callbacks import MemFit
     from keras_memfit.evaluate import safe_evaluate
     from keras_memfit.oom import OutOfMemoryError, is_oom_error
+    from keras_memfit.placement import place
     from keras_memfit.predict import safe_predict
+    from keras_memfit.report import memory_report
 
 
 def __getattr__(name: str) -> Any:

@@ -37,6 +37,18 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs a real GPU; skipped where TensorFlow sees none"
     )
+    config.addinivalue_line(
+        "markers",
+        "two_devices: run in a subprocess whose CPU is split into two logical devices "
+        "(/CPU:1 stands in for an accelerator); one subprocess per test module",
+    )
+    if in_two_device_subprocess():
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,7 +67,49 @@ def in_capped_subprocess() -> bool:
     return os.environ.get(CAPPED_ENV) == "1"
 
 
+TWO_DEVICES_ENV = "KERAS_MEMFIT_TEST_TWO_DEVICES"
+_two_device_results = {}  # module path -> (outcome per nodeid, child output)
+
+
+def in_two_device_subprocess() -> bool:
+    return os.environ.get(TWO_DEVICES_ENV) == "1"
+
+
+def _run_two_devices(pyfuncitem):
+    """Run the module's selected `two_devices` tests in one child; report this one."""
+    path = str(pyfuncitem.path)
+    if path not in _two_device_results:
+        nodeids = [
+            item.nodeid for item in pyfuncitem.session.items
+            if str(item.path) == path and item.get_closest_marker("two_devices")
+        ]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{TWO_DEVICES_ENV: "1"})
+        command = [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "--no-header", "-rA", *nodeids,
+        ]
+        result = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        )
+        outcomes = {}
+        for line in result.stdout.splitlines():
+            word, _, rest = line.partition(" ")
+            if word in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+                outcomes[rest.split(" - ")[0].strip()] = word
+        _two_device_results[path] = (outcomes, result.stdout + result.stderr[-3000:])
+    outcomes, output = _two_device_results[path]
+    if outcomes.get(pyfuncitem.nodeid) != "PASSED":
+        pytest.fail(
+            f"two-device subprocess: {pyfuncitem.nodeid} "
+            f"{outcomes.get(pyfuncitem.nodeid, 'did not run')}:\n{output[-8000:]}",
+            pytrace=False,
+        )
+    return True
+
+
 def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("two_devices") and not in_two_device_subprocess():
+        return _run_two_devices(pyfuncitem)
     marker = pyfuncitem.get_closest_marker("memory_cap")
     if marker is None or in_capped_subprocess():
         return None

@@ -10,7 +10,19 @@ one module per backend, each offering the same functions:
 - compiled steps: `make_predict_step(model, postprocess)`,
   `make_test_step(model)`, `output_spec(step, batch)`, `to_numpy(tensor)`,
   `prepare_test(model, batch)`;
-- undoing a failed step: `guard_variables(variables)` (snapshot/restore).
+- undoing a failed step: `guard_variables(variables)` (snapshot/restore);
+- memory report: `trace_layer_calls(model)` (every layer/operation call of
+  one symbolic forward pass, with tensor shapes and dtypes; nothing runs),
+  `variable_device_short(variable)` ("CPU:0", "GPU:0");
+- placement (`keras_memfit.place`): `host_device()`, `list_accelerators()`,
+  `canonical_device(name)`, `device_exists(name)`, `device_scope(device)`,
+  `variable_device(variable)`, `move_variable(variable, device)`,
+  `creating_on(device, add_weight)` (new variables created on a device, even
+  while tracing), `call_on_device(device, call)` (forward and gradient ops on
+  a device), `slot_variables(optimizer, variable)`,
+  `follow_variable_devices(optimizer)` (slots and updates on their
+  variable's device), `probe_inputs(model)` (one zero sample in the
+  structure the model is called with: a tensor, a list or a dict).
 
 Only TensorFlow is implemented; `get()` names the backend in its error for the
 others, so adding JAX or PyTorch means adding one module here.

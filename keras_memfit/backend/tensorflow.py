@@ -538,3 +538,382 @@ class GradientAccumulator:
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
     return GradientAccumulator(model)
+
+
+# ---- placement ----
+# Device code for `keras_memfit.place`: naming devices, moving a variable,
+# making optimizer slots and updates follow their variable.
+_HOST = "/CPU:0"
+
+
+def host_device() -> str:
+    """The host device that pinned layers live on."""
+    return _HOST
+
+
+def list_accelerators() -> list:
+    """Canonical names ("/GPU:0", ...) of the logical GPUs TensorFlow sees."""
+    return [canonical_device(d.name) for d in tf.config.list_logical_devices("GPU")]
+
+
+def canonical_device(name: str) -> Optional[str]:
+    """`name` as "/TYPE:index" ("/device:GPU:0" -> "/GPU:0"), or None if unparsable."""
+    try:
+        spec = tf.DeviceSpec.from_string(name)
+    except (ValueError, TypeError):
+        return None
+    if not spec.device_type:
+        return None
+    return f"/{spec.device_type.upper()}:{spec.device_index or 0}"
+
+
+def device_exists(name: str) -> bool:
+    """Whether `name` (canonical) is one of TensorFlow's logical devices."""
+    return any(canonical_device(d.name) == name for d in tf.config.list_logical_devices())
+
+
+def device_scope(device: str):
+    """A context manager placing ops and new variables on `device`."""
+    return tf.device(device)
+
+
+def variable_device(variable: Any) -> Optional[str]:
+    """Canonical device of a Keras (or tf) variable; None if not created yet."""
+    value = variable._value if isinstance(variable, keras.Variable) else variable
+    if value is None:
+        return None
+    return canonical_device(value.device)
+
+
+def move_variable(variable: Any, device: str) -> bool:
+    """Recreate a built `keras.Variable`'s storage on `device`, keeping its value.
+
+    The Keras variable object stays the same (layers, the optimizer and
+    trackers hold it); only the `tf.Variable` inside is replaced. Functions
+    traced before the move still hold the old one: reset them.
+
+    Returns:
+        Whether the variable was moved (False when it was already there or
+        is not created yet).
+    """
+    old = getattr(variable, "_value", None)
+    if old is None or canonical_device(old.device) == device:
+        return False
+    with tf.init_scope(), tf.device(device):
+        new = tf.Variable(
+            old.read_value(),
+            dtype=old.dtype,
+            trainable=old.trainable,
+            name=old.name.split(":")[0],
+            aggregation=old.aggregation,
+            synchronization=old.synchronization,
+        )
+    variable._value = new
+    return True
+
+
+def slot_variables(optimizer: Any, variable: Any) -> list:
+    """The optimizer variables created from `variable` (Adam's m and v, ...)."""
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return []
+    prefix = variable.path.replace("/", "_") + "_"
+    shape = tuple(variable.shape)
+    return [
+        v for v in optimizer.variables
+        if v.name.startswith(prefix) and tuple(v.shape) == shape
+    ]
+
+
+def follow_variable_devices(optimizer: Any) -> None:
+    """Make `optimizer` create each slot, and run each update, on its variable's device.
+
+    Keras creates slots on the current default device (on a GPU machine, the
+    GPU) whatever device their variable lives on; this wraps the optimizer's
+    `add_variable_from_reference` and `update_step` (instance attributes, once).
+    """
+    if optimizer is None or getattr(optimizer, "_memfit_follows_devices", False):
+        return
+    add_from_reference = optimizer.add_variable_from_reference
+    update_step = optimizer.update_step
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        device = variable_device(reference_variable)
+        if device is None:
+            return add_from_reference(reference_variable, *args, **kwargs)
+        with tf.init_scope(), tf.device(device):
+            slot = add_from_reference(reference_variable, *args, **kwargs)
+            if isinstance(slot, keras.Variable):
+                move_variable(slot, device)  # in case the scope was lost
+        return slot
+
+    def update_step_on_device(gradient, variable, *args, **kwargs):
+        device = variable_device(variable)
+        if device is None:
+            return update_step(gradient, variable, *args, **kwargs)
+        with tf.device(device):
+            return update_step(gradient, variable, *args, **kwargs)
+
+    # Bypass Keras's attribute tracking: these are plain functions.
+    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+    object.__setattr__(optimizer, "update_step", update_step_on_device)
+    object.__setattr__(optimizer, "_memfit_follows_devices", True)
+
+def creating_on(device: str, add_weight: Callable) -> Callable:
+    """`add_weight` creating its variable on `device`, even while a function is traced.
+
+    A variable created while tracing is lifted out of the graph into eager
+    mode, where the surrounding `tf.device` scope is lost, so the scope is
+    re-entered inside `tf.init_scope`.
+    """
+
+    def add_weight_on_device(*args, **kwargs):
+        with tf.init_scope(), tf.device(device):
+            variable = add_weight(*args, **kwargs)
+        if not isinstance(variable, keras.Variable):
+            return variable
+        if variable._value is None:  # deferred (symbolic build): created later
+            initialize = variable._deferred_initialize
+
+            def deferred_initialize():
+                with tf.init_scope(), tf.device(device):
+                    initialize()
+
+            object.__setattr__(variable, "_deferred_initialize", deferred_initialize)
+        else:  # created, not read yet: safe to move
+            with tf.init_scope():
+                move_variable(variable, device)
+        return variable
+
+    add_weight_on_device.__wrapped__ = add_weight
+    return add_weight_on_device
+
+
+def call_on_device(device: str, call: Callable) -> Callable:
+    """`call` whose ops run on `device`, its gradients included.
+
+    A `tf.device` scope around the forward pass does not reach its gradient
+    ops, which `GradientTape` creates later under whatever scope is active
+    (on a GPU machine, the GPU): the kernel gradient of a pinned Dense would
+    be computed there and cross back. The call is therefore wrapped in a
+    `tf.custom_gradient` whose backward pass runs under the same scope; an
+    embedding keeps its sparse (IndexedSlices) gradient.
+    """
+
+    def call_here(*args, **kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        inputs = [i for i, t in enumerate(flat)
+                  if tf.is_tensor(t) and not isinstance(t, tf.SparseTensor)
+                  and t.dtype.is_floating]
+
+        @tf.custom_gradient
+        def forward(*xs):
+            leaves = list(flat)
+            for i, x in zip(inputs, xs):
+                leaves[i] = x
+            a, k = tf.nest.pack_sequence_as((args, kwargs), leaves)
+            with tf.device(device), tf.GradientTape() as tape:
+                tape.watch(xs)
+                out = call(*a, **k)
+
+            def backward(*upstream, variables=None):
+                variables = list(variables or [])
+                with tf.device(device):
+                    grads = tape.gradient(
+                        out, list(xs) + variables,
+                        output_gradients=tf.nest.pack_sequence_as(out, list(upstream)),
+                    )
+                return grads[: len(xs)], grads[len(xs):]
+
+            return out, backward
+
+        return forward(*[flat[i] for i in inputs])
+
+    return call_here
+
+
+def probe_inputs(model: keras.Model) -> Tuple[Any, bool]:
+    """Zeros, one sample, in the structure `model` is called with: (inputs, positional).
+
+    The structure is the one `trace_layer_calls` uses (a functional or
+    Sequential model's `Input`s, a dict or list of them included; a
+    subclassed model's build shapes, dicts and lists included). Unknown
+    dimensions are 1. Call `model(inputs)` when `positional`, else
+    `model(**inputs)`.
+
+    Raises:
+        ValueError: If the model has not been built.
+    """
+    spec, positional = _model_input_specs(model)
+
+    def zeros(s):
+        shape = (1,) + tuple(1 if d is None else int(d) for d in s.shape[1:])
+        return tf.zeros(shape, dtype=s.dtype)
+
+    return keras.tree.map_structure(zeros, spec), positional
+
+
+# ---- memory report ----
+def variable_device_short(variable: Any) -> str:
+    """The device a variable's buffer lives on, short form ("CPU:0", "GPU:0"), or "".
+
+    Args:
+        variable: A `keras.Variable` or a `tf.Variable`.
+
+    Returns:
+        The device type and index ("CPU:0"), or "" when unknown.
+    """
+    value = getattr(variable, "_value", None)  # a keras.Variable's tf.Variable
+    if value is None:
+        value = variable
+    device = getattr(value, "device", "") or ""
+    if "device:" in device:
+        return device.rsplit("device:", 1)[-1]
+    return device.lstrip("/")
+
+
+def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
+    """(structure of `tf.TensorSpec`s, positional) to call `model` symbolically with.
+
+    Functional and Sequential models give their `Input`s; other models the
+    shapes they were built with (`_build_shapes_dict`, float32, or the model's
+    `input_dtype`). The batch dimension is always unknown.
+    """
+    struct = None
+    functional = getattr(model, "_functional", None)  # Sequential
+    for source in (model, functional):
+        struct = getattr(source, "_inputs_struct", None) if source is not None else None
+        if struct is not None:
+            break
+    if struct is not None:
+        spec = keras.tree.map_structure(
+            lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), tf.as_dtype(t.dtype)), struct
+        )
+        return spec, True
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if not model.built or not shapes:
+        raise ValueError(
+            f"the model {model.name!r} has not been built, so its layers' shapes are "
+            "unknown; received an unbuilt model. Build it first, as `model.summary()` "
+            "needs too: call it on a batch, call `model.build(input_shape)`, or give a "
+            "Sequential model a `keras.Input(shape)` first layer."
+        )
+    dtype = tf.as_dtype(getattr(model, "input_dtype", None) or "float32")
+
+    def to_spec(shape):
+        return tf.TensorSpec((None,) + tuple(shape[1:]), dtype)
+
+    def specs(shape):  # a shape, or a dict/list of them
+        if isinstance(shape, dict):
+            return {k: specs(v) for k, v in shape.items()}
+        if isinstance(shape, (tuple, list)) and shape and not all(
+            d is None or isinstance(d, int) for d in shape
+        ):
+            return type(shape)(specs(v) for v in shape)
+        return to_spec(shape)
+
+    if len(shapes) == 1:
+        (shape,) = shapes.values()
+        return specs(shape), True
+    return {k.removesuffix("_shape"): specs(s) for k, s in shapes.items()}, False
+
+
+def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], str]]:
+    if not isinstance(value, tf.Tensor) or not hasattr(value, "graph"):
+        return None
+    shape = tuple(value.shape.as_list()) if value.shape.rank is not None else (None,)
+    return value.name, shape, value.dtype.name
+
+
+def trace_layer_calls(model: keras.Model) -> dict:
+    """Every layer and operation call of one symbolic forward pass of `model`.
+
+    Calls `model(inputs, training=False)` inside a throw-away `tf.function`
+    trace (nothing runs, nothing is allocated) and a `keras.StatelessScope`
+    (no variable changes, no losses recorded), with `Layer.__call__` and
+    `Operation.__call__` temporarily wrapped to record each call; both are
+    restored before returning.
+
+    Args:
+        model: A built Keras model.
+
+    Returns:
+        A dict with `inputs` (list of tensor infos: `(key, shape, dtype)` where
+        `key` identifies the tensor and `shape` includes the batch dimension
+        as None), `outputs` (keys of the model's outputs) and `calls`: one dict
+        per call in call order with `op` (the layer or operation), `depth`
+        (1 for the model's direct children), `parent` (index of the enclosing
+        call, None at depth 1), `inputs` and `outputs` (tensor infos).
+
+    Raises:
+        ValueError: If the model has not been built.
+    """
+    from keras.src.layers.layer import Layer
+    from keras.src.ops.operation import Operation
+
+    spec, positional = _model_input_specs(model)
+    flat_spec = keras.tree.flatten(spec)
+    records: list = []
+    stack: list = []
+    result: dict = {}
+    layer_call, op_call = Layer.__call__, Operation.__call__
+
+    def record(op, original, args, kwargs):
+        index = len(records)
+        entry = {
+            "op": op,
+            "depth": len(stack),
+            "parent": stack[-1] if stack else None,
+            "inputs": [
+                info for info in map(_tensor_info, keras.tree.flatten((args, kwargs)))
+                if info is not None
+            ],
+            "outputs": [],
+        }
+        records.append(entry)
+        stack.append(index)
+        try:
+            outputs = original(op, *args, **kwargs)
+        finally:
+            stack.pop()
+        infos = [_tensor_info(t) for t in keras.tree.flatten(outputs)]
+        entry["outputs"] = [info for info in infos if info is not None]
+        return outputs
+
+    def patched_layer_call(self, *args, **kwargs):
+        return record(self, layer_call, args, kwargs)
+
+    def patched_op_call(self, *args, **kwargs):
+        if isinstance(self, Layer):  # already recorded by Layer.__call__
+            return op_call(self, *args, **kwargs)
+        return record(self, op_call, args, kwargs)
+
+    def forward(*flat):
+        inputs = keras.tree.pack_sequence_as(spec, flat)
+        result["inputs"] = [_tensor_info(t) for t in flat]
+        with keras.StatelessScope():
+            if positional:
+                outputs = model(inputs, training=False)
+            else:
+                outputs = model(**inputs, training=False)
+        result["outputs"] = [
+            info[0] for info in map(_tensor_info, keras.tree.flatten(outputs)) if info
+        ]
+        return outputs
+
+    Layer.__call__, Operation.__call__ = patched_layer_call, patched_op_call
+    try:
+        tf.function(forward, autograph=False).get_concrete_function(*flat_spec)
+    finally:
+        Layer.__call__, Operation.__call__ = layer_call, op_call
+    # The model's own call is depth 0: keep its descendants, one level up.
+    calls = []
+    remap = {}
+    for index, entry in enumerate(records):
+        if entry["depth"] == 0:
+            continue
+        remap[index] = len(calls)
+        entry = dict(entry)
+        entry["parent"] = remap.get(entry["parent"])
+        calls.append(entry)
+    result["calls"] = calls
+    return result

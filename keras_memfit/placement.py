@@ -1,0 +1,639 @@
+"""`place`: keep oversized, cheap-to-compute layers on the host, the rest on the accelerator.
+
+Some models do not fit however small the batch: a 2-million-row embedding
+table, a wide first Dense on raw features. Moving the whole model to the CPU
+costs ~10x per epoch. `place` pins only the layers whose weights are large
+but used at most once per sample (lookups, a Dense on flat features) to
+`/CPU:0`, where their variables, optimizer slots, forward ops and optimizer
+updates live; everything else (convolutions, attention, the head) stays on
+the accelerator, so that only the small tensor at the cut crosses PCIe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import keras
+import numpy as np
+
+from keras_memfit import _cache, _validate
+from keras_memfit import backend as backend_seam
+from keras_memfit._units import format_bytes
+
+logger = logging.getLogger("keras_memfit")
+
+#: Share of the accelerator's budget that weights and optimizer slots may use;
+#: the rest is left to activations (which `MemFit`/`safe_predict` then fit).
+WEIGHT_SHARE = 0.5
+#: With no budget given and no known device limit, a cheap layer is pinned
+#: only when its weights and slots reach this size.
+OVERSIZED_BYTES = 1 << 30
+#: When even pinning every cheap layer cannot make the rest fit, only cheap
+#: layers holding at least this share of all weights and slots are pinned.
+DOMINANT_SHARE = 0.1
+_CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
+_STATE = "_memfit_placement"
+_said_no_accelerator = False
+
+
+@dataclasses.dataclass
+class PlacementPlan:
+    """Where `place` put a model's layers, and why.
+
+    Attributes:
+        cpu_layers: Names of the layers pinned to the host.
+        accelerator: The device the rest lives on (None when there is none).
+        host: The host device ("/CPU:0").
+        device_bytes: Bytes of weights plus optimizer slots on each device.
+        crossing_bytes_per_sample: Bytes per sample crossing between host and
+            accelerator layers (the cut), model inputs and outputs excluded;
+            unknown dimensions (a variable sequence length) count as 1.
+            Measured by one probe pass on a zero sample shaped like the
+            model's inputs (one tensor, a list/tuple or a dict of them).
+        applied: Whether the model now spans two devices (some layer is
+            pinned to the host). False with no accelerator or nothing to pin;
+            the model's variables are then on the accelerator (or untouched,
+            without one).
+        reason: Why this cut (or why nothing).
+        layer_bytes: Weights plus slots of each top-level layer with weights.
+    """
+
+    cpu_layers: List[str]
+    accelerator: Optional[str]
+    host: str
+    device_bytes: Dict[str, int]
+    crossing_bytes_per_sample: int
+    applied: bool
+    reason: str
+    layer_bytes: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The plan as plain Python values (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def summary(self, print_fn: Optional[Callable[[str], None]] = None) -> None:
+        """Print the plan as a small table.
+
+        Args:
+            print_fn: Called with each line; defaults to `print`.
+        """
+        print_fn = print if print_fn is None else print_fn
+        for line in str(self).splitlines():
+            print_fn(line)
+
+    def __str__(self) -> str:
+        state = "applied" if self.applied else "nothing pinned"
+        lines = [f"keras_memfit placement ({state})"]
+        pinned = set(self.cpu_layers)
+        if self.layer_bytes:
+            width = max(len("layer"), *(len(n) for n in self.layer_bytes))
+            lines.append(f"  {'layer':<{width}}  {'device':<8}  weights+slots")
+            for name, size in self.layer_bytes.items():
+                device = self.host if name in pinned else (self.accelerator or self.host)
+                lines.append(f"  {name:<{width}}  {device:<8}  {format_bytes(size)}")
+        for device, size in self.device_bytes.items():
+            lines.append(f"  total on {device}: {format_bytes(size)}")
+        lines.append(f"  crossing per sample: {format_bytes(self.crossing_bytes_per_sample)}")
+        lines.append(f"  reason: {self.reason}")
+        return "\n".join(lines)
+
+
+def place(
+    model: keras.Model,
+    budget: Optional[int] = None,
+    *,
+    cpu_layers: Optional[Iterable[Union[str, keras.layers.Layer]]] = None,
+    accelerator: Optional[str] = None,
+    verbose: bool = False,
+) -> PlacementPlan:
+    """Pin a model's oversized, cheap-to-compute layers to `/CPU:0`, the rest to the accelerator.
+
+    The pinned layers' variables are created (or, if built, moved) on the
+    host, their forward ops run there, their optimizer slots and updates
+    follow them; the other layers' variables and the model's own ops go to
+    the accelerator. Weights and outputs are unchanged. Calling `place` again
+    replaces the previous placement.
+
+    Automatic choice (no `cpu_layers`): only top-level layers that use each
+    weight at most once per sample are candidates: at most 2 FLOPs per weight
+    per sample by `memory_report`, or, where FLOPs are unknown, Embedding,
+    hashing/lookup layers and a Dense/EinsumDense on flat features.
+    Convolutions, attention, RNNs and anything else reusing their weights
+    stay on the accelerator. Candidates are pinned in order of
+    most bytes freed per byte crossing the cut until the accelerator's
+    weights and optimizer slots fit in `WEIGHT_SHARE` (half) of `budget`; the
+    rest of the budget is left to activations. With `budget=None` the budget
+    is the accelerator's known memory limit (a logical-device limit or NVML);
+    when it is unknown, a candidate is pinned only when its weights and slots
+    reach `OVERSIZED_BYTES` (1 GiB). The automatic choice needs a built model;
+    `cpu_layers` works before `build` too (variables are then created on the
+    right device when the model builds).
+
+    XLA: a compiled (`jit_compile=True`) function is one cluster on one device
+    and cannot span host and accelerator, so when anything is pinned `place`
+    sets `model.jit_compile = False` (also after a later `compile`, whose
+    "auto" turns XLA on for GPUs) and logs it once. Traced train/test/predict
+    functions are reset so that they are traced again with the new devices.
+
+    Saving: `model.save` and `keras.saving.load_model` work as usual and keep
+    the weights; the placement is not saved: call `place` again after loading.
+
+    Args:
+        model: A Sequential, functional or subclassed Keras model, built or not.
+        budget: Bytes available on the accelerator, or None to read the
+            device's limit.
+        cpu_layers: Names or layer objects to pin, overriding the automatic
+            choice (nested layers may be named too). An empty list pins
+            nothing but still places the model on the accelerator.
+        accelerator: The device for the rest ("/GPU:0", "/CPU:1" in tests);
+            defaults to the first GPU. With no GPU and none given, nothing
+            changes and `place` says so once.
+        verbose: Print the plan.
+
+    Returns:
+        The `PlacementPlan`.
+
+    Raises:
+        TypeError: If `model` is not a Keras model.
+        ValueError: For a non-positive `budget`, an unknown layer name, an
+            accelerator that does not exist or is the host, or an automatic
+            choice asked of a model that is not built.
+
+    Example:
+        >>> plan = keras_memfit.place(model, budget=4 << 30)
+        >>> plan.summary()
+    """
+    _validate.model(model)
+    budget = _validate.positive_int("budget", budget)
+    be = backend_seam.get()
+    host = be.host_device()
+    accelerator = _resolve_accelerator(be, accelerator, host)
+    all_layers = list(model._flatten_layers(include_self=False, recursive=True))
+    pinned = None if cpu_layers is None else _resolve_layers(model, all_layers, cpu_layers)
+    if accelerator is None:
+        global _said_no_accelerator
+        if not _said_no_accelerator:
+            logger.warning(
+                "keras_memfit.place: no GPU is visible, so nothing changes: the whole "
+                "model already runs on the CPU. Pass accelerator= to name another device."
+            )
+            _said_no_accelerator = True
+        plan = _plan(model, be, host, None, [], False,
+                     "no accelerator: TensorFlow sees no GPU; nothing changed")
+        _show(plan, verbose)
+        return plan
+
+    rows = _report_rows(model)
+    sizes = _layer_bytes(model, be, rows)
+    if pinned is None:
+        if not model.built:
+            raise ValueError(
+                "place() needs a built model to choose layers by size; received an "
+                f"unbuilt {type(model).__name__} {model.name!r}. Call model.build("
+                "input_shape) (or the model on a batch) first, or pass cpu_layers=."
+            )
+        pinned, reason = _choose(model, be, accelerator, budget, sizes, rows)
+    else:
+        reason = "layers given by cpu_layers"
+    _apply(model, be, host, accelerator, pinned)
+    plan = _plan(model, be, host, accelerator, pinned, True, reason, sizes)
+    _show(plan, verbose)
+    return plan
+
+
+def _show(plan: PlacementPlan, verbose: bool) -> None:
+    if verbose:
+        plan.summary()
+    else:
+        logger.info("%s", plan)
+
+
+def _resolve_accelerator(be: Any, accelerator: Optional[str], host: str) -> Optional[str]:
+    if accelerator is None:
+        found = be.list_accelerators()
+        return found[0] if found else None
+    name = be.canonical_device(accelerator) if isinstance(accelerator, str) else None
+    if name is None or not be.device_exists(name):
+        raise ValueError(
+            "accelerator must name an existing device such as '/GPU:0'; received "
+            f"accelerator={accelerator!r}"
+        )
+    if name == host:
+        raise ValueError(
+            f"accelerator must differ from the host {host!r} that pinned layers use; "
+            f"received accelerator={accelerator!r}"
+        )
+    return name
+
+
+def _resolve_layers(model, all_layers, cpu_layers) -> List[keras.layers.Layer]:
+    if isinstance(cpu_layers, (str, keras.layers.Layer)):
+        cpu_layers = [cpu_layers]
+    try:
+        cpu_layers = list(cpu_layers)
+    except TypeError:
+        raise ValueError(
+            "cpu_layers must be a list of layer names or layers; received "
+            f"cpu_layers={cpu_layers!r}"
+        ) from None
+    by_name = {layer.name: layer for layer in all_layers}
+    ids = {id(layer) for layer in all_layers}
+    chosen = []
+    for item in cpu_layers:
+        if isinstance(item, keras.layers.Layer) and id(item) in ids:
+            layer = item
+        elif isinstance(item, str) and item in by_name:
+            layer = by_name[item]
+        else:
+            names = sorted(by_name)
+            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+            raise ValueError(
+                f"cpu_layers must name layers of model {model.name!r} ({shown}); "
+                f"received {item!r}"
+            )
+        if layer not in chosen:
+            chosen.append(layer)
+    return chosen
+
+
+# -------------------------------------------------------------------- sizes
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+
+
+def _slots_per_variable(optimizer) -> int:
+    """How many slots the optimizer keeps per trainable variable (0 without one)."""
+    if optimizer is None:
+        return 0
+    probe_var = keras.Variable(np.zeros((2,), "float32"), name="memfit_probe")
+    try:
+        clone = optimizer.__class__.from_config(optimizer.get_config())
+        clone.build([probe_var])
+        return sum(1 for v in clone.variables if tuple(v.shape) == (2,))
+    except Exception:  # an exotic optimizer: assume Adam's two slots
+        return 2
+
+
+def _report_rows(model) -> Dict[str, Any]:
+    """`memory_report`'s row (weights, slots, FLOPs per sample) per top-level layer name.
+
+    Empty when the report cannot be made (an unbuilt model, a layer it cannot
+    trace): sizes are then counted here and cheapness judged by layer class.
+    """
+    if not model.built:
+        return {}
+    try:
+        from keras_memfit.report import memory_report
+
+        rows = memory_report(model, batch_size=1).rows
+    except Exception as exc:  # the report is advisory here; count by hand instead
+        logger.debug("keras_memfit.place: memory_report unavailable (%s)", exc)
+        return {}
+    names = {layer.name for layer in model.layers}
+    return {row.name: row for row in rows if row.name in names}
+
+
+def _layer_bytes(model, be, rows=None) -> Dict[str, int]:
+    """Weights plus optimizer slots of each top-level layer that has weights."""
+    rows = _report_rows(model) if rows is None else rows
+    optimizer = getattr(model, "optimizer", None)
+    slots = None
+    sizes = {}
+    for layer in model.layers:
+        total = 0
+        for v in layer.weights:
+            total += _nbytes(v)
+            if v.trainable and optimizer is not None:
+                found = be.slot_variables(optimizer, v)
+                if found:
+                    total += sum(_nbytes(s) for s in found)
+                else:
+                    if slots is None:
+                        slots = _slots_per_variable(optimizer)
+                    total += slots * _nbytes(v)
+        row = rows.get(layer.name)
+        if row is not None and row.param_bytes == sum(_nbytes(v) for v in layer.weights):
+            total = row.param_bytes + row.slot_bytes
+        if layer.weights:
+            sizes[layer.name] = total
+    return sizes
+
+
+def _is_cheap(layer, row=None) -> bool:
+    """Whether `layer` uses each of its weights at most once per sample.
+
+    From `memory_report`'s FLOPs where known (at most 2 per weight per
+    sample: one multiply-add), else by class: lookups, and a Dense/EinsumDense
+    on flat (batch, features) inputs.
+    """
+    if row is not None and row.flops is not None and row.params:
+        return row.flops <= 2 * row.params * 1.01
+    name = type(layer).__name__
+    if any(key in name for key in _CHEAP_CLASSES):
+        return True
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        shape = _input_shape(layer)
+        return shape is not None and len(shape) == 2
+    return False
+
+
+def _input_shape(layer):
+    try:
+        return tuple(layer.input.shape)
+    except Exception:
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        if len(shapes) == 1:
+            return tuple(next(iter(shapes.values())))
+        return None
+
+
+# ----------------------------------------------------------------- crossing
+def _per_sample(tensor) -> int:
+    shape = tuple(tensor.shape)[1:]
+    count = int(np.prod([1 if d is None else int(d) for d in shape])) if shape else 1
+    return count * np.dtype(keras.backend.standardize_dtype(tensor.dtype)).itemsize
+
+
+class _Recorder:
+    """Records, for one probe forward pass, which top-level layer made and used which tensor."""
+
+    def __init__(self):
+        self.producer = {}  # id(tensor) -> layer name
+        self.consumers = {}  # id(tensor) -> set of layer names
+        self.inputs = {}  # layer name -> list of input tensors
+        self.outputs = {}  # layer name -> list of output tensors
+        self.keep = []  # keep tensors alive so ids stay unique
+
+
+def _probe(model) -> Optional[_Recorder]:
+    """Run the model once on one zero sample, recording each top-level layer's tensors.
+
+    The sample has the structure the model is called with (a tensor, a list
+    or tuple, or a dict of named inputs), for Sequential, functional and
+    subclassed models alike; None when it cannot be made (an unbuilt model).
+    """
+    try:
+        batch, positional = backend_seam.get().probe_inputs(model)
+    except Exception as exc:
+        logger.debug("keras_memfit.place: no probe inputs for %r (%s)", model.name, exc)
+        return None
+    recorder = _Recorder()
+    originals = []
+    for layer in model.layers:
+        call = layer.call
+
+        def recording(*args, __call=call, __name=layer.name, **kwargs):
+            flat_in = [t for t in keras.tree.flatten((args, kwargs)) if keras.ops.is_tensor(t)]
+            out = __call(*args, **kwargs)
+            flat_out = [t for t in keras.tree.flatten(out) if keras.ops.is_tensor(t)]
+            recorder.inputs[__name] = flat_in
+            recorder.outputs[__name] = flat_out
+            recorder.keep.extend(flat_in + flat_out)
+            for t in flat_in:
+                recorder.consumers.setdefault(id(t), set()).add(__name)
+            for t in flat_out:
+                recorder.producer[id(t)] = __name
+            return out
+
+        originals.append((layer, layer.__dict__.get("call")))
+        object.__setattr__(layer, "call", recording)
+    try:
+        if positional:
+            model(batch)
+        else:
+            model(**batch)
+    except Exception as exc:
+        logger.debug("keras_memfit.place: probe pass of %r failed (%s)", model.name, exc)
+        return None
+    finally:
+        for layer, original in originals:
+            if original is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", original)
+    return recorder
+
+
+def _crossing(recorder: Optional[_Recorder], names: Sequence[str]) -> int:
+    """Bytes per sample crossing between the layers `names` (host) and the rest."""
+    if recorder is None:
+        return 0
+    pinned = set(names)
+    seen, total = set(), 0
+    for name in pinned:
+        for t in recorder.inputs.get(name, []):
+            source = recorder.producer.get(id(t))
+            if source is not None and source not in pinned and id(t) not in seen:
+                seen.add(id(t))
+                total += _per_sample(t)
+        for t in recorder.outputs.get(name, []):
+            users = recorder.consumers.get(id(t), set())
+            if (not users or not users <= pinned) and id(t) not in seen:
+                seen.add(id(t))
+                total += _per_sample(t)
+    return total
+
+
+# ------------------------------------------------------------------- choice
+def _choose(model, be, accelerator, budget, sizes, rows):
+    recorder = _probe(model)
+    candidates = [layer for layer in model.layers
+                  if layer.name in sizes and _is_cheap(layer, rows.get(layer.name))]
+    total = sum(sizes.values())
+    if budget is None:
+        limit = be.memory_limit(accelerator.lstrip("/"))
+        budget = limit[0] if limit else None
+    if budget is None:
+        chosen = [c for c in candidates if sizes[c.name] >= OVERSIZED_BYTES]
+        if not chosen:
+            return [], (
+                f"accelerator memory unknown and no cheap layer reaches {format_bytes(OVERSIZED_BYTES)}; "
+                "nothing pinned (pass budget= to choose by size)"
+            )
+        return chosen, (
+            f"accelerator memory unknown: pinned the cheap layers of at least "
+            f"{format_bytes(OVERSIZED_BYTES)} of weights and slots"
+        )
+    allowed = int(budget * WEIGHT_SHARE)
+    if total <= allowed:
+        return [], (
+            f"weights and slots ({format_bytes(total)}) fit in {WEIGHT_SHARE:.0%} of the budget "
+            f"({format_bytes(allowed)}); nothing pinned"
+        )
+
+    def score(layer):
+        cost = _crossing(recorder, [layer.name])
+        return sizes[layer.name] / max(cost, 1)
+
+    chosen, rest = [], total
+    for layer in sorted(candidates, key=score, reverse=True):
+        if rest <= allowed:
+            break
+        chosen.append(layer)
+        rest -= sizes[layer.name]
+    if rest <= allowed:
+        # Keep only what the fit needs: drop the smallest pins that are not needed.
+        for layer in sorted(chosen, key=lambda c: sizes[c.name]):
+            if rest + sizes[layer.name] <= allowed:
+                chosen.remove(layer)
+                rest += sizes[layer.name]
+    else:
+        # Cannot fit anyway: pin only the dominant layers, not every small cheap one.
+        for layer in [c for c in chosen if sizes[c.name] < DOMINANT_SHARE * total]:
+            chosen.remove(layer)
+            rest += sizes[layer.name]
+    chosen.sort(key=model.layers.index)
+    names = ", ".join(c.name for c in chosen) or "none"
+    if rest <= allowed:
+        reason = (
+            f"weights and slots ({format_bytes(total)}) exceed {WEIGHT_SHARE:.0%} of the budget "
+            f"({format_bytes(allowed)}); pinned the cheap layers with the most bytes per byte "
+            f"crossing ({names}), leaving {format_bytes(rest)} on the accelerator"
+        )
+    else:
+        reason = (
+            f"weights and slots ({format_bytes(total)}) exceed {WEIGHT_SHARE:.0%} of the budget "
+            f"({format_bytes(allowed)}); pinning the cheap layers ({names}) still leaves "
+            f"{format_bytes(rest)}: the compute-heavy layers themselves do not fit (cheap "
+            f"layers under {DOMINANT_SHARE:.0%} of the total stay on the accelerator)"
+        )
+    return chosen, reason
+
+
+def _plan(model, be, host, accelerator, pinned, applied, reason, sizes=None):
+    sizes = _layer_bytes(model, be) if sizes is None else sizes
+    names = [layer.name for layer in pinned]
+    optimizer = getattr(model, "optimizer", None)
+    on_host = 0
+    total = sum(sizes.values())
+    for layer in pinned:
+        if layer.name in sizes and layer in model.layers:
+            on_host += sizes[layer.name]
+            continue
+        for v in layer.weights:
+            on_host += _nbytes(v)
+            if v.trainable and optimizer is not None:
+                found = be.slot_variables(optimizer, v)
+                on_host += (sum(_nbytes(s) for s in found) if found
+                            else _slots_per_variable(optimizer) * _nbytes(v))
+    if accelerator is None or not pinned:
+        device_bytes = {accelerator or host: total}
+        crossing = 0
+    else:
+        device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
+        crossing = _crossing(_probe(model), names) if model.built else 0
+    applied = applied and accelerator is not None and bool(names)
+    return PlacementPlan(
+        cpu_layers=names, accelerator=accelerator, host=host, device_bytes=device_bytes,
+        crossing_bytes_per_sample=crossing, applied=applied, reason=reason,
+        layer_bytes=dict(sizes),
+    )
+
+
+# -------------------------------------------------------------------- apply
+def _on_device(be, device: str, method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with be.device_scope(device):
+            return method(*args, **kwargs)
+
+    wrapped._memfit_placed = True
+    return wrapped
+
+
+def _undo(model) -> None:
+    """Remove the wrappers a previous `place` installed."""
+    state = model.__dict__.get(_STATE)
+    if not state:
+        return
+    for obj, attr, original in state["wrapped"]:
+        if original is None:
+            obj.__dict__.pop(attr, None)
+        else:
+            object.__setattr__(obj, attr, original)
+    object.__setattr__(model, _STATE, None)
+
+
+def _apply(model, be, host, accelerator, pinned) -> None:
+    _undo(model)
+    wrapped = []
+
+    def wrap(obj, attr, device):
+        original = obj.__dict__.get(attr)
+        wrapped.append((obj, attr, original))
+        object.__setattr__(obj, attr, _on_device(be, device, getattr(obj, attr)))
+
+    # Inner scopes win: the model's ops on the accelerator, pinned layers on the host.
+    wrap(model, "call", accelerator)
+    for layer in pinned:  # forward and backward on the host
+        wrapped.append((layer, "call", layer.__dict__.get("call")))
+        object.__setattr__(layer, "call", functools.wraps(layer.call)(
+            be.call_on_device(host, layer.call)))
+    # Variables not created yet: each layer creates its own where it belongs
+    # (Keras may create them while tracing, where a scope around `call` or
+    # `build` is lost when the creation is lifted out of the graph).
+    pinned_layers = {id(sub) for layer in pinned
+                     for sub in layer._flatten_layers(include_self=True, recursive=True)}
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        device = host if id(layer) in pinned_layers else accelerator
+        wrapped.append((layer, "add_weight", layer.__dict__.get("add_weight")))
+        object.__setattr__(layer, "add_weight", be.creating_on(device, layer.add_weight))
+
+    pinned_ids = {id(v) for layer in pinned for v in layer.weights}
+    moved = 0
+    for v in model.weights:
+        moved += be.move_variable(v, host if id(v) in pinned_ids else accelerator)
+
+    def follow(optimizer):
+        be.follow_variable_devices(optimizer)
+        if optimizer is not None and optimizer.built:
+            for v in model.trainable_variables:
+                device = be.variable_device(v)
+                for slot in be.slot_variables(optimizer, v):
+                    be.move_variable(slot, device)
+
+    follow(getattr(model, "optimizer", None))
+
+    compile_method = model.compile
+
+    @functools.wraps(compile_method)
+    def compile(*args, **kwargs):
+        compile_method(*args, **kwargs)
+        follow(getattr(model, "optimizer", None))
+        if pinned:
+            _no_xla(model)
+
+    wrapped.append((model, "compile", model.__dict__.get("compile")))
+    object.__setattr__(model, "compile", compile)
+    state = {"wrapped": wrapped, "pinned": [layer.name for layer in pinned]}
+    object.__setattr__(model, _STATE, state)
+    if pinned:
+        _no_xla(model)
+    _reset_functions(model)
+    logger.info(
+        "keras_memfit.place: %d layer(s) on the host, %d variable(s) moved",
+        len(pinned), moved,
+    )
+
+
+def _no_xla(model) -> None:
+    try:
+        was_on = bool(model.jit_compile)  # resolves "auto" (on for a GPU)
+    except Exception:  # a model without Keras's trainer
+        was_on = False
+    if was_on:
+        logger.info(
+            "keras_memfit.place: jit_compile turned off for %r: an XLA cluster runs on one "
+            "device and cannot span the host and the accelerator", model.name,
+        )
+    model.jit_compile = False
+
+
+def _reset_functions(model) -> None:
+    for attr in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    _cache._PER_MODEL.pop(model, None)
