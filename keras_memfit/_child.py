@@ -2,7 +2,7 @@
 
 A memory limit must be in place before TensorFlow is imported, and
 `import keras_memfit`'s public names import TensorFlow, so the command line
-(`keras-memfit demo`, `keras-memfit predict`) runs its work in a child
+(`keras-memfit demo`, `predict`, `report`) runs its work in a child
 process (`python -m keras_memfit._child TARGET CONFIG_JSON RESULT_PATH`)
 started with the limit in its environment:
 
@@ -181,7 +181,8 @@ def run_worker(
         ValueError: If `config["device"]` is not "cpu" or "gpu".
 
     Example:
-        >>> run_worker("keras_memfit.cli:_predict_work", config, what="the prediction process")
+        >>> run_worker("keras_memfit.predict_file:predict_work", config,
+        ...            what="the prediction process")
         {'samples': 28000, ...}
     """
     report = report or stdout_reporter

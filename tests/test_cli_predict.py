@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from cli_support import assert_one_line_error, run_cli
 from keras_memfit import cli, digits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 60  # not a multiple of the batch sizes used, so last batches are partial
 
 
@@ -68,14 +66,7 @@ def files(tmp_path_factory):
 
 
 def _run(*args, ok=True):
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_memfit", "predict", *map(str, args)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    if ok:
-        assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
-        assert result.stderr == ""
-    return result
+    return run_cli("predict", *args, ok=ok)
 
 
 def _read_csv(path):
@@ -280,13 +271,7 @@ def test_errors_caught_before_tensorflow_starts(tmp_path, monkeypatch, capsys, a
     np.save(tmp_path / "empty.npy", np.zeros((0, 28, 28), np.uint8))
     (tmp_path / "garbage.npy").write_text("garbage")
     (tmp_path / "garbage.npz").write_text("garbage")
-    assert cli.main(["predict", *argv]) == code
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("keras-memfit: error: ")
-    assert re.search(pattern, lines[0]), lines[0]
+    assert_one_line_error(capsys, ["predict", *argv], code, pattern)
     assert not (tmp_path / "o.npy").exists()
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from keras_memfit import _child
+from cli_support import assert_one_line_error
 from keras_memfit import cli, demo, digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,13 +219,7 @@ def test_run_demo_rejects_bad_arguments_before_starting_a_worker(tmp_path):
     ],
 )
 def test_cli_errors_are_one_line(capsys, argv, code, pattern):
-    assert cli.main(argv) == code
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("keras-memfit: error: ")
-    assert re.search(pattern, lines[0]), lines[0]
+    assert_one_line_error(capsys, argv, code, pattern)
 
 
 def test_cli_help_exits_zero(capsys):

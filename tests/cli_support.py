@@ -1,0 +1,40 @@
+"""Helpers shared by the command-line tests (test_cli_*.py, test_demo.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from keras_memfit import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(command: str, *args, ok: bool = True, timeout: int = 300):
+    """Runs `python -m keras_memfit COMMAND ARGS...` in a subprocess.
+
+    With `ok`, checks that it exited 0 and wrote nothing on stderr.
+    """
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_memfit", command, *map(str, args)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    if ok:
+        assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+        assert result.stderr == ""
+    return result
+
+
+def assert_one_line_error(capsys, argv, code: int, pattern: str) -> str:
+    """`cli.main(argv)` returns `code`, prints nothing on stdout and one
+    `keras-memfit: error: ...` line matching `pattern` on stderr."""
+    assert cli.main(argv) == code
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("keras-memfit: error: ")
+    assert re.search(pattern, lines[0]), lines[0]
+    return lines[0]

@@ -1,0 +1,150 @@
+"""The notebooks in notebooks/, executed end to end with nbclient.
+
+Each runs in a fresh Jupyter kernel (ipykernel's "python3", the interpreter
+running the tests) in a temporary working folder, on the offline data
+(`keras_memfit.digits` writes Kaggle-format CSVs there), with
+`KERAS_MEMFIT_NOTEBOOK_QUICK=1` cutting training to a few thousand rows and
+one epoch. The kernel inherits the test's environment, so under
+`@pytest.mark.memory_cap(MB)` its TensorFlow runs behind the capped CPU
+allocator and meets real out-of-memory errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+# 400 MiB: a training batch of 1024 (~0.9 MiB per sample) and the plain
+# model.predict of all 28,000 test images both run out of memory; the test
+# set itself (88 MiB as float32) and the model fit comfortably.
+DIGITS_CAP_MB = 400
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+
+def _notebook_paths():
+    return sorted(
+        os.path.join(NOTEBOOKS, name) for name in os.listdir(NOTEBOOKS)
+        if name.endswith(".ipynb")
+    )
+
+
+def _errors(nb):
+    """Error outputs, and tracebacks printed to stderr, in a notebook."""
+    found = []
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                found.append((index, output.get("ename"), output.get("evalue")))
+            elif output.get("name") == "stderr" and "Traceback" in output.get("text", ""):
+                found.append((index, "stderr", output["text"][-500:]))
+    return found
+
+
+def _execute(name, folder, monkeypatch):
+    """Run notebooks/NAME in `folder`; returns the executed notebook."""
+    monkeypatch.setenv("KERAS_MEMFIT_NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    path = os.environ.get("PYTHONPATH")  # this checkout, installed or not
+    monkeypatch.setenv("PYTHONPATH", ROOT + (os.pathsep + path if path else ""))
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3",
+        resources={"metadata": {"path": str(folder)}},
+    )
+    client.execute()  # raises CellExecutionError on the first failing cell
+    return nb
+
+
+def test_committed_notebooks_hold_no_errors():
+    paths = _notebook_paths()
+    names = {os.path.basename(path) for path in paths}
+    assert {"digit_recognizer.ipynb", "embeddings_on_cpu.ipynb"} <= names
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        assert _errors(nb) == [], path
+        assert nb.metadata["kernelspec"]["name"] == "python3", path
+
+
+def test_notebooks_say_how_to_install_on_kaggle():
+    for name in ("digit_recognizer.ipynb", "embeddings_on_cpu.ipynb"):
+        nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+        first = nb.cells[0]
+        assert first.cell_type == "markdown"
+        assert "pip install" in first.source and "Kaggle" in first.source, name
+
+
+@pytest.mark.memory_cap(DIGITS_CAP_MB)
+def test_digit_recognizer_writes_the_submission_under_a_memory_cap(tmp_path, monkeypatch):
+    from keras_memfit import digits
+
+    nb = _execute("digit_recognizer.ipynb", tmp_path, monkeypatch)
+    assert _errors(nb) == []
+
+    # Kaggle's submission format: ImageId 1..28000 in order, one label 0..9 each.
+    with open(tmp_path / "submission.csv") as f:
+        assert f.readline().strip() == "ImageId,Label"
+    rows = np.loadtxt(tmp_path / "submission.csv", delimiter=",", skiprows=1, dtype=np.int64)
+    assert rows.shape == (28000, 2)
+    np.testing.assert_array_equal(rows[:, 0], np.arange(1, 28001))
+    assert rows[:, 1].min() >= 0 and rows[:, 1].max() <= 9
+    # It predicted the generated test set (whose labels Kaggle would keep
+    # secret) with the model it trained: far better than chance (0.1), even
+    # after one quick epoch.
+    _, _, _, y_test = digits.load_digits(3000, 28000, return_test_labels=True)
+    accuracy = float(np.mean(rows[:, 1] == y_test))
+    assert accuracy > 0.3, accuracy
+
+    # The cap forced real OOMs: one in fit (MemFit split the batch) and one
+    # in predict (the plain model.predict of the whole test set).
+    with open(tmp_path / "memfit_run.json") as f:
+        run = json.load(f)
+    assert run["train_rows"] == 3000 and run["epochs"] == 1
+    assert run["fit_ooms"] >= 1 and run["fit_max_split"] >= 2, run
+    assert "ResourceExhaustedError" in (run["plain_predict_error"] or ""), run
+    assert run["submission_rows"] == 28000
+    assert run["report_peak_bytes"] > 0
+
+    # What it showed: the plot and the memory report.
+    outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+def _text(nb):
+    """Everything the notebook's cells printed."""
+    return "".join(
+        o.get("text", "") + o.get("data", {}).get("text/plain", "")
+        for cell in nb.cells for o in cell.get("outputs", [])
+    )
+
+
+def test_embeddings_on_cpu_pins_the_table_to_the_host(tmp_path, monkeypatch):
+    nb = _execute("embeddings_on_cpu.ipynb", tmp_path, monkeypatch)
+    assert _errors(nb) == []
+    text = _text(nb)
+    # No GPU here: the notebook made /CPU:1 a stand-in accelerator.
+    assert "accelerator: /CPU:1" in text, text[-3000:]
+    # After place(): the 500,000 x 32 float32 user table (64,000,000 B) and its
+    # two Adam slots, 192,000,000 B = 183.1 MiB, live on the host; the rest on
+    # /CPU:1. Before: all 190.5 MiB on the accelerator, nothing on the host.
+    rows = ("weights + slots", "bytes crossing", "layers on the host")
+    table = {line[:34].strip(): line[34:].split()
+             for line in text.splitlines() if line.startswith(rows)}
+    assert table["weights + slots on /CPU:0"] == ["0.0", "MiB", "183.1", "MiB"], table
+    before_acc, _, after_acc, _ = table["weights + slots on /CPU:1"]
+    assert float(after_acc) < 10 < 183.1 < float(before_acc), table
+    # What crosses: the looked-up user row, 32 float32 = 128 B per sample.
+    assert table["bytes crossing per sample"][-2:] == ["128", "B"], table
+    assert table["layers on the host"] == ["-", "user_embedding"], table
+    # The variables really moved.
+    assert re.search(r"user_embedding variables on: \S*CPU:0", text), text[-3000:]
+    assert re.search(r"mlp_1 variables on: \S*CPU:1", text), text[-3000:]
