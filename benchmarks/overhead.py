@@ -535,6 +535,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=None,
                         help="fixed sample count instead of calibrating")
     parser.add_argument("--max-samples", type=int, default=200_000)
+    parser.add_argument("--json", default=None,
+                        help="also write the raw timings to this JSON file "
+                             "(used by python -m benchmarks.run)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a ratio exceeds the target (off by default: "
                              "timings on shared machines are not a pass/fail test)")
@@ -584,6 +587,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ratio {r.model} {r.call} batch={r.batch_size}: {r.ratio:.3f} "
               f"({'pass' if r.passed else 'FAIL'} vs {r.target})")
 
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"cases": [dataclasses.asdict(r) for r in results],
+                       "machine": info}, f)
     write = not args.no_write and (args.write or not args.quick)
     if write:
         update_section(args.output, SECTION_KEY, section_markdown(results, info, argv, end_load))

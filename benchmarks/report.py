@@ -1,0 +1,623 @@
+"""RESULTS.md sections and results.png from the raw results (results.json).
+
+`python -m benchmarks.run` stores every scenario's raw measurements in
+`results.json` and calls `write_report`, which regenerates each generated
+section of RESULTS.md (between `<!-- BEGIN benchmark: KEY -->` and
+`<!-- END benchmark: KEY -->`; `notes: KEY` sections are hand-written and
+kept) and the plot. Figures: median (min-max) over the repeats, ratio of
+medians against the reference, the target and PASS/MISS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks import hostmem, seed, training
+from benchmarks.overhead import FILE_HEADER, TARGETS as OVERHEAD_TARGETS
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def span(values: Sequence[float], fmt: str = "{:.2f}") -> str:
+    """'median (min-max)', or the single value when there is one."""
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(values[0]) + " (1 run)"
+    return f"{fmt.format(median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def cap_text(cap_mb: int) -> str:
+    return f"a {cap_mb} MiB cap" if cap_mb else "no cap (--quick)"
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "**MISS**")
+
+
+def by_approach(runs: List[Dict[str, Any]], key: str = "seconds") -> Dict[str, List[float]]:
+    out: Dict[str, List[float]] = {}
+    for r in runs:
+        out.setdefault(r["approach"], []).append(r[key])
+    return out
+
+
+# --------------------------------------------------------------------------
+# Figures with targets (the summary table)
+# --------------------------------------------------------------------------
+def summary_rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per figure that has a target: what, measured, reference, ratio, verdict."""
+    rows: List[Dict[str, Any]] = []
+    over = results.get("overhead")
+    if over:
+        names = {"predict": ("safe_predict vs model.predict", "predict"),
+                 "evaluate": ("safe_evaluate vs model.evaluate", "evaluate"),
+                 "fit": ("fit with MemFit() vs plain fit", "fit")}
+        for call, (label, _) in names.items():
+            cases = [c for c in over["cases"] if c["call"] == call]
+            if not cases:
+                continue
+            worst = max(cases, key=lambda c: median(c["memfit_times"]) / median(c["keras_times"]))
+            ratios = [median(c["memfit_times"]) / median(c["keras_times"]) for c in cases]
+            target = OVERHEAD_TARGETS[call]
+            rows.append(dict(
+                scenario="1. overhead", figure=f"{label}, worst of {len(cases)} cases "
+                f"({worst['model']}, batch {worst['batch_size']})",
+                measured=span(worst["memfit_times"], "{:.3f}") + " s",
+                reference=span(worst["keras_times"], "{:.3f}") + " s",
+                ratio=f"{max(ratios):.3f} (all: {', '.join(f'{r:.2f}' for r in ratios)})",
+                target=f"<= {target}", ok=max(ratios) <= target, value=max(ratios),
+            ))
+    sd = results.get("seed")
+    if sd:
+        times = seed_times(sd)
+        cpu = seed_times(sd, cpu=True)
+        oracle = times.get("oracle")
+        for key, target in (("safe", 1.3), ("safe_second", 1.05)):
+            if key in times and oracle:
+                ratio = median(times[key]) / median(oracle)
+                cpu_ratio = median(cpu[key]) / median(cpu["oracle"])
+                rows.append(dict(
+                    scenario=f"2. seed ({sd['n']:,} digits)",
+                    figure=f"{seed.LABELS[key]} vs oracle",
+                    measured=span(times[key]) + " s", reference=span(oracle) + " s",
+                    ratio=f"{ratio:.3f} (CPU time: {cpu_ratio:.3f})", target=f"<= {target}",
+                    ok=ratio <= target, value=ratio,
+                ))
+        if "safe" in times:
+            others = {k: v for k, v in times.items() if k not in ("safe", "safe_second", "oracle")}
+            if others:
+                best = min(others, key=lambda k: median(others[k]))
+                ratio = median(times["safe"]) / median(others[best])
+                rows.append(dict(
+                    scenario=f"2. seed ({sd['n']:,} digits)",
+                    figure=f"safe_predict, 1st call vs the fastest other approach "
+                    f"({seed.LABELS[best]})",
+                    measured=span(times["safe"]) + " s", reference=span(others[best]) + " s",
+                    ratio=f"{ratio:.3f}", target="< 1", ok=ratio < 1, value=ratio,
+                ))
+    hm = results.get("hostmem")
+    if hm:
+        shares = by_approach(hm["runs"], "added_share")
+        for key in hostmem.TARGETED:
+            if key in shares:
+                worst = max(shares[key])
+                rows.append(dict(
+                    scenario="3. host memory", figure=f"{hostmem.LABELS[key]}: peak added "
+                    "memory / output size", measured=span([100 * s for s in shares[key]],
+                                                          "{:.1f}") + " %",
+                    reference=f"output {hm['output_bytes'] / MiB:.0f} MiB",
+                    ratio=f"{worst:.3f} (worst run)", target=f"< {hostmem.TARGET_SHARE}",
+                    ok=worst < hostmem.TARGET_SHARE, value=worst,
+                ))
+    return rows
+
+
+def summary_markdown(results: Dict[str, Any]) -> str:
+    rows = summary_rows(results)
+    quick = any("--quick" in str(v.get("command", "")) for v in results.values()
+                if isinstance(v, dict))
+    lines = [
+        "## Summary: the targets",
+        "",
+    ]
+    if quick:
+        lines += ["**A `--quick` smoke run: tiny sizes, no memory cap, one process. These",
+                  "numbers only show that the benchmarks run; they measure nothing.**", ""]
+    lines += [
+        "Ratio of medians (measured / reference) over interleaved runs, each in a",
+        "fresh process; times are seconds, `median (min-max)` over the repeats.",
+        "",
+        "| Scenario | Figure | Measured | Reference | Ratio | Target | Result |",
+        "|---|---|---:|---:|---:|:---:|:---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['figure']} | {r['measured']} | {r['reference']} | "
+            f"{r['ratio']} | {r['target']} | {verdict(r['ok'])} |"
+        )
+    missed = [r for r in rows if r["ok"] is False]
+    lines.append("")
+    if missed:
+        lines.append(f"**{len(missed)} of {len(rows)} targets missed**: see the scenario's "
+                     "section and the notes below.")
+    else:
+        lines.append(f"All {len(rows)} targets met in this run.")
+    lines.append("")
+    lines.append("![keras_memfit benchmarks](results.png)")
+    lines.append("")
+    lines.append(machine_markdown(results))
+    return "\n".join(lines)
+
+
+def machine_markdown(results: Dict[str, Any]) -> str:
+    machine = results.get("machine", {})
+    lines = ["| Machine | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+    ran = [f"{name}: {results[name]['date']}" for name in
+           ("overhead", "seed", "hostmem", "training", "scaling") if name in results]
+    if ran:
+        lines.append(f"| Scenarios run (UTC) | {'; '.join(ran)} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Scenario sections
+# --------------------------------------------------------------------------
+def seed_times(sd: Dict[str, Any], cpu: bool = False) -> Dict[str, List[float]]:
+    """Seconds per approach (wall, or CPU time of the child with `cpu`)."""
+    prefix = "cpu_" if cpu else ""
+    times = by_approach(sd["runs"], prefix + "seconds")
+    second = [r["second_" + prefix + "seconds"] for r in sd["runs"] if r["approach"] == "safe"]
+    if second:
+        times["safe_second"] = second
+    return times
+
+
+def seed_markdown(sd: Dict[str, Any]) -> str:
+    times = seed_times(sd)
+    cpu = seed_times(sd, cpu=True)
+    oracle = median(times["oracle"]) if "oracle" in times else None
+    oracle_cpu = median(cpu["oracle"]) if "oracle" in cpu else None
+    ooms: Dict[str, List[int]] = {}
+    batches: Dict[str, List[int]] = {}
+    for r in sd["runs"]:
+        ooms.setdefault(r["approach"], []).append(r["ooms"])
+        batches.setdefault(r["approach"], []).append(r["batch_size"])
+        if r["approach"] == "safe":
+            ooms.setdefault("safe_second", []).append(r["second_ooms"])
+            batches.setdefault("safe_second", []).append(r["second_batch_size"])
+    order = sorted(times, key=lambda k: median(times[k]))
+    lines = [
+        f"## 2. The seed scenario: {sd['n']:,} digit images under {cap_text(sd['cap_mb'])}",
+        "",
+        f"Generated by `{sd['command']}` on {sd['date']} UTC.",
+        "",
+        f"The demo's CNN (`keras_memfit.demo.build_cnn`) on {sd['n']:,} generated test digits,",
+        f"requested batch {sd['requested']:,} (the whole set, as in the seed notebook), CPU",
+        f"allocator: {cap_text(sd['cap_mb'])}. The oracle's batch, "
+        f"{sd['oracle_batch']}, is the largest batch the",
+        "whole `model.predict` call ran with in an untimed bisection beforehand (each try\n"
+        "in a fresh process) "
+        f"(smallest failure found: {sd.get('smallest_failed')}).",
+        "Each approach runs in a fresh process; time from the call to the finished",
+        "predictions, OOM waits included; every approach's predictions are checked",
+        f"against the oracle's. Repeats: {sd['repeats_note']}. CPU seconds (the child's",
+        "process time over the same region, all threads) are beside the wall time: they",
+        "do not count the OOM waits (the allocator sleeps) but are much less sensitive",
+        "to other jobs on the machine than wall time.",
+        "",
+        "| Approach | Seconds: median (min-max) | Ratio to oracle | OOMs paid | Batch used "
+        "| CPU s: median | CPU ratio to oracle |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in order:
+        ratio = f"{median(times[key]) / oracle:.2f}" if oracle else "n/a"
+        cpu_ratio = f"{median(cpu[key]) / oracle_cpu:.2f}" if oracle_cpu else "n/a"
+        b = sorted(set(batches.get(key, [])))
+        o = sorted(set(ooms.get(key, [])))
+        lines.append(
+            f"| {seed.LABELS[key]} | {span(times[key])} | {ratio} | "
+            f"{', '.join(map(str, o))} | {', '.join(map(str, b))} | "
+            f"{median(cpu[key]):.2f} | {cpu_ratio} |"
+        )
+    lines.append("")
+    first = [r.get("first_sizes") for r in sd["runs"] if r["approach"] == "safe"]
+    if first and first[0]:
+        lines.append(f"safe_predict's first pieces: {first[0]} (probes, then the estimate).")
+    return "\n".join(lines)
+
+
+def overhead_markdown(over: Dict[str, Any]) -> str:
+    from benchmarks.overhead import Result, results_table, verdicts
+
+    results = [Result(**c) for c in over["cases"]]
+    return "\n".join([
+        "## 1. Overhead with no memory pressure",
+        "",
+        f"Generated by `{over['command']}` on {over['date']} UTC, in one fresh process with",
+        f"the CPU allocator capped at {over['cap_mb']} MiB (far above what these cases use).",
+        "Method as in `benchmarks/overhead.py`: per case, the sample count is",
+        "calibrated so one Keras call takes about a second; both paths warmed up and",
+        "their outputs checked equal, then timed in interleaved pairs alternating who",
+        "goes first; fit resets weights and optimizer state before every call.",
+        "",
+        results_table(results),
+        "",
+        verdicts(results),
+    ])
+
+
+def hostmem_markdown(hm: Dict[str, Any]) -> str:
+    added = by_approach(hm["runs"], "added_bytes")
+    shares = by_approach(hm["runs"], "added_share")
+    hwm = by_approach([r for r in hm["runs"] if r.get("hwm_added_bytes") is not None],
+                      "hwm_added_bytes")
+    secs = by_approach(hm["runs"])
+    lines = [
+        f"## 3. Host memory: a {hm['n']:,} x {hm['width']:,} float32 output "
+        f"({hm['output_bytes'] / MiB:.0f} MiB)",
+        "",
+        f"Generated by `{hm['command']}` on {hm['date']} UTC. No allocator cap (this is",
+        "about host RAM). Peak anonymous resident memory added over a baseline taken after",
+        "the model, the input and a warm-up call on 4,096 rows, sampled every millisecond;",
+        "VmHWM (peak resident including file-backed pages, such as the memmap's) alongside.",
+        f"batch_size={hm['batch_size']}; {hm['repeats']} run(s) per approach, each in a fresh "
+        "process.",
+        "",
+        "| Approach | Added anon. MiB: median (min-max) | Share of output | VmHWM added MiB "
+        "| Seconds | Target | Result |",
+        "|---|---:|---:|---:|---:|:---:|:---:|",
+    ]
+    for key in hostmem.APPROACHES:
+        if key not in added:
+            continue
+        targeted = key in hostmem.TARGETED
+        ok = max(shares[key]) < hostmem.TARGET_SHARE if targeted else None
+        lines.append(
+            f"| {hostmem.LABELS[key]} | {span([a / MiB for a in added[key]], '{:.0f}')} | "
+            f"{median(shares[key]):.1%} | "
+            f"{span([a / MiB for a in hwm.get(key, [])], '{:.0f}')} | {span(secs[key])} | "
+            f"{'< 10%' if targeted else '-'} | {verdict(ok) if targeted else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def training_markdown(tr: Dict[str, Any]) -> str:
+    runs = tr["runs"]
+    secs = by_approach(runs)
+    ref = [r for r in runs if r["approach"] == "uncapped"]
+    ref_loss = median([r["final_loss"] for r in ref]) if ref else None
+    lines = [
+        f"## 4. Training under the cap: {tr['epochs']} epochs of {tr['n']:,} digits, "
+        f"batch_size={tr['batch_size']}",
+        "",
+        f"Generated by `{tr['command']}` on {tr['date']} UTC. CPU allocator: "
+        f"{cap_text(tr['cap_mb'])}",
+        f"(the uncapped reference: {training.UNCAPPED_MB} MiB). The demo's CNN, the same initial",
+        "weights in every process, `shuffle=False`. \"Final loss\" is the trained model's loss",
+        "on the whole training set (`safe_evaluate`, untimed); the last epoch's logged loss is",
+        f"beside it. {tr['repeats']} run(s) per approach, interleaved, each in a fresh process.",
+        "",
+        "| Approach | Seconds: median (min-max) | Ratio to uncapped | OOMs paid | Batch / split "
+        "| Optimizer steps | Final loss | vs uncapped | Last epoch loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ref_secs = median(secs["uncapped"]) if "uncapped" in secs else None
+    for key in training.APPROACHES:
+        mine = [r for r in runs if r["approach"] == key]
+        if not mine:
+            continue
+        r0 = mine[-1]
+        loss = median([r["final_loss"] for r in mine])
+        diff = f"{loss - ref_loss:+.2e}" if ref_loss is not None else "n/a"
+        how = f"{r0['batch_size']}" + (f", split {r0['split']}" if "split" in r0 else "")
+        lines.append(
+            f"| {training.LABELS[key]} | {span(secs[key])} | "
+            f"{median(secs[key]) / ref_secs:.2f} | "
+            f"{', '.join(map(str, sorted({r['ooms'] for r in mine})))} | {how} | "
+            f"{r0['optimizer_steps']} | {loss:.5f} | {diff} | "
+            f"{median([r['last_epoch_loss'] for r in mine]):.5f} |"
+            if ref_secs else f"| {training.LABELS[key]} | {span(secs[key])} | n/a | | | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def scaling_samples(sc: Dict[str, Any], sd: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The samples axis: scaling's own points plus the seed scenario's (same model and cap)."""
+    points = list(sc["samples"])
+    if sd and sd.get("cap_mb") == sc.get("cap_mb"):
+        points = [p for p in points if p["n"] != sd["n"]]
+        points += [r for r in sd["runs"] if r["approach"] in sc["approaches"]]
+    return points
+
+
+def scaling_markdown(results: Dict[str, Any]) -> str:
+    sc = results["scaling"]
+    samples = scaling_samples(sc, results.get("seed"))
+    lines = [
+        "## 5. Scaling: samples, and how far the requested batch overshoots",
+        "",
+        f"Generated by `{sc['command']}` on {sc['date']} UTC. The seed scenario's model, "
+        f"{cap_text(sc['cap_mb'])}",
+        f"and oracle batch ({sc['oracle_batch']}); one run per point, each in a fresh process "
+        "(the",
+        "approaches that pay OOMs are dominated by the ~10 s each costs, not by noise). The",
+        "largest sample count is the seed scenario's runs (median of its repeats; its oracle",
+        "batch is the seed section's). 100,000 samples are not run: under this cap",
+        "`model.predict` must hold its whole input as one tensor (314 MB for 100,000",
+        "digits), which leaves no room for a batch.",
+        "",
+        "Samples (requested batch = all of them, as in the seed):",
+        "",
+        "| Samples | " + " | ".join(seed.LABELS[a] for a in sc["approaches"]) + " |",
+        "|---:|" + "---:|" * len(sc["approaches"]),
+    ]
+    for n in sorted({p["n"] for p in samples}):
+        cells = []
+        for a in sc["approaches"]:
+            pts = [p for p in samples if p["n"] == n and p["approach"] == a]
+            cells.append(f"{median([p['seconds'] for p in pts]):.1f} s "
+                         f"({pts[0]['ooms']} OOM)" if pts else "-")
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    over_apps = [a for a in sc["approaches"] if a != "oracle"]
+    lines += [
+        "",
+        f"Overshoot ({sc['overshoot_n']:,} samples; requested batch = factor x the oracle's "
+        "batch; the oracle's time at that size for reference: "
+        f"{sc.get('overshoot_oracle_seconds', float('nan')):.1f} s):",
+        "",
+        "| Factor | Requested | " + " | ".join(seed.LABELS[a] for a in over_apps) + " |",
+        "|---:|---:|" + "---:|" * len(over_apps),
+    ]
+    for f in sorted({p["factor"] for p in sc["overshoot"]}):
+        pts = [p for p in sc["overshoot"] if p["factor"] == f]
+        cells = []
+        for a in over_apps:
+            mine = [p for p in pts if p["approach"] == a]
+            cells.append(f"{mine[0]['seconds']:.1f} s ({mine[0]['ooms']} OOM)" if mine else "-")
+        lines.append(f"| {f:g} | {pts[0]['requested']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+SECTIONS = (
+    ("summary", summary_markdown, None),
+    ("overhead", overhead_markdown, "overhead"),
+    ("seed", seed_markdown, "seed"),
+    ("hostmem", hostmem_markdown, "hostmem"),
+    ("training", training_markdown, "training"),
+    ("scaling", scaling_markdown, "scaling*"),
+)
+
+
+# --------------------------------------------------------------------------
+# RESULTS.md
+# --------------------------------------------------------------------------
+def _markers(key: str) -> Tuple[str, str]:
+    return f"<!-- BEGIN benchmark: {key} -->", f"<!-- END benchmark: {key} -->"
+
+
+def update_section(text: str, key: str, body: str, first: bool = False) -> str:
+    """`text` with `key`'s generated section replaced, or added (at the top if `first`)."""
+    begin, end = _markers(key)
+    block = f"{begin}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    if first:
+        match = re.search(r"^<!-- BEGIN ", text, re.MULTILINE)
+        if match:
+            return text[:match.start()] + block + "\n\n" + text[match.start():]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def write_markdown(path: str, results: Dict[str, Any]) -> None:
+    """Regenerate every section `results` has data for; keep everything else in `path`."""
+    text = FILE_HEADER
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    for key, render, needs in SECTIONS:
+        whole = needs is None or needs.endswith("*")  # the renderer takes all results
+        if needs is not None and needs.rstrip("*") not in results:
+            continue
+        text = update_section(text, key, render(results if whole else results[needs]),
+                              first=key == "summary")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# --------------------------------------------------------------------------
+# results.png
+# --------------------------------------------------------------------------
+def write_plot(path: str, results: Dict[str, Any]) -> None:
+    """Draw the figures of every scenario present into one PNG (matplotlib, Agg).
+
+    Raises:
+        RuntimeError: If matplotlib is not installed (`pip install ".[bench]"`).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError(
+            "benchmarks need matplotlib to draw results.png; install it with "
+            "`pip install \".[bench]\"` (or pass --no-plot)"
+        ) from err
+
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    axes = axes.ravel()
+    _plot_overhead(axes[0], results.get("overhead"))
+    _plot_seed(axes[1], results.get("seed"))
+    _plot_hostmem(axes[2], results.get("hostmem"))
+    _plot_training(axes[3], results.get("training"))
+    _plot_scaling_samples(axes[4], results.get("scaling"), results.get("seed"))
+    _plot_scaling_overshoot(axes[5], results.get("scaling"))
+    date = max((results[k]["date"] for k in results if isinstance(results[k], dict)
+                and "date" in results[k]), default="")
+    machine = results.get("machine", {})
+    fig.suptitle(
+        f"keras_memfit benchmarks ({machine.get('CPU', 'CPU')}, "
+        f"{machine.get('CPU count (usable / total)', '?')} CPUs; TensorFlow "
+        f"{machine.get('TensorFlow', '?')}, Keras {machine.get('Keras', '?')}; {date} UTC)",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _empty(ax, title: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _plot_overhead(ax, over) -> None:
+    title = "1. Overhead, no memory pressure (ratio of medians)"
+    if not over:
+        return _empty(ax, title)
+    cases = over["cases"]
+    labels = [f"{c['model']}\n{c['call']} {c['batch_size']}" for c in cases]
+    ratios = [median(c["memfit_times"]) / median(c["keras_times"]) for c in cases]
+    colors = {"predict": "tab:blue", "evaluate": "tab:green", "fit": "tab:orange"}
+    ax.barh(range(len(cases)), ratios, color=[colors[c["call"]] for c in cases])
+    for i, c in enumerate(cases):
+        ax.plot([OVERHEAD_TARGETS[c["call"]]] * 2, [i - 0.4, i + 0.4], "k--", lw=1)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(cases)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("keras_memfit time / Keras time (dashed: target)")
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_seed(ax, sd) -> None:
+    title = "2. Seed: time to the predictions under the cap"
+    if not sd:
+        return _empty(ax, title)
+    title = f"2. Seed: time to {sd['n']:,} predictions under the cap"
+    times = seed_times(sd)
+    ooms = {r["approach"]: r["ooms"] for r in sd["runs"]}
+    ooms["safe_second"] = next((r["second_ooms"] for r in sd["runs"]
+                                if r["approach"] == "safe"), 0)
+    order = sorted(times, key=lambda k: median(times[k]))
+    meds = [median(times[k]) for k in order]
+    colors = ["tab:green" if k.startswith("safe") else
+              "tab:grey" if k == "oracle" else "tab:red" for k in order]
+    ax.barh(range(len(order)), meds, color=colors)
+    for i, k in enumerate(order):
+        lo, hi = min(times[k]), max(times[k])
+        ax.plot([lo, hi], [i, i], "k-", lw=1)
+        ax.text(hi, i, f"  {meds[i]:.0f} s, {ooms.get(k, 0)} OOM", va="center", fontsize=7)
+    ax.set_yticks(range(len(order)))
+    ax.set_yticklabels([seed.LABELS[k].replace(" (", "\n(").replace(": ", ":\n")
+                        for k in order], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(f"seconds (log; median, line: min-max); {cap_text(sd['cap_mb'])}")
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_hostmem(ax, hm) -> None:
+    title = "3. Host memory added, large output"
+    if not hm:
+        return _empty(ax, title)
+    shares = by_approach(hm["runs"], "added_share")
+    keys = [k for k in hostmem.APPROACHES if k in shares]
+    meds = [100 * median(shares[k]) for k in keys]
+    ax.bar(range(len(keys)), meds, color=["tab:red"] + ["tab:green"] * (len(keys) - 1))
+    for i, m in enumerate(meds):
+        ax.text(i, m, f"{m:.1f}%", ha="center", va="bottom", fontsize=8)
+    ax.axhline(100 * hostmem.TARGET_SHARE, color="k", ls="--", lw=1)
+    ax.set_xticks(range(len(keys)))
+    short = {"predict": "model.predict", "safe": "safe_predict",
+             "safe_argmax": "safe_predict\n(postprocess=\nargmax)",
+             "safe_memmap": "safe_predict\n(out=\nnp.memmap)"}
+    ax.set_xticklabels([short[k] for k in keys], fontsize=7)
+    ax.set_ylabel(f"peak added / output size (%), output {hm['output_bytes'] / MiB:.0f} MiB")
+    ax.set_title(title + " (dashed: target)", fontsize=10)
+
+
+def _plot_training(ax, tr) -> None:
+    title = "4. Training under the cap"
+    if not tr:
+        return _empty(ax, title)
+    secs = by_approach(tr["runs"])
+    keys = [k for k in training.APPROACHES if k in secs]
+    meds = [median(secs[k]) for k in keys]
+    ax.bar(range(len(keys)), meds, color=["tab:grey", "tab:green", "tab:green", "tab:red"]
+           [: len(keys)])
+    losses = {k: median([r["final_loss"] for r in tr["runs"] if r["approach"] == k])
+              for k in keys}
+    ooms = {r["approach"]: r["ooms"] for r in tr["runs"]}
+    for i, k in enumerate(keys):
+        ax.text(i, meds[i], f"{meds[i]:.0f} s\nloss {losses[k]:.4f}\n{ooms[k]} OOM",
+                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([training.LABELS[k].replace(", ", ",\n").replace(" (", "\n(")
+                        .replace("(mode", "(\nmode") for k in keys], fontsize=7)
+    ax.set_ylabel(f"seconds for {tr['epochs']} epochs")
+    ax.set_ylim(0, max(meds) * 1.35)
+    ax.set_title(title, fontsize=10)
+
+
+_STYLE = {"oracle": ("tab:grey", "s"), "safe": ("tab:green", "o"), "halving": ("tab:red", "^"),
+          "decay": ("tab:purple", "v"), "finder": ("tab:orange", "D"),
+          "manual_split": ("tab:brown", "x")}
+
+
+def _plot_scaling_samples(ax, sc, sd) -> None:
+    title = "5a. Scaling with samples (requested batch = all)"
+    if not sc:
+        return _empty(ax, title)
+    samples = scaling_samples(sc, sd)
+    for a in sc["approaches"]:
+        by_n: Dict[int, List[float]] = {}
+        for p in samples:
+            if p["approach"] == a:
+                by_n.setdefault(p["n"], []).append(p["seconds"])
+        pts = sorted((n, median(v)) for n, v in by_n.items())
+        color, marker = _STYLE.get(a, ("k", "."))
+        ax.plot([n for n, _ in pts], [s for _, s in pts], marker=marker, color=color,
+                label=seed.LABELS[a].split(":")[0])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("samples")
+    ax.set_ylabel("seconds to predictions")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_scaling_overshoot(ax, sc) -> None:
+    title = "5b. Scaling with overshoot (requested / fitting batch)"
+    if not sc:
+        return _empty(ax, title)
+    for a in sc["approaches"]:
+        if a == "oracle":
+            continue
+        pts = sorted((p["factor"], p["seconds"]) for p in sc["overshoot"] if p["approach"] == a)
+        color, marker = _STYLE.get(a, ("k", "."))
+        ax.plot([f for f, _ in pts], [s for _, s in pts], marker=marker, color=color,
+                label=seed.LABELS[a].split(":")[0])
+    if sc.get("overshoot_oracle_seconds"):
+        ax.axhline(sc["overshoot_oracle_seconds"], color="tab:grey", ls="--", lw=1,
+                   label="oracle")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"requested batch / oracle batch ({sc['overshoot_n']:,} samples)")
+    ax.set_ylabel("seconds to predictions")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
