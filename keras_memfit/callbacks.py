@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional
+import weakref
+from typing import Any, Dict, List, Optional, Union
 
 import keras
 import numpy as np
@@ -73,6 +74,13 @@ class MemFit(keras.callbacks.Callback):
             optimizer update per batch from the summed micro-batch gradients.
             "shrink" runs the pieces as separate optimizer steps, like a
             smaller `batch_size`.
+        place: Also call `keras_memfit.place` on the model at the start of
+            `fit`, for models whose weights do not fit the device at any
+            batch size (an oversized embedding table). None or False
+            (default): do not place. True: `place(model)` with its defaults.
+            A dict: keyword arguments for `place` (`budget`, `cpu_layers`,
+            `accelerator`). The model is placed once per MemFit and model;
+            the plan is kept in `plan`.
 
     Attributes:
         events: One dict per adaptation during the last call: `epoch`, `step`,
@@ -82,9 +90,12 @@ class MemFit(keras.callbacks.Callback):
             Epoch logs also get `memfit_ooms` (OOMs caught that epoch, in
             training and validation) and `memfit_split` (the most pieces one
             training batch was run as that epoch; 1 when none was split).
+        plan: The `PlacementPlan` of the last placement made for `place=`,
+            or None.
 
     Raises:
-        ValueError: At the start of `fit`, if `mode="accumulate"` cannot be
+        ValueError: If `place` is not None, a bool or a dict of `place`'s
+            keyword arguments. At the start of `fit`, if `mode="accumulate"` cannot be
             exact for this model (a custom `train_step`, or a loss reduction
             other than "sum_over_batch_size"); use `mode="shrink"` there.
         NotImplementedError: At the start of `fit`, for a backend other than
@@ -99,11 +110,17 @@ class MemFit(keras.callbacks.Callback):
         [{'epoch': 0, 'step': 0, 'phase': 'train', 'kind': 'oom', ...}]
     """
 
-    def __init__(self, mode: str = "accumulate") -> None:
+    def __init__(
+        self, mode: str = "accumulate", place: Union[None, bool, Dict[str, Any]] = None
+    ) -> None:
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f'mode must be "accumulate" or "shrink"; received mode={mode!r}')
         self.mode = mode
+        self.place = place
+        self._place_options = _place_options(place)
+        self.plan = None
+        self._placed: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()
         self.events: List[Dict[str, Any]] = []
         self._originals: Dict[str, Any] = {}
         self._wrappers: Dict[str, Any] = {}
@@ -128,6 +145,7 @@ class MemFit(keras.callbacks.Callback):
     # are back in place.
     def on_train_begin(self, logs=None):
         self._check_supported()
+        self._place_model()
         self._uninstall_all()
         self._reset()
         self.events = []
@@ -204,6 +222,21 @@ class MemFit(keras.callbacks.Callback):
                 f"losses reduced with {reductions}. Use MemFit(mode='shrink') or the "
                 "default reduction."
             )
+
+    def _place_model(self) -> None:
+        model = self.model
+        if self._place_options is None or model in self._placed:
+            return
+        from keras_memfit.placement import place
+
+        self.plan = place(model, **self._place_options)
+        self._placed.add(model)
+        logger.info("MemFit(place=...): %s", self.plan.reason)
+        # Keras made the train function before on_train_begin and looks it up
+        # at every step; place() dropped it so that it is traced with the new
+        # devices.
+        if getattr(model, "train_function", None) is None:
+            model.make_train_function()
 
     # ------------------------------------------------- installing functions
     def _install(self, name: str, wrapper) -> None:
@@ -492,6 +525,23 @@ class MemFit(keras.callbacks.Callback):
             self._note_events(_data.num_rows(x))
             per_batch.extend(pieces)
         return _concatenate(per_batch)
+
+
+_PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
+
+
+def _place_options(place: Any) -> Optional[Dict[str, Any]]:
+    """`MemFit(place=...)` as keyword arguments for `place`, or None."""
+    if place is None or place is False:
+        return None
+    if place is True:
+        return {}
+    if isinstance(place, dict) and set(place) <= set(_PLACE_KEYS):
+        return dict(place)
+    raise ValueError(
+        "place must be None, True, False or a dict of keras_memfit.place keyword "
+        f"arguments {list(_PLACE_KEYS)}; received place={place!r}"
+    )
 
 
 def _warn_if_untested_keras() -> None:

@@ -82,6 +82,11 @@ def test_quick_run_checks_every_approach_against_the_reference(quick_run):
     steps = {r["approach"]: r["optimizer_steps"] for r in data["training"]["runs"]}
     n, batch = data["training"]["n"], data["training"]["batch_size"]
     assert steps["memfit"] == steps["uncapped"] == -(-n // batch)  # one epoch in --quick
+    # Scaling: uncapped, the probe at the largest size runs, so every approach runs there.
+    scaling = data["scaling"]
+    assert [(p["n"], p["ok"]) for p in scaling["probes"]] == [(512, True)]
+    assert {p["approach"] for p in scaling["samples"] if p["n"] == 512} == {
+        "oracle", "safe", "halving"}
     # Host memory: the output's size is the hand-computed one.
     hm = data["hostmem"]
     assert hm["output_bytes"] == hm["n"] * hm["width"] * 4
@@ -108,7 +113,7 @@ def _fake_results():
     """Hand-made raw results with known ratios (seed: safe 12 s, oracle 10 s, halving 60 s)."""
     def run(approach, seconds, **extra):
         return dict(approach=approach, seconds=seconds, cpu_seconds=seconds / 2, ooms=0,
-                    batch_size=100, **extra)
+                    batch_size=100, n=1000, **extra)
 
     return {
         "machine": {"CPU": "test"},
@@ -147,6 +152,38 @@ def test_summary_ratios_and_verdicts_match_hand_computed_values():
     memmap = rows["safe_predict(out=np.memmap): peak added memory / output size"]
     assert memmap["value"] == pytest.approx(0.2) and memmap["ok"] is False  # over 10%
     assert "**MISS**" in report.summary_markdown(_fake_results())
+
+
+def test_scaling_reports_a_failed_probe_as_a_failure_not_a_time(tmp_path):
+    """Where model.predict cannot run at all, its approaches show the failure, never a time."""
+    results = _fake_results()
+
+    def point(approach, n, seconds, ooms=0):
+        return dict(approach=approach, n=n, seconds=seconds, ooms=ooms, batch_size=100)
+
+    probe = dict(ok=False, n=100000, batch_size=32, seconds=21.6,
+                 error="ResourceExhaustedError", detail="OOM when allocating tensor")
+    results["scaling"] = dict(
+        date="d", command="c", approaches=["oracle", "safe", "halving"], cap_mb=400,
+        oracle_batch=100, overshoot_n=500, overshoot_oracle_seconds=2.0, probes=[probe],
+        samples=[point("oracle", 500, 2.0), point("safe", 500, 2.5),
+                 point("halving", 500, 20.0, ooms=2), point("safe", 100000, 30.0)],
+        overshoot=[dict(point("safe", 500, 2.5), factor=1, requested=100),
+                   dict(point("halving", 500, 2.0), factor=1, requested=100)],
+    )
+    text = report.scaling_markdown(results)
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in text.splitlines()
+            if line.startswith("| 1") or line.startswith("| 500")}
+    # Columns: oracle, safe_predict, halving. 1,000 is the seed's (oracle median of 10/11/9).
+    assert rows["| 1,000"][0] == "10.0 s (0 OOM)"
+    assert rows["| 100,000"][1] == "30.0 s (0 OOM)"
+    assert rows["| 100,000"][0].startswith("*fails*")
+    assert rows["| 100,000"][2].startswith("*fails*")
+    assert "`ResourceExhaustedError` after 21.6 s" in text
+    assert "batch_size=32" in text and "OOM when allocating tensor" in text
+    # The plot draws the failure without a time (it would raise on a missing "seconds").
+    report.write_plot(str(tmp_path / "results.png"), results)
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_overhead_section_is_replaced_in_place(tmp_path):

@@ -18,6 +18,7 @@ in keras/src/callbacks/*_test.py.
 from __future__ import annotations
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -554,6 +555,13 @@ def test_sum_reduction_error_trains_nothing_and_shrink_accepts_it(inject_oom):
 def test_invalid_mode():
     with pytest.raises(ValueError, match="mode"):
         MemFit(mode="bogus")
+
+
+@pytest.mark.parametrize("place", ["yes", {"budjet": 1}, ["emb"], 3])
+def test_invalid_place_names_what_was_received(place):
+    with pytest.raises(ValueError, match=r"place must be(.|\n)*received place=" + re.escape(repr(place))):
+        MemFit(place=place)
+
 
 
 # --------------------------------------------------------------------------

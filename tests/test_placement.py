@@ -301,6 +301,37 @@ def test_memfit_micro_batches_and_safe_predict_work_on_a_placed_model(inject_oom
                                ref.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_memfit_place_option_places_once_and_trains_like_place_then_fit(inject_oom, monkeypatch):
+    from keras_memfit import MemFit
+
+    model, ref = _pair("functional")
+    x, y = _data(n=32)
+    ref_plan = place(ref, budget=10_000_000, accelerator=ACC)
+    ref_history = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    calls = []
+    real_place = placement.place
+    monkeypatch.setattr(placement, "place", lambda *a, **k: calls.append(k) or real_place(*a, **k))
+    memfit = MemFit(place={"budget": 10_000_000, "accelerator": ACC})
+    inject_oom(8, phases=("train",))  # every 16-row step fails: MemFit splits it
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[memfit])
+    history2 = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                         callbacks=[memfit])  # placed already: not placed again
+    inject_oom(None)
+    assert inject_oom.ooms, "no OOM was injected"
+    assert calls == [{"budget": 10_000_000, "accelerator": ACC}]
+    assert memfit.plan.cpu_layers == ref_plan.cpu_layers == ["emb"]
+    assert _device(model.get_layer("emb").embeddings) == HOST
+    assert _device(model.get_layer("conv").kernel) == ACC
+    assert all(_device(v) == HOST for v in model.optimizer.variables
+               if v.shape == model.get_layer("emb").embeddings.shape)
+    np.testing.assert_allclose(history.history["loss"] + history2.history["loss"],
+                               ref_history.history["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 # --------------------------------------------------------------- XLA, saving
 def test_pinning_turns_xla_off_also_after_a_later_compile(caplog):
     model = _sequential()
