@@ -334,17 +334,32 @@ def training_markdown(tr: Dict[str, Any]) -> str:
 
 
 def scaling_samples(sc: Dict[str, Any], sd: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The samples axis: scaling's own points plus the seed scenario's (same model and cap)."""
+    """The samples axis: scaling's own points plus the seed scenario's (same model and cap).
+
+    Where the probe found that `model.predict` cannot run at all (a small
+    batch ran out of memory), each model.predict-based approach gets a point
+    with `failed=True` and the probe's outcome instead of a time.
+    """
     points = list(sc["samples"])
     if sd and sd.get("cap_mb") == sc.get("cap_mb"):
         points = [p for p in points if p["n"] != sd["n"]]
         points += [r for r in sd["runs"] if r["approach"] in sc["approaches"]]
+    for probe in sc.get("probes", []):
+        if not probe["ok"]:
+            points += [dict(approach=a, n=probe["n"], failed=True, probe=probe)
+                       for a in sc["approaches"] if a in seed.WHOLE_INPUT]
     return points
+
+
+def scaling_failures(samples: List[Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """The failed probes by sample count."""
+    return {p["n"]: p["probe"] for p in samples if p.get("failed")}
 
 
 def scaling_markdown(results: Dict[str, Any]) -> str:
     sc = results["scaling"]
     samples = scaling_samples(sc, results.get("seed"))
+    failures = scaling_failures(samples)
     lines = [
         "## 5. Scaling: samples, and how far the requested batch overshoots",
         "",
@@ -353,10 +368,12 @@ def scaling_markdown(results: Dict[str, Any]) -> str:
         f"and oracle batch ({sc['oracle_batch']}); one run per point, each in a fresh process "
         "(the",
         "approaches that pay OOMs are dominated by the ~10 s each costs, not by noise). The",
-        "largest sample count is the seed scenario's runs (median of its repeats; its oracle",
-        "batch is the seed section's). 100,000 samples are not run: under this cap",
-        "`model.predict` must hold its whole input as one tensor (314 MB for 100,000",
-        "digits), which leaves no room for a batch.",
+        f"{format(results['seed']['n'], ',') if 'seed' in results else 'largest'}-sample "
+        "row is the seed "
+        "scenario's runs (median of its repeats). At the",
+        "largest sample count `model.predict` is first probed once at a small batch; where",
+        "that runs out of memory, the approaches built on one `model.predict` call over the",
+        "whole input fail at any batch size and are not run (marked *fails*).",
         "",
         "Samples (requested batch = all of them, as in the seed):",
         "",
@@ -367,9 +384,25 @@ def scaling_markdown(results: Dict[str, Any]) -> str:
         cells = []
         for a in sc["approaches"]:
             pts = [p for p in samples if p["n"] == n and p["approach"] == a]
-            cells.append(f"{median([p['seconds'] for p in pts]):.1f} s "
-                         f"({pts[0]['ooms']} OOM)" if pts else "-")
+            if pts and pts[0].get("failed"):
+                cells.append("*fails* at any batch size (whole input does not fit)")
+            else:
+                cells.append(f"{median([p['seconds'] for p in pts]):.1f} s "
+                             f"({pts[0]['ooms']} OOM)" if pts else "-")
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    for n, probe in sorted(failures.items()):
+        lines += [
+            "",
+            f"*fails* at {n:,} samples: the probe, `model.predict(x, "
+            f"batch_size={probe['batch_size']})` in a fresh process under the cap, raised "
+            f"`{probe['error']}` after {probe['seconds']:.1f} s: "
+            f"`{probe['detail']}`. What fails to fit is small (here the index array Keras "
+            "builds before the first batch);",
+            f"the whole input, {n * 28 * 28 * 4 / 1e6:.0f} MB as float32, is already held as "
+            "one tensor in the capped",
+            "allocator, so no batch size can help: halving would pay this OOM at every size "
+            "down to 1.",
+        ]
     over_apps = [a for a in sc["approaches"] if a != "oracle"]
     lines += [
         "",
@@ -585,20 +618,38 @@ def _plot_scaling_samples(ax, sc, sd) -> None:
     if not sc:
         return _empty(ax, title)
     samples = scaling_samples(sc, sd)
+    failures = scaling_failures(samples)
+    top = max((p["seconds"] for p in samples if not p.get("failed")), default=1.0)
+    shift = 1.0  # the failures' crosses, side by side
     for a in sc["approaches"]:
         by_n: Dict[int, List[float]] = {}
         for p in samples:
-            if p["approach"] == a:
+            if p["approach"] == a and not p.get("failed"):
                 by_n.setdefault(p["n"], []).append(p["seconds"])
         pts = sorted((n, median(v)) for n, v in by_n.items())
         color, marker = _STYLE.get(a, ("k", "."))
         ax.plot([n for n, _ in pts], [s for _, s in pts], marker=marker, color=color,
                 label=seed.LABELS[a].split(":")[0])
+        failed = sorted(p["n"] for p in samples if p["approach"] == a and p.get("failed"))
+        if failed:  # a failure has no time: a cross above every time, not a point on the line
+            ax.plot([n * shift for n in failed], [top * 4] * len(failed), marker="X",
+                    ls="none", color=color, markersize=10, markeredgecolor="k")
+            shift *= 0.9
+    short = {"halving": "halving", "decay": "0.9 decay", "finder": "finder"}
+    names = " and ".join(short.get(a, a) for a in sc["approaches"] if a in seed.WHOLE_INPUT)
+    for n, probe in failures.items():
+        ax.annotate(f"{names}: model.predict OOMs at any batch\n(whole input does not fit; "
+                    f"batch {probe['batch_size']}:\n{probe['error']} after "
+                    f"{probe['seconds']:.0f} s)", (n * shift, top * 4), xytext=(-10, 0),
+                    textcoords="offset points", ha="right", va="center", fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("samples")
+    if failures:
+        bottom = min(p["seconds"] for p in samples if not p.get("failed"))
+        ax.set_ylim(bottom / 2, top * 12)
+    ax.set_xlabel("samples (X: fails, no time)" if failures else "samples")
     ax.set_ylabel("seconds to predictions")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     ax.set_title(title, fontsize=10)
 
 

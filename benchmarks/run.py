@@ -15,8 +15,10 @@ Scenarios (see each module's docstring for the method):
 3. `hostmem`: peak host memory for a 200,000 x 1,000 output (hostmem.py).
 4. `training`: `MemFit()`, `MemFit(mode="shrink")` and restarting with a
    smaller batch under the cap, against the uncapped run (training.py).
-5. `scaling`: time against the number of samples and against how far the
-   requested batch overshoots (the seed scenario's model and cap).
+5. `scaling`: time against the number of samples (1,000 to 100,000) and
+   against how far the requested batch overshoots (the seed scenario's model
+   and cap). At 100,000 a probe (`model.predict` at a batch of 32) first shows
+   whether the model.predict-based approaches can run at all.
 
 Usage (from the repository root):
     python -m benchmarks.run                      # everything, ~30-40 min
@@ -130,14 +132,27 @@ def run_overhead(ctx: Context) -> Dict[str, Any]:
                 seconds=time.perf_counter() - start)
 
 
-def _seed_setup(ctx: Context) -> Dict[str, Any]:
+def _seed_setup(ctx: Context, reuse: bool = False) -> Dict[str, Any]:
+    """The seed data and the oracle's batch: calibrated, or with `reuse` the stored one.
+
+    `reuse` (the seed scenario is not re-run, e.g. `--scenarios scaling`) takes
+    the seed scenario's stored oracle batch when it was calibrated for the same
+    samples and cap, so that both sections use the same batch and the ~15
+    bisection tries (several paying a ~10 s OOM) are not repeated.
+    """
     n = 256 if ctx.quick else 28000
     cap = None if ctx.quick else SEED_CAP_MB
     path = seed.digits_path(ctx.workdir, n)
+    stored = ctx.stored.get("seed", {})
     if ctx.quick:
         calib = dict(oracle_batch=n, smallest_failed=None)
+    elif (reuse and stored.get("oracle_batch") and stored.get("n") == n
+          and stored.get("cap_mb") == cap):
+        calib = dict(oracle_batch=stored["oracle_batch"],
+                     smallest_failed=stored.get("smallest_failed"))
+        ctx.log(f"  oracle batch {calib['oracle_batch']}: the seed scenario's, calibrated on "
+                f"{stored.get('date')} UTC (not re-run)")
     else:
-        stored = ctx.stored.get("seed", {})
         calib = seed.calibrate(
             lambda b: _proc.run_job("benchmarks.seed:try_job",
                                     dict(data_path=path, n=n, batch_size=b), cap_mb=cap)["ok"],
@@ -210,13 +225,31 @@ def run_scaling(ctx: Context, setup: Dict[str, Any]) -> Dict[str, Any]:
     path, cap, ob = setup["path"], setup["cap"], setup["oracle_batch"]
     approaches = ["oracle", "safe", "halving"]
     if ctx.quick:
-        sizes, factors, over_n = [128, 256], [1, 2], 256
+        sizes, large, factors, over_n = [128, 256], [512], [1, 2], 256
     else:
-        sizes, factors, over_n = [1000, 3000, 10000], [1, 2, 4, 8], 10000
+        # 28,000 is the seed scenario's (merged at report time). 100,000 needs its own
+        # data file, and a probe first: `model.predict` holds the whole input on the
+        # device, 314 MB of the 400 MiB cap.
+        sizes, large, factors, over_n = [1000, 3000, 10000], [100_000], [1, 2, 4, 8], 10000
     base = dict(data_path=path, oracle_batch=ob)
     sample_configs = [dict(base, approach=a, n=n, requested=n)
                       for n in sizes for a in _rotate(approaches, sizes.index(n))]
     samples = ctx.jobs("benchmarks.seed:job", sample_configs, cap)
+    probes = []
+    for n in large:
+        large_path = seed.digits_path(ctx.workdir, n)
+        probe = ctx.jobs("benchmarks.seed:probe_job",
+                         [dict(data_path=large_path, n=n, batch_size=seed.PROBE_BATCH)], cap)[0]
+        probes.append(probe)
+        ctx.log(f"  probe: model.predict on {n:,} samples, batch_size={seed.PROBE_BATCH}: "
+                + ("ran" if probe["ok"] else f"{probe['error']} ({probe['detail']})")
+                + f" after {probe['seconds']:.1f} s")
+        # Where even a small batch fails, so does every model.predict-based approach at
+        # any batch (the failure is the whole input), so they are not run there.
+        run = [a for a in approaches if probe["ok"] or a not in seed.WHOLE_INPUT]
+        samples += ctx.jobs("benchmarks.seed:job",
+                            [dict(data_path=large_path, oracle_batch=ob, approach=a, n=n,
+                                  requested=n) for a in run], cap, timeout=2400)
     over_configs = [dict(base, approach=a, n=over_n, requested=min(over_n, f * ob), factor=f)
                     for f in factors for a in _rotate(approaches[1:], factors.index(f))]
     overshoot = ctx.jobs("benchmarks.seed:job", over_configs, cap)
@@ -224,7 +257,7 @@ def run_scaling(ctx: Context, setup: Dict[str, Any]) -> Dict[str, Any]:
         p["factor"], p["requested"] = c["factor"], c["requested"]
     oracle = [p["seconds"] for p in samples if p["approach"] == "oracle" and p["n"] == over_n]
     return dict(ctx.stamp(), samples=samples, overshoot=overshoot, approaches=approaches,
-                cap_mb=cap or 0, oracle_batch=ob, overshoot_n=over_n,
+                probes=probes, cap_mb=cap or 0, oracle_batch=ob, overshoot_n=over_n,
                 overshoot_oracle_seconds=oracle[0] if oracle else None)
 
 
@@ -289,7 +322,7 @@ def run_scenarios(ctx: Context, names: Sequence[str],
         t = time.perf_counter()
         try:
             if name in ("seed", "scaling") and setup is None:
-                setup = _seed_setup(ctx)
+                setup = _seed_setup(ctx, reuse="seed" not in names)
             runner = {
                 "overhead": lambda: run_overhead(ctx),
                 "seed": lambda: run_seed(ctx, setup),

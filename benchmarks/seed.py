@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 from typing import Any, Dict, List, Optional
 
@@ -44,6 +45,11 @@ LABELS = {
     "safe_second": "safe_predict, 2nd call",
     "oracle": "oracle: model.predict at the largest batch that fits",
 }
+# The approaches that hand the whole input to one `model.predict` call (which then
+# holds all of it on the device, whatever the batch size); the manual split and
+# safe_predict slice the input themselves.
+WHOLE_INPUT = ("halving", "decay", "finder", "oracle")
+PROBE_BATCH = 32  # the small batch `probe_job` tries at a sample count that may not fit
 SPLIT_GUESSES = (10, 100)
 FINDER_STEPS_PER_TRIAL = 3
 
@@ -216,6 +222,34 @@ def try_job(config: Dict[str, Any]) -> Dict[str, Any]:
     start = time.perf_counter()
     ok = _predict(model, x, int(config["batch_size"])) is not None
     return dict(ok=ok, seconds=time.perf_counter() - start)
+
+
+def probe_job(config: Dict[str, Any]) -> Dict[str, Any]:
+    """One `model.predict(x, batch_size=config["batch_size"])` call; its outcome, not its output.
+
+    For sample counts where the whole input may not fit beside a batch (the
+    scaling scenario's 100,000 digits under 400 MiB): a small batch shows
+    whether `model.predict` can run at all. An OOM is recorded (type, first
+    lines of the message, seconds until it was raised); any other error raises.
+    """
+    from benchmarks._proc import is_oom
+
+    x = np.load(config["data_path"])[: int(config["n"])]
+    model = _model()
+    gc.collect()
+    start = time.perf_counter()
+    try:
+        model.predict(x, batch_size=int(config["batch_size"]), verbose=0)
+    except Exception as exc:  # noqa: BLE001 - only OOMs are recorded
+        if not is_oom(exc):
+            raise
+        message = " ".join(str(exc).split())
+        match = re.search(r"OOM when allocating tensor[^\n]*?(?= by allocator|$)", message)
+        return dict(ok=False, n=len(x), batch_size=int(config["batch_size"]),
+                    seconds=time.perf_counter() - start, error=type(exc).__name__,
+                    detail=match.group(0) if match else message[:300])
+    return dict(ok=True, n=len(x), batch_size=int(config["batch_size"]),
+                seconds=time.perf_counter() - start)
 
 
 def calibrate(run_try, n: int, start: int = 512, precision: float = 0.05,
