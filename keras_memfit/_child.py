@@ -49,11 +49,13 @@ __all__ = [
     "WorkerError",
     "configure_gpu",
     "crash_message",
+    "check_writable",
     "describe_sizes",
     "gpu_visible",
     "main",
     "run_worker",
     "stdout_reporter",
+    "usual_size",
     "worker_environment",
     "worker_main",
 ]
@@ -260,6 +262,36 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 # --------------------------------------------------------------------------
 # Reporting helpers (either side)
 # --------------------------------------------------------------------------
+def usual_size(sizes: Sequence[int]) -> int:
+    """The batch size run most often (the largest on a tie); 0 for no batches.
+
+    Example:
+        >>> usual_size([16, 64, 655, 655, 655, 410])
+        655
+    """
+    return max(sorted(set(sizes), reverse=True), key=sizes.count) if sizes else 0
+
+
+def check_writable(path: str, error: type = WorkerError) -> None:
+    """Raises `error` with one line unless a file can be written at `path`.
+
+    Args:
+        path: An absolute path.
+        error: The exception class to raise.
+
+    Raises:
+        WorkerError: (or `error`) if the folder does not exist or is not
+            writable, or if `path` is a folder.
+    """
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise error(f"cannot write {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise error(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise error(f"cannot write {path}: folder {folder} is not writable")
+
+
 def describe_sizes(sizes: Sequence[int]) -> str:
     """Batch sizes run, consecutive equal sizes run-length encoded.
 

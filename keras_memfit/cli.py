@@ -29,8 +29,11 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
-from keras_memfit import predict_file  # the standard library only: no TensorFlow
-from keras_memfit._child import WorkerError  # standard library only: no TensorFlow
+from keras_memfit import (  # the standard library only: no TensorFlow
+    _child,
+    predict_file,
+)
+from keras_memfit._child import WorkerError
 
 PROG = "keras-memfit"
 
@@ -132,8 +135,6 @@ def _run_demo(args: argparse.Namespace) -> int:
             device=args.device,
             seed=args.seed,
         )
-    except demo.DemoError as err:
-        raise _Failure(str(err)) from err
     except ValueError as err:  # an argument run_demo rejects (e.g. too small a limit)
         raise UsageError(str(err)) from err
     return 0
@@ -223,8 +224,6 @@ def _scale(text: str) -> "float | str":
 def _run_predict(args: argparse.Namespace) -> int:
     import time
 
-    from keras_memfit import _child
-
     start = time.perf_counter()
     model_path = os.path.abspath(args.model)
     input_path = os.path.abspath(args.input)
@@ -255,13 +254,10 @@ def _run_predict(args: argparse.Namespace) -> int:
         if device == "cpu" and limit is not None else None
     )
     say = (lambda line: None) if args.quiet else _child.stdout_reporter
-    try:
-        result = _child.run_worker(
-            "keras_memfit.predict_file:predict_work", config, report=say,
-            what="the prediction process", segv_hint=segv_hint,
-        )
-    except _child.WorkerError as err:
-        raise _Failure(str(err)) from err
+    result = _child.run_worker(
+        "keras_memfit.predict_file:predict_work", config, report=say,
+        what="the prediction process", segv_hint=segv_hint,
+    )
     for line in _predict_summary(result, args, time.perf_counter() - start):
         say(line)
     return 0
@@ -278,13 +274,7 @@ def _extension(path: str, allowed: Sequence[str], what: str) -> str:
 
 
 def _check_output(path: str, inputs: Sequence[str]) -> None:
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        raise _Failure(f"cannot write {path}: folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise _Failure(f"cannot write {path}: it is a folder")
-    if not os.access(folder, os.W_OK):
-        raise _Failure(f"cannot write {path}: folder {folder} is not writable")
+    _child.check_writable(path)
     for other in inputs:
         if os.path.exists(path) and os.path.samefile(path, other):
             raise UsageError(f"--out {path} would overwrite an input file")
@@ -362,8 +352,6 @@ def _add_report(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
 def _run_report(args: argparse.Namespace) -> int:
     import json
 
-    from keras_memfit import _child
-
     model_path = os.path.abspath(args.model)
     predict_file.check_model_file(model_path, args.model)  # before TensorFlow starts
     config = dict(
@@ -373,13 +361,10 @@ def _run_report(args: argparse.Namespace) -> int:
         device="gpu" if _child.gpu_visible() else "cpu", memory_limit_mb=None,
     )
     lines: List[str] = []
-    try:
-        result = _child.run_worker(
-            "keras_memfit.cli:_report_work", config, report=lines.append,
-            what="the report process",
-        )
-    except _child.WorkerError as err:
-        raise _Failure(str(err)) from err
+    result = _child.run_worker(
+        "keras_memfit.cli:_report_work", config, report=lines.append,
+        what="the report process",
+    )
     if args.json:
         sys.stdout.write(json.dumps(result["report"], indent=2, sort_keys=True) + "\n")
     else:

@@ -48,9 +48,8 @@ import dataclasses
 import gc
 import os
 import re
-import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from keras_memfit import _child
 from keras_memfit._child import LogRecords as _Records
@@ -190,13 +189,7 @@ def run_demo(
         raise ValueError(f"device must be one of {list(_DEVICES)}; received device={device!r}")
     report = report or _stdout_reporter
     output = os.path.abspath(os.fspath(output))
-    folder = os.path.dirname(output)
-    if not os.path.isdir(folder):
-        raise DemoError(f"cannot write {output}: folder {folder} does not exist")
-    if os.path.isdir(output):
-        raise DemoError(f"cannot write {output}: it is a folder")
-    if not os.access(folder, os.W_OK):
-        raise DemoError(f"cannot write {output}: folder {folder} is not writable")
+    _child.check_writable(output, DemoError)
 
     if device == "auto":
         device = "gpu" if _gpu_visible() else "cpu"
@@ -396,7 +389,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         f"{safe_seconds:.1f} s, {records.warnings} OOM(s) paid"
     )
     # The size most batches ran at (the probes and the last, clipped batch are smaller).
-    used = max(sorted(set(sizes), reverse=True), key=sizes.count) if sizes else 0
+    used = _child.usual_size(sizes)
     say(f"    batch size used: {used} (batches run: {_describe_sizes(sizes)})")
     for message in records.messages:
         say(f"    adapted: {message}")
@@ -414,37 +407,3 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         ooms_paid=records.warnings, adaptations=records.messages,
         accuracy=accuracy, rows=int(len(labels)), total_seconds=total,
     )
-
-
-def _worker_main(config_json: str, result_path: str) -> int:
-    """Entry point of the worker process: run `_work`, write its result as JSON."""
-    return _child.worker_main(_work, config_json, result_path)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m keras_memfit.demo`: the worker entry, or the `demo` command.
-
-    Args:
-        argv: Arguments; `--worker CONFIG_JSON RESULT_PATH` runs the worker,
-            anything else is passed to `keras-memfit demo`.
-
-    Returns:
-        The exit status.
-
-    Example:
-        >>> main(["--output", "submission.csv"])  # same as `keras-memfit demo ...`
-        0
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        if len(argv) != 3:
-            sys.stderr.write("usage: python -m keras_memfit.demo --worker CONFIG_JSON RESULT_PATH\n")
-            return 2
-        return _worker_main(argv[1], argv[2])
-    from keras_memfit import cli
-
-    return cli.main(["demo", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

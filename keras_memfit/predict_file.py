@@ -21,6 +21,7 @@ so the parent can check files without starting it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from keras_memfit._child import WorkerError  # standard library only: no TensorFlow
@@ -351,9 +352,6 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         >>> _child.run_worker("keras_memfit.predict_file:predict_work", config)
         {'samples': 28000, 'batch_size_used': 4096, 'ooms_paid': 0, ...}
     """
-    import time
-
-    start = time.perf_counter()
     import keras
     import numpy as np
 
@@ -423,16 +421,16 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
 
     import tensorflow as tf
 
-    used = max(sorted(set(sizes), reverse=True), key=sizes.count) if sizes else 0
+    used = _child.usual_size(sizes)
     return dict(
         model=model.name, samples=n, input=os.path.basename(config["input"]),
-        input_kind=source.kind, scale=scale, out=out_path, out_kind=out_kind,
+        scale=scale, out_kind=out_kind,
         argmax=bool(config["argmax"]), shape=list(shape), dtype=str(row.dtype),
         device="GPU" if tf.config.list_logical_devices("GPU") else "CPU",
         memory_limit_mb=config["memory_limit_mb"], batch_size=batch_size,
-        batch_size_used=used, batches=len(sizes), batch_sizes=_child.describe_sizes(sizes),
+        batch_size_used=used, batch_sizes=_child.describe_sizes(sizes),
         ooms_paid=records.warnings, adaptations=records.messages,
-        predict_seconds=predict_seconds, worker_seconds=time.perf_counter() - start,
+        predict_seconds=predict_seconds,
     )
 
 
