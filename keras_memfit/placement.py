@@ -188,6 +188,7 @@ def place(
 
     rows = _report_rows(model)
     sizes = _layer_bytes(model, be, rows)
+    recorder = None
     if pinned is None:
         if not model.built:
             raise ValueError(
@@ -195,11 +196,12 @@ def place(
                 f"unbuilt {type(model).__name__} {model.name!r}. Call model.build("
                 "input_shape) (or the model on a batch) first, or pass cpu_layers=."
             )
-        pinned, reason = _choose(model, be, accelerator, budget, sizes, rows)
+        recorder = _probe(model)
+        pinned, reason = _choose(model, be, accelerator, budget, sizes, rows, recorder)
     else:
         reason = "layers given by cpu_layers"
     _apply(model, be, host, accelerator, pinned)
-    plan = _plan(model, be, host, accelerator, pinned, True, reason, sizes)
+    plan = _plan(model, be, host, accelerator, pinned, True, reason, sizes, recorder)
     _show(plan, verbose)
     return plan
 
@@ -296,29 +298,41 @@ def _report_rows(model) -> Dict[str, Any]:
     return {row.name: row for row in rows if row.name in names}
 
 
+def _counted_bytes(weights, be, optimizer, slots_per_variable: Callable[[], int]) -> int:
+    """Bytes of `weights` plus their optimizer slots, counted by hand.
+
+    A trainable weight's slots are those the (built) optimizer holds for it;
+    when it holds none yet, `slots_per_variable()` slots of the weight's size.
+    """
+    total = 0
+    for v in weights:
+        total += _nbytes(v)
+        if v.trainable and optimizer is not None:
+            found = be.slot_variables(optimizer, v)
+            total += (sum(_nbytes(s) for s in found) if found
+                      else slots_per_variable() * _nbytes(v))
+    return total
+
+
 def _layer_bytes(model, be, rows=None) -> Dict[str, int]:
-    """Weights plus optimizer slots of each top-level layer that has weights."""
+    """Weights plus optimizer slots of each top-level layer that has weights.
+
+    From `memory_report`'s row where its weights match the layer's, else
+    counted by hand.
+    """
     rows = _report_rows(model) if rows is None else rows
     optimizer = getattr(model, "optimizer", None)
-    slots = None
+    slots_per_variable = functools.cache(lambda: _slots_per_variable(optimizer))
     sizes = {}
     for layer in model.layers:
-        total = 0
-        for v in layer.weights:
-            total += _nbytes(v)
-            if v.trainable and optimizer is not None:
-                found = be.slot_variables(optimizer, v)
-                if found:
-                    total += sum(_nbytes(s) for s in found)
-                else:
-                    if slots is None:
-                        slots = _slots_per_variable(optimizer)
-                    total += slots * _nbytes(v)
+        weights = layer.weights
+        if not weights:
+            continue
         row = rows.get(layer.name)
-        if row is not None and row.param_bytes == sum(_nbytes(v) for v in layer.weights):
-            total = row.param_bytes + row.slot_bytes
-        if layer.weights:
-            sizes[layer.name] = total
+        if row is not None and row.param_bytes == sum(_nbytes(v) for v in weights):
+            sizes[layer.name] = row.param_bytes + row.slot_bytes
+        else:
+            sizes[layer.name] = _counted_bytes(weights, be, optimizer, slots_per_variable)
     return sizes
 
 
@@ -438,8 +452,7 @@ def _crossing(recorder: Optional[_Recorder], names: Sequence[str]) -> int:
 
 
 # ------------------------------------------------------------------- choice
-def _choose(model, be, accelerator, budget, sizes, rows):
-    recorder = _probe(model)
+def _choose(model, be, accelerator, budget, sizes, rows, recorder):
     candidates = [layer for layer in model.layers
                   if layer.name in sizes and _is_cheap(layer, rows.get(layer.name))]
     total = sum(sizes.values())
@@ -503,28 +516,27 @@ def _choose(model, be, accelerator, budget, sizes, rows):
     return chosen, reason
 
 
-def _plan(model, be, host, accelerator, pinned, applied, reason, sizes=None):
+def _plan(model, be, host, accelerator, pinned, applied, reason, sizes=None, recorder=None):
+    """The `PlacementPlan`; `recorder` is the probe pass made for `_choose`, if any."""
     sizes = _layer_bytes(model, be) if sizes is None else sizes
     names = [layer.name for layer in pinned]
     optimizer = getattr(model, "optimizer", None)
+    slots_per_variable = functools.cache(lambda: _slots_per_variable(optimizer))
     on_host = 0
     total = sum(sizes.values())
     for layer in pinned:
         if layer.name in sizes and layer in model.layers:
             on_host += sizes[layer.name]
-            continue
-        for v in layer.weights:
-            on_host += _nbytes(v)
-            if v.trainable and optimizer is not None:
-                found = be.slot_variables(optimizer, v)
-                on_host += (sum(_nbytes(s) for s in found) if found
-                            else _slots_per_variable(optimizer) * _nbytes(v))
+        else:
+            on_host += _counted_bytes(layer.weights, be, optimizer, slots_per_variable)
     if accelerator is None or not pinned:
         device_bytes = {accelerator or host: total}
         crossing = 0
     else:
         device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
-        crossing = _crossing(_probe(model), names) if model.built else 0
+        if recorder is None and model.built:  # cpu_layers= (or a failed probe): probe now
+            recorder = _probe(model)
+        crossing = _crossing(recorder, names)
     applied = applied and accelerator is not None and bool(names)
     return PlacementPlan(
         cpu_layers=names, accelerator=accelerator, host=host, device_bytes=device_bytes,
@@ -540,7 +552,6 @@ def _on_device(be, device: str, method: Callable) -> Callable:
         with be.device_scope(device):
             return method(*args, **kwargs)
 
-    wrapped._memfit_placed = True
     return wrapped
 
 
@@ -608,7 +619,7 @@ def _apply(model, be, host, accelerator, pinned) -> None:
 
     wrapped.append((model, "compile", model.__dict__.get("compile")))
     object.__setattr__(model, "compile", compile)
-    state = {"wrapped": wrapped, "pinned": [layer.name for layer in pinned]}
+    state = {"wrapped": wrapped}
     object.__setattr__(model, _STATE, state)
     if pinned:
         _no_xla(model)

@@ -187,7 +187,6 @@ class MemoryReport:
         budget: Optional[int],
         dtype_policy: Optional[str],
         input_bytes_per_sample: int,
-        trainable_bytes: int,
         slots_resident: bool,
         largest_trainable_bytes: int = 0,
         device: Optional[str] = None,
@@ -201,7 +200,7 @@ class MemoryReport:
         self.dtype_policy = dtype_policy
         self.input_bytes_per_sample = input_bytes_per_sample
         self.param_bytes = sum(r.param_bytes for r in rows)
-        self.trainable_bytes = trainable_bytes
+        self.trainable_bytes = sum(r.trainable_bytes for r in rows)
         self.slot_bytes = sum(r.slot_bytes for r in rows)
         self.activation_bytes = sum(r.activation_bytes for r in rows)
         flops = [r.flops for r in rows]
@@ -210,7 +209,7 @@ class MemoryReport:
         activations = [r.activation_bytes_per_sample for r in rows]
         if training:
             self.fixed_bytes = (
-                self.param_bytes + self.slot_bytes + trainable_bytes
+                self.param_bytes + self.slot_bytes + self.trainable_bytes
                 + _UPDATE_WORKING_COPIES * largest_trainable_bytes
             )
             self.bytes_per_sample = (
@@ -591,12 +590,11 @@ def memory_report(
 
     slots = _slot_bytes(model, variable_bytes)
     input_keys = [key for key, _, _ in trace["inputs"]]
-    top_cuts, _ = _cuts(top, calls, children, sizes, input_keys)
+    top_cuts = _cuts(top, calls, children, sizes, input_keys)
 
     seen_vars: set = set()
     call_counts: Dict[int, int] = {}
     rows = []
-    trainable_total = 0
     largest_trainable = 0
     # (device, bytes, slot bytes, trainable) of every variable, and the
     # devices of each top-level row's weights: for models on several devices.
@@ -606,7 +604,7 @@ def memory_report(
     def note_variables(weights) -> set:
         found = set()
         for v in weights:
-            name = tf_backend.variable_device_short(v)
+            name = (tf_backend.variable_device(v) or "").lstrip("/")
             found.add(name)
             variables_by_device.append((
                 name, variable_bytes(v), slots.get(id(v), 0) if v.trainable else 0,
@@ -620,13 +618,13 @@ def memory_report(
         count = call_counts[id(op)] = call_counts.get(id(op), 0) + 1
         weights = [v for v in getattr(op, "weights", []) if id(v) not in seen_vars]
         seen_vars.update(id(v) for v in weights)
-        row_devices.append(note_variables(weights))
+        found = note_variables(weights)
+        row_devices.append(found)
         trainable = [v for v in weights if v.trainable]
-        trainable_total += sum(variable_bytes(v) for v in trainable)
         largest_trainable = max([largest_trainable] + [variable_bytes(v) for v in trainable])
         produced = _produced(index, calls, children)
         activation = sum(sizes[k] for k in produced)
-        devices = sorted({tf_backend.variable_device_short(v) for v in weights} - {""})
+        devices = sorted(found)
         outputs = [shape[1:] for _, shape, _ in call["outputs"]]
         rows.append(
             LayerMemory(
@@ -648,11 +646,9 @@ def memory_report(
     # Weights no traced call owns: the model's own, or layers its call skips.
     others = [v for v in model.weights if id(v) not in seen_vars]
     if others:
-        note_variables(others)
+        devices = sorted(note_variables(others))
         trainable = [v for v in others if v.trainable]
-        trainable_total += sum(variable_bytes(v) for v in trainable)
         largest_trainable = max([largest_trainable] + [variable_bytes(v) for v in trainable])
-        devices = sorted({tf_backend.variable_device_short(v) for v in others} - {""})
         rows.append(
             LayerMemory(
                 name="(other weights)", class_name="-", output_shape=(),
@@ -697,7 +693,6 @@ def memory_report(
         budget=budget,
         dtype_policy=None if policy is None else policy.name,
         input_bytes_per_sample=sum(sizes[k] for k in dict.fromkeys(input_keys)),
-        trainable_bytes=trainable_total,
         largest_trainable_bytes=largest_trainable,
         slots_resident=slots_resident,
         device=wanted,
@@ -761,7 +756,7 @@ def _all_produced(calls: list) -> set:
 
 def _cuts(
     sequence: Sequence[int], calls: list, children: dict, sizes: dict, entering: Sequence[str]
-) -> Tuple[List[int], int]:
+) -> List[int]:
     """Bytes per sample crossing a cut after each call of `sequence`.
 
     Tensors in `entering` (the model's inputs, or a nested call's inputs) are
@@ -769,7 +764,7 @@ def _cuts(
     taken as produced right before its first consumer.
 
     Returns:
-        (cut after each call, bytes entering before the first call).
+        The cut after each call.
     """
     produced_at: Dict[str, int] = {key: -1 for key in entering}
     last_use: Dict[str, int] = {}
@@ -786,8 +781,7 @@ def _cuts(
             sizes.get(key, 0) for key, used in last_use.items()
             if used > position and produced_at[key] <= position
         ))
-    entry = sum(sizes.get(key, 0) for key in dict.fromkeys(entering))
-    return cuts, entry
+    return cuts
 
 
 def _working(index: int, calls: list, children: dict, sizes: dict) -> int:
@@ -803,7 +797,7 @@ def _working(index: int, calls: list, children: dict, sizes: dict) -> int:
     if not inner:
         return own
     entering = [key for key, _, _ in calls[index]["inputs"]]
-    cuts, _ = _cuts(inner, calls, children, sizes, entering)
+    cuts = _cuts(inner, calls, children, sizes, entering)
     live, previous = 0, 0
     for position, child in enumerate(inner):
         live = max(live, previous + _working(child, calls, children, sizes))
@@ -858,7 +852,7 @@ def _device_estimates(
                 _BACKWARD_WORKING_COPIES * max(produced, default=0)
         else:
             fixed = params + (slot_bytes if slots_resident else 0)
-            cuts, _ = _cuts(top, calls, children, here, input_keys)
+            cuts = _cuts(top, calls, children, here, input_keys)
             live, previous_cut = 0, inputs
             for position, index in enumerate(top):
                 working = (_working(index, calls, children, sizes)

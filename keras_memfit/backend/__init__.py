@@ -13,7 +13,7 @@ one module per backend, each offering the same functions:
 - undoing a failed step: `guard_variables(variables)` (snapshot/restore);
 - memory report: `trace_layer_calls(model)` (every layer/operation call of
   one symbolic forward pass, with tensor shapes and dtypes; nothing runs),
-  `variable_device_short(variable)` ("CPU:0", "GPU:0");
+  and `variable_device(variable)` from the placement functions below;
 - placement (`keras_memfit.place`): `host_device()`, `list_accelerators()`,
   `canonical_device(name)`, `device_exists(name)`, `device_scope(device)`,
   `variable_device(variable)`, `move_variable(variable, device)`,

@@ -753,24 +753,6 @@ def probe_inputs(model: keras.Model) -> Tuple[Any, bool]:
 
 
 # ---- memory report ----
-def variable_device_short(variable: Any) -> str:
-    """The device a variable's buffer lives on, short form ("CPU:0", "GPU:0"), or "".
-
-    Args:
-        variable: A `keras.Variable` or a `tf.Variable`.
-
-    Returns:
-        The device type and index ("CPU:0"), or "" when unknown.
-    """
-    value = getattr(variable, "_value", None)  # a keras.Variable's tf.Variable
-    if value is None:
-        value = variable
-    device = getattr(value, "device", "") or ""
-    if "device:" in device:
-        return device.rsplit("device:", 1)[-1]
-    return device.lstrip("/")
-
-
 def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
     """(structure of `tf.TensorSpec`s, positional) to call `model` symbolically with.
 
