@@ -13,8 +13,7 @@ logging; with `cap_mb`, TensorFlow's BFC allocator capped at that many MiB
 (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB`).
 
 Child-side helpers live here too: counting the OOMs keras_memfit caught
-(`OomCounter`), telling an OOM apart from other errors (`is_oom`), and the
-versions of what ran (`versions_job`).
+(`OomCounter`) and the versions of what ran (`versions_job`).
 """
 
 from __future__ import annotations
@@ -98,13 +97,6 @@ def run_job(
 # --------------------------------------------------------------------------
 # Child side
 # --------------------------------------------------------------------------
-def is_oom(exc: BaseException) -> bool:
-    """Whether `exc` reports running out of memory (keras_memfit's own test)."""
-    from keras_memfit import is_oom_error
-
-    return is_oom_error(exc)
-
-
 class OomCounter(logging.Handler):
     """Counts the OOMs keras_memfit caught (its "out of memory at" warnings).
 

@@ -40,7 +40,6 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -276,6 +275,7 @@ def run_case(
     log: Callable[[str], None],
 ) -> List[Result]:
     import keras
+
     from keras_memfit import MemFit, safe_evaluate, safe_predict
 
     keras.utils.clear_session()
@@ -492,17 +492,13 @@ runs; the ratios are the result.
 
 def update_section(path: str, key: str, body: str) -> None:
     """Replace (or append) the text between `key`'s markers in `path`."""
-    begin, end = f"<!-- BEGIN benchmark: {key} -->", f"<!-- END benchmark: {key} -->"
-    block = f"{begin}\n{body.strip()}\n{end}"
+    from benchmarks import report  # report imports this module
+
     text = FILE_HEADER
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    text = report.update_section(text, key, body)
     with open(path, "w") as f:
         f.write(text)
 

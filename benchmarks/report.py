@@ -16,7 +16,8 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import hostmem, seed, training
-from benchmarks.overhead import FILE_HEADER, TARGETS as OVERHEAD_TARGETS
+from benchmarks.overhead import FILE_HEADER
+from benchmarks.overhead import TARGETS as OVERHEAD_TARGETS
 
 MiB = 2**20
 
@@ -60,21 +61,23 @@ def summary_rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
     over = results.get("overhead")
     if over:
-        names = {"predict": ("safe_predict vs model.predict", "predict"),
-                 "evaluate": ("safe_evaluate vs model.evaluate", "evaluate"),
-                 "fit": ("fit with MemFit() vs plain fit", "fit")}
-        for call, (label, _) in names.items():
-            cases = [c for c in over["cases"] if c["call"] == call]
+        from benchmarks.overhead import Result
+
+        labels = {"predict": "safe_predict vs model.predict",
+                  "evaluate": "safe_evaluate vs model.evaluate",
+                  "fit": "fit with MemFit() vs plain fit"}
+        for call, label in labels.items():
+            cases = [Result(**c) for c in over["cases"] if c["call"] == call]
             if not cases:
                 continue
-            worst = max(cases, key=lambda c: median(c["memfit_times"]) / median(c["keras_times"]))
-            ratios = [median(c["memfit_times"]) / median(c["keras_times"]) for c in cases]
+            worst = max(cases, key=lambda r: r.ratio)
+            ratios = [r.ratio for r in cases]
             target = OVERHEAD_TARGETS[call]
             rows.append(dict(
                 scenario="1. overhead", figure=f"{label}, worst of {len(cases)} cases "
-                f"({worst['model']}, batch {worst['batch_size']})",
-                measured=span(worst["memfit_times"], "{:.3f}") + " s",
-                reference=span(worst["keras_times"], "{:.3f}") + " s",
+                f"({worst.model}, batch {worst.batch_size})",
+                measured=span(worst.memfit_times, "{:.3f}") + " s",
+                reference=span(worst.keras_times, "{:.3f}") + " s",
                 ratio=f"{max(ratios):.3f} (all: {', '.join(f'{r:.2f}' for r in ratios)})",
                 target=f"<= {target}", ok=max(ratios) <= target, value=max(ratios),
             ))

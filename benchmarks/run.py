@@ -210,13 +210,10 @@ def run_training(ctx: Context) -> Dict[str, Any]:
     path = training.data_path(ctx.workdir, n)
     configs = [dict(approach=a, data_path=path, n=n, batch_size=batch, epochs=epochs)
                for r in range(rounds) for a in _rotate(training.APPROACHES, r)]
-    if ctx.quick:
-        runs = ctx.jobs("benchmarks.training:job", configs, None)
-    else:
-        runs = []
-        for config in configs:  # the uncapped reference gets its own, larger cap
-            job_cap = training.UNCAPPED_MB if config["approach"] == "uncapped" else cap
-            runs += ctx.jobs("benchmarks.training:job", [config], job_cap, timeout=1800)
+    runs = []
+    for config in configs:  # the uncapped reference gets its own, larger cap
+        job_cap = training.UNCAPPED_MB if config["approach"] == "uncapped" else cap
+        runs += ctx.jobs("benchmarks.training:job", [config], job_cap, timeout=1800)
     return dict(ctx.stamp(), runs=runs, n=n, batch_size=batch, epochs=epochs,
                 cap_mb=cap or 0, repeats=rounds)
 

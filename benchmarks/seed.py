@@ -82,12 +82,12 @@ def _model():
 
 def _predict(model, x, batch_size: int, **kwargs) -> Optional[np.ndarray]:
     """`model.predict`, or None when it ran out of memory (memory then freed)."""
-    from benchmarks._proc import is_oom
+    from keras_memfit import is_oom_error
 
     try:
         return model.predict(x, batch_size=int(batch_size), verbose=0, **kwargs)
     except Exception as exc:  # noqa: BLE001 - only OOMs are swallowed
-        if not is_oom(exc):
+        if not is_oom_error(exc):
             raise
     gc.collect()  # what the failed call held (its tf.data pipeline, the input copy)
     return None
@@ -142,6 +142,7 @@ def _safe(model, x, config) -> Dict[str, Any]:
 
     from benchmarks._proc import OomCounter
     from keras_memfit import safe_predict
+    from keras_memfit._child import usual_size
 
     sizes: List[int] = []
 
@@ -164,20 +165,12 @@ def _safe(model, x, config) -> Dict[str, Any]:
         second, second_cpu = time.perf_counter() - start, time.process_time() - cpu
     np.testing.assert_allclose(y, y2, rtol=1e-4, atol=1e-6)
     return dict(
-        preds=y, ooms=first_ooms, batch_size=_typical(first_sizes),
+        preds=y, ooms=first_ooms, batch_size=usual_size(first_sizes),
         first_seconds=first, first_cpu_seconds=first_cpu,
         first_sizes=first_sizes[:4], second_seconds=second, second_cpu_seconds=second_cpu,
         second_ooms=counter.count,
-        second_batch_size=_typical(sizes),
+        second_batch_size=usual_size(sizes),
     )
-
-
-def _typical(sizes: List[int]) -> int:
-    """The most frequent piece size, the larger on a tie (the batch the call settled on)."""
-    if not sizes:
-        return 0
-    values, counts = np.unique(sizes, return_counts=True)
-    return int(max(zip(counts, values))[1])
 
 
 def job(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -232,7 +225,7 @@ def probe_job(config: Dict[str, Any]) -> Dict[str, Any]:
     whether `model.predict` can run at all. An OOM is recorded (type, first
     lines of the message, seconds until it was raised); any other error raises.
     """
-    from benchmarks._proc import is_oom
+    from keras_memfit import is_oom_error
 
     x = np.load(config["data_path"])[: int(config["n"])]
     model = _model()
@@ -241,7 +234,7 @@ def probe_job(config: Dict[str, Any]) -> Dict[str, Any]:
     try:
         model.predict(x, batch_size=int(config["batch_size"]), verbose=0)
     except Exception as exc:  # noqa: BLE001 - only OOMs are recorded
-        if not is_oom(exc):
+        if not is_oom_error(exc):
             raise
         message = " ".join(str(exc).split())
         match = re.search(r"OOM when allocating tensor[^\n]*?(?= by allocator|$)", message)

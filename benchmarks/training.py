@@ -50,8 +50,7 @@ def job(config: Dict[str, Any]) -> Dict[str, Any]:
     """One approach; returns seconds, OOMs, steps and final losses."""
     import keras
 
-    from benchmarks._proc import is_oom
-    from keras_memfit import MemFit, safe_evaluate
+    from keras_memfit import MemFit, is_oom_error, safe_evaluate
     from keras_memfit.demo import build_cnn
 
     with np.load(config["data_path"]) as data:
@@ -69,7 +68,7 @@ def job(config: Dict[str, Any]) -> Dict[str, Any]:
                 history = model.fit(x, y, batch_size=b, epochs=epochs, shuffle=False, verbose=0)
                 break
             except Exception as exc:  # noqa: BLE001 - only OOMs are retried
-                if approach == "uncapped" or not is_oom(exc):
+                if approach == "uncapped" or not is_oom_error(exc):
                     raise
             ooms += 1
             gc.collect()

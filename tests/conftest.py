@@ -75,6 +75,27 @@ def in_two_device_subprocess() -> bool:
     return os.environ.get(TWO_DEVICES_ENV) == "1"
 
 
+def _run_child_pytest(nodeids, extra_env, timeout):
+    """Run `nodeids` in a child pytest with `extra_env` set.
+
+    Returns (outcome per nodeid from its `-rA` summary, the CompletedProcess).
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra_env)
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        "--no-header", "-rA", *nodeids,
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    outcomes = {}
+    for line in result.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+            outcomes[rest.split(" - ")[0].strip()] = word
+    return outcomes, result
+
+
 def _run_two_devices(pyfuncitem):
     """Run the module's selected `two_devices` tests in one child; report this one."""
     path = str(pyfuncitem.path)
@@ -83,19 +104,7 @@ def _run_two_devices(pyfuncitem):
             item.nodeid for item in pyfuncitem.session.items
             if str(item.path) == path and item.get_closest_marker("two_devices")
         ]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **{TWO_DEVICES_ENV: "1"})
-        command = [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            "--no-header", "-rA", *nodeids,
-        ]
-        result = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-        )
-        outcomes = {}
-        for line in result.stdout.splitlines():
-            word, _, rest = line.partition(" ")
-            if word in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
-                outcomes[rest.split(" - ")[0].strip()] = word
+        outcomes, result = _run_child_pytest(nodeids, {TWO_DEVICES_ENV: "1"}, timeout=900)
         _two_device_results[path] = (outcomes, result.stdout + result.stderr[-3000:])
     outcomes, output = _two_device_results[path]
     if outcomes.get(pyfuncitem.nodeid) != "PASSED":
@@ -118,21 +127,13 @@ def pytest_pyfunc_call(pyfuncitem):
         raise pytest.UsageError(
             f"memory_cap needs a positive int of MiB; received {mb!r} on {pyfuncitem.nodeid}"
         )
-    env = dict(
-        os.environ,
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPU_BFC_MEM_LIMIT_IN_MB=str(mb),
-        TF_ENABLE_ONEDNN_OPTS="0",
-        TF_CPP_MIN_LOG_LEVEL="2",
-        **{CAPPED_ENV: "1"},
-    )
-    command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-        "--no-header", "-rA", pyfuncitem.nodeid,
-    ]
-    result = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    capped = {
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        CAPPED_ENV: "1",
+    }
+    _, result = _run_child_pytest([pyfuncitem.nodeid], capped, timeout=600)
     passed = result.returncode == 0 and " passed" in result.stdout
     if not passed:
         pytest.fail(

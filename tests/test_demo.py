@@ -21,10 +21,9 @@ import time
 
 import numpy as np
 import pytest
+from cli_support import assert_one_line_error, run_cli
 
-from keras_memfit import _child
-from cli_support import assert_one_line_error
-from keras_memfit import cli, demo, digits
+from keras_memfit import _child, cli, demo, digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -250,10 +249,7 @@ def test_cli_bad_argument_in_a_subprocess_is_one_line_without_traceback():
 # --------------------------------------------------------------------------
 def _run_cli_demo(tmp_path, *extra):
     output = tmp_path / "submission.csv"
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_memfit", "demo", "--output", str(output), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
+    result = run_cli("demo", "--output", output, *extra, ok=False, timeout=900)
     assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-4000:])
     return output, result.stdout
 
