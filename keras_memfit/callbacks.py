@@ -56,6 +56,17 @@ _MODES = ("accumulate", "shrink")
 # MemFit reaches into Keras's training loop; CI tests both ends of this range.
 TESTED_KERAS = ((3, 12), (3, 15))
 _warned_version = False
+# Details for the `OutOfMemoryError` MemFit raises: no size fits, or the
+# optimizer update (which splitting cannot shrink) ran out of memory.
+_STATE_KEPT = (
+    "The training state is as it was before this step: save it, then resume with "
+    "`initial_epoch`."
+)
+_UPDATE_OOM = (
+    "The optimizer update itself ran out of memory; its memory does not depend on the "
+    "batch size, so splitting the batch cannot help, and the weights and optimizer "
+    "slots may be partly updated."
+)
 
 
 class MemFit(keras.callbacks.Callback):
@@ -285,10 +296,8 @@ class MemFit(keras.callbacks.Callback):
         if self._train_parts is None:
             backend = _backend.get()
             model = self.model
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            model._symbolic_build(data_batch=_data.rows((x, y, sample_weight), 0, 1))
-            if model.optimizer is not None and not model.optimizer.built:
-                model.optimizer.build(model.trainable_variables)
+            # Builds the model, its metrics and loss, and the optimizer too.
+            backend.prepare_test(model, _data.rows(_as_chunk(batch), 0, 1))
             custom = not backend.has_default_train_step(model)
             key = (
                 "train",
@@ -330,7 +339,7 @@ class MemFit(keras.callbacks.Callback):
         if planner.next_size() >= n:
             # Keras's default step snapshots its own small state inside the
             # compiled call; a custom one needs a separate snapshot first.
-            fused = hasattr(step, "last_outcome")
+            fused = _snapshots_itself(step)
             if not fused:
                 guard.snapshot()
             try:
@@ -340,10 +349,10 @@ class MemFit(keras.callbacks.Callback):
                     raise
                 if not fused:
                     guard.restore()
-                elif step.last_outcome == step.UPDATE_BEGAN:
-                    raise self._update_oom_error(batch, planner) from exc
+                elif _update_began(step):
+                    raise self._oom_error(batch, planner, _UPDATE_OOM) from exc
                 if not planner.failed(n):
-                    raise self._oom_error(batch, planner) from exc
+                    raise self._oom_error(batch, planner, _STATE_KEPT) from exc
                 del exc
                 self._note_events(n)
             else:
@@ -370,13 +379,14 @@ class MemFit(keras.callbacks.Callback):
                 return parts["step"](piece)
             except Exception as exc:
                 if is_oom_error(exc) and _update_began(parts["step"]):
-                    raise self._update_oom_error(piece, planner) from exc
+                    raise self._oom_error(piece, planner, _UPDATE_OOM) from exc
                 raise
 
         try:
             run_in_pieces(
                 self.model, "train", [chunk], step,
-                on_piece, requested=None, guard=parts["guard"], planner=planner,
+                on_piece, requested=None, planner=planner,
+                guard=None if _snapshots_itself(parts["step"]) else parts["guard"],
             )
         finally:
             self._note_events(n)
@@ -412,7 +422,9 @@ class MemFit(keras.callbacks.Callback):
                 guard.restore()
                 if not planner.failed(size):
                     self._note_events(n)
-                    raise self._oom_error(_as_batch(_data.rows(chunk, 0, 1)), planner) from exc
+                    raise self._oom_error(
+                        _as_batch(_data.rows(chunk, 0, 1)), planner, _STATE_KEPT
+                    ) from exc
                 del exc
                 self._note_events(n)
                 continue
@@ -425,26 +437,16 @@ class MemFit(keras.callbacks.Callback):
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            raise self._update_oom_error(_as_batch(chunk), planner) from exc
+            raise self._oom_error(_as_batch(chunk), planner, _UPDATE_OOM) from exc
         self._epoch_split = max(self._epoch_split, pieces)
         self._note_events(n)
         return backend.metrics_result(model)
 
-    def _oom_error(self, batch, planner) -> OutOfMemoryError:
+    def _oom_error(self, batch, planner, detail: str) -> OutOfMemoryError:
         x = keras.utils.unpack_x_y_sample_weight(batch)[0]
         return OutOfMemoryError(
             self.model.name, "train", _data.shapes(_data.rows(x, 0, 1)), planner.device,
-            detail="The training state is as it was before this step: save it, then "
-            "resume with `initial_epoch`.",
-        )
-
-    def _update_oom_error(self, batch, planner) -> OutOfMemoryError:
-        x = keras.utils.unpack_x_y_sample_weight(batch)[0]
-        return OutOfMemoryError(
-            self.model.name, "train", _data.shapes(_data.rows(x, 0, 1)), planner.device,
-            detail="The optimizer update itself ran out of memory; its memory does not "
-            "depend on the batch size, so splitting the batch cannot help, and the "
-            "weights and optimizer slots may be partly updated.",
+            detail=detail,
         )
 
     def _note_events(self, batch_rows: Optional[int]) -> None:
@@ -560,6 +562,11 @@ def _warn_if_untested_keras() -> None:
             "Keras's training loop; Keras %s is outside that range.",
             *low, *high, keras.__version__,
         )
+
+
+def _snapshots_itself(step) -> bool:
+    """Whether `step` (Keras's default one) snapshots and restores its small state itself."""
+    return hasattr(step, "last_outcome")
 
 
 def _update_began(step) -> bool:

@@ -9,7 +9,7 @@ import keras
 from keras_memfit import _cache, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
-from keras_memfit.runner import run_in_pieces
+from keras_memfit.runner import prepend, run_in_pieces
 
 
 def safe_evaluate(
@@ -125,12 +125,9 @@ def safe_evaluate(
             )
         return bool(getattr(model, "stop_evaluating", False))
 
-    def chunks():
-        yield first
-        yield from source.chunks
-
     run_in_pieces(
-        model, "evaluate", chunks(), run, on_piece, requested=requested, guard=guard
+        model, "evaluate", prepend(first, source.chunks), run, on_piece,
+        requested=requested, guard=guard,
     )
     logs = _pythonify(_metrics_result(model, state["logs"]))
     if progbar is not None and state["done"] != source.num_samples:

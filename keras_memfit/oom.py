@@ -132,11 +132,10 @@ def _message(exc: BaseException) -> str:
 
 
 _ADVICE = (
-    "What to do next: look at which layers hold the memory (keras_memfit's "
-    "memory report, coming in a later release, or model.summary()); keep "
-    "oversized embedding/input layers on the CPU (keras_memfit's CPU pinning, "
-    "coming in a later release, or `with tf.device('/CPU:0')` around those "
-    "layers); use mixed precision "
+    "What to do next: look at which layers hold the memory "
+    "(`keras_memfit.memory_report(model, batch_size)`, or model.summary()); keep "
+    "oversized embedding/input layers on the CPU (`keras_memfit.place(model)`, "
+    "or `with tf.device('/CPU:0')` around those layers); use mixed precision "
     "(keras.mixed_precision.set_global_policy('mixed_float16')); free other "
     "models or tensors held on the device; or use a smaller model."
 )

@@ -60,7 +60,6 @@ class Knowledge:
     largest_ok: int = 0
     smallest_failed: Optional[int] = None
     bytes_per_sample: Optional[float] = None
-    fixed_bytes: float = 0.0
     limit_floor: int = 0
     growth_frozen: bool = False
 
@@ -164,7 +163,7 @@ class BatchPlanner:
     def ceiling(self) -> float:
         """The largest size the planner would currently use."""
         k = self._k
-        cap = math.inf if self.requested is None else self.requested
+        cap = self.requested_or_inf()
         if k.smallest_failed is not None:
             cap = min(cap, k.smallest_failed - 1)
         if k.growth_frozen and k.largest_ok:
@@ -190,15 +189,13 @@ class BatchPlanner:
         stats = self._backend.memory_stats(self._device)
         if stats is None:
             return None
-        budget = (limit - stats[0]) * MARGIN - k.fixed_bytes
+        budget = (limit - stats[0]) * MARGIN
         return max(1, int(budget // k.bytes_per_sample))
 
     def _estimate_reason(self) -> str:
         k = self._k
         stats = self._backend.memory_stats(self._device)
         reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
-        if k.fixed_bytes:
-            reason += f" plus {k.fixed_bytes / 2**20:.1f} MiB"
         if self._limit and stats:
             reason += f", {(self._limit[0] - stats[0]) / 2**20:.0f} MiB free on {self._device}"
         return reason
@@ -312,7 +309,6 @@ class BatchPlanner:
             per_sample = max(per_sample, (m2 - m1) / (s2 - s1))
         if per_sample > 0:
             k.bytes_per_sample = per_sample
-            k.fixed_bytes = 0.0
 
     def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
         """Correct the estimate so that it no longer predicts `failed_size` to fit."""
@@ -320,7 +316,7 @@ class BatchPlanner:
         stats = self._backend.memory_stats(self._device)
         if limit is None or stats is None or not k.bytes_per_sample:
             return
-        free = limit - stats[0] - k.fixed_bytes
+        free = limit - stats[0]
         if free > 0:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import keras
@@ -12,10 +11,7 @@ from keras_memfit import _cache, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.backend import Spec
-from keras_memfit.runner import run_in_pieces
-
-logger = logging.getLogger("keras_memfit")
-
+from keras_memfit.runner import prepend, run_in_pieces
 
 
 def safe_predict(
@@ -121,7 +117,7 @@ def safe_predict(
         spec = backend.output_spec(step, first[0])
         if spec is not _backend.NO_SPEC:
             writer.check_spec(spec, postprocess)
-        chunks = _chain(first, source.chunks)
+        chunks = prepend(first, source.chunks)
     else:
         chunks = iter(())
 
@@ -168,11 +164,6 @@ def safe_predict(
     if first is None or state["done"] == 0:
         return writer.empty(step, first)
     return writer.result()
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:

@@ -14,8 +14,7 @@ of one sample that runs out of memory raises `OutOfMemoryError`.
 from __future__ import annotations
 
 import gc
-import math
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional
 
 from keras_memfit import data as _data
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
@@ -89,9 +88,20 @@ def run_in_pieces(
                 del exc
                 gc.collect()
                 continue
-            current.succeeded(size, full=size >= planned or math.isinf(planned))
+            current.succeeded(size, full=size >= planned)
             offset += size
             done += size
             if on_piece(size, piece, result):
                 return done
     return done
+
+
+def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    """`first`, then the items of `rest`.
+
+    Unlike `itertools.chain`, closing it (which dropping it does) closes
+    `rest` too, so an input left unfinished (`steps`, an early stop) ends its
+    epoch as soon as the run is over.
+    """
+    yield first
+    yield from rest

@@ -142,7 +142,7 @@ def attempt(planner, dev, remaining):
     size = int(min(planned, remaining))
     planner.started(size)
     if dev.run(size):
-        planner.succeeded(size, full=size >= planned or math.isinf(planned))
+        planner.succeeded(size, full=size >= planned)
         return size, True
     assert planner.failed(size), f"planner gave up at size {size}"
     return size, False
