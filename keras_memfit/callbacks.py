@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Union
 import keras
 import numpy as np
 
-from keras_memfit import _cache
+from keras_memfit import _cache, _model_state
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.evaluate import test_step_and_guard
@@ -225,7 +225,7 @@ class MemFit(keras.callbacks.Callback):
                 "MemFit(mode='shrink'), which runs your train_step on smaller batches "
                 "(one optimizer step each)."
             )
-        reductions = sorted(set(backend.loss_reductions(model)) - {"sum_over_batch_size"})
+        reductions = sorted(set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
         if reductions:
             raise ValueError(
                 "MemFit(mode='accumulate') keeps the update exact for losses reduced with "
@@ -313,7 +313,7 @@ class MemFit(keras.callbacks.Callback):
                 make = backend.make_custom_train_step if custom else backend.make_train_step
                 return {
                     "step": make(model),
-                    "guard": backend.guard_variables(backend.train_state_variables(model)),
+                    "guard": backend.guard_variables(_model_state.train_state_variables(model)),
                     "accumulator": None,
                 }
 
@@ -440,7 +440,7 @@ class MemFit(keras.callbacks.Callback):
             raise self._oom_error(_as_batch(chunk), planner, _UPDATE_OOM) from exc
         self._epoch_split = max(self._epoch_split, pieces)
         self._note_events(n)
-        return backend.metrics_result(model)
+        return model.get_metrics_result()
 
     def _oom_error(self, batch, planner, detail: str) -> OutOfMemoryError:
         x = keras.utils.unpack_x_y_sample_weight(batch)[0]
@@ -520,7 +520,7 @@ class MemFit(keras.callbacks.Callback):
             run_in_pieces(
                 self.model, "predict", [(x,)],
                 lambda piece: keras.tree.map_structure(
-                    backend.to_numpy, self._predict_step(piece[0])
+                    keras.ops.convert_to_numpy, self._predict_step(piece[0])
                 ),
                 on_piece, requested=None, planner=self._planner("predict", _data.signature(x)),
             )

@@ -172,6 +172,6 @@ def _pythonify(logs: Any) -> Any:
         return logs
     result = {}
     for key, value in logs.items():
-        value = _backend.get().to_numpy(value) if not isinstance(value, (int, float)) else value
+        value = keras.ops.convert_to_numpy(value) if not isinstance(value, (int, float)) else value
         result[key] = value.item() if getattr(value, "size", 0) == 1 else value
     return result

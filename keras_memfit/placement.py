@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 import keras
 import numpy as np
 
-from keras_memfit import _cache, _validate
+from keras_memfit import _cache, _model_state, _validate
 from keras_memfit import backend as backend_seam
 from keras_memfit._units import format_bytes
 
@@ -308,7 +308,7 @@ def _counted_bytes(weights, be, optimizer, slots_per_variable: Callable[[], int]
     for v in weights:
         total += _nbytes(v)
         if v.trainable and optimizer is not None:
-            found = be.slot_variables(optimizer, v)
+            found = _model_state.slot_variables(optimizer, v)
             total += (sum(_nbytes(s) for s in found) if found
                       else slots_per_variable() * _nbytes(v))
     return total
@@ -603,7 +603,7 @@ def _apply(model, be, host, accelerator, pinned) -> None:
         if optimizer is not None and optimizer.built:
             for v in model.trainable_variables:
                 device = be.variable_device(v)
-                for slot in be.slot_variables(optimizer, v):
+                for slot in _model_state.slot_variables(optimizer, v):
                     be.move_variable(slot, device)
 
     follow(getattr(model, "optimizer", None))

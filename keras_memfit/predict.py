@@ -138,7 +138,7 @@ def safe_predict(
             state["begun"] = state["batch"]
         outputs = step(piece[0])
         if writer.structure is not None:
-            return keras.tree.map_structure(backend.to_numpy, outputs)
+            return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
         for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
             if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
                 origin = "postprocess" if postprocess is not None else "the model's predict_step"
@@ -146,7 +146,7 @@ def safe_predict(
                     f"{origin} must return a tensor or a structure of tensors; "
                     f"received {type(leaf).__name__}: {leaf!r:.80}"
                 )
-        return keras.tree.map_structure(backend.to_numpy, outputs)
+        return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
 
     def on_piece(size, piece, result):
         writer.write(result, size, postprocess)
@@ -303,7 +303,7 @@ class _OutputWriter:
         backend = _backend.get()
         spec = backend.output_spec(step, first[0])
         if spec is _backend.NO_SPEC:
-            return keras.tree.map_structure(backend.to_numpy, step(first[0]))
+            return keras.tree.map_structure(keras.ops.convert_to_numpy, step(first[0]))
         return keras.tree.map_structure(
             lambda s: np.empty((0,) + tuple(d or 0 for d in (s.shape or (0,))[1:]), s.dtype),
             spec,

@@ -1120,7 +1120,7 @@ def test_non_oom_error_after_an_oom_propagates(inject_oom, monkeypatch):
     def to_numpy(value):
         raise boom
 
-    monkeypatch.setattr(tf_backend, "to_numpy", to_numpy)
+    monkeypatch.setattr(keras.ops, "convert_to_numpy", to_numpy)
     with pytest.raises(ValueError) as excinfo:
         safe_predict(model, random_data(50), batch_size=50, verbose=0)
     assert excinfo.value is boom

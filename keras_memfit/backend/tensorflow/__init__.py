@@ -10,6 +10,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_memfit._model_state import train_state_variables
+
 # --------------------------------------------------------------------------
 # OOM detection
 # --------------------------------------------------------------------------
@@ -235,10 +237,6 @@ def output_spec(step: Callable, x: Any) -> Optional[Any]:
     return keras.tree.map_structure(describe, outputs)
 
 
-def to_numpy(value: Any) -> np.ndarray:
-    """Copy a backend tensor to host memory."""
-    return keras.ops.convert_to_numpy(value)
-
 
 def reset_peak(device: str) -> None:
     """Start a new peak measurement on `device` (no-op where unsupported)."""
@@ -269,52 +267,6 @@ def uses_distribution(model: keras.Model) -> bool:
     return getattr(model, "_distribute_strategy", None) is not None or tf.distribute.has_strategy()
 
 
-def loss_reductions(model: keras.Model) -> list:
-    """The reductions of the losses `model` was compiled with."""
-    reductions = []
-    for loss in keras.tree.flatten(getattr(model, "loss", None)):
-        if loss is None:
-            continue
-        if isinstance(loss, keras.losses.Loss):
-            reductions.append(loss.reduction)
-        else:  # strings and plain functions are wrapped with Keras's default
-            reductions.append("sum_over_batch_size")
-    return reductions
-
-
-def train_state_variables(model: keras.Model) -> list:
-    """The small state a failed train step may have updated before failing.
-
-    Metric and loss-tracker variables, the non-trainable variables of
-    trainable layers (BatchNorm moving statistics, RNG seed states) and the
-    optimizer's scalar variables (iterations, loss-scale counters). Trainable
-    weights and optimizer slots are not copied: the train steps keras_memfit
-    compiles update them only after every gradient exists (see
-    `make_train_step`), so a step that fails has not touched them.
-    """
-    frozen = set()
-    layers = model._flatten_layers(include_self=True, recursive=True)
-    for layer in layers:
-        if not layer.trainable:
-            frozen.update(id(v) for v in layer.weights)
-    chosen, seen = [], set()
-
-    def add(v):
-        if id(v) not in seen:
-            seen.add(id(v))
-            chosen.append(v)
-
-    for v in model.metrics_variables:
-        add(v)
-    for v in model.non_trainable_variables:
-        if id(v) not in frozen:
-            add(v)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
-        for v in optimizer.variables:
-            if int(np.prod(v.shape)) <= 1:
-                add(v)
-    return chosen
 
 
 def _unpack(data):
@@ -440,9 +392,6 @@ def _make_train_step(model: keras.Model, update_started, generation, pairs) -> C
 
     return _compile(model, train_step)
 
-
-def metrics_result(model: keras.Model) -> dict:
-    return model.get_metrics_result()
 
 
 def next_batches(iterator: Any, count: int) -> list:
@@ -611,17 +560,6 @@ def move_variable(variable: Any, device: str) -> bool:
     variable._value = new
     return True
 
-
-def slot_variables(optimizer: Any, variable: Any) -> list:
-    """The optimizer variables created from `variable` (Adam's m and v, ...)."""
-    if optimizer is None or not getattr(optimizer, "built", False):
-        return []
-    prefix = variable.path.replace("/", "_") + "_"
-    shape = tuple(variable.shape)
-    return [
-        v for v in optimizer.variables
-        if v.name.startswith(prefix) and tuple(v.shape) == shape
-    ]
 
 
 def follow_variable_devices(optimizer: Any) -> None:
