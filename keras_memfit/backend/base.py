@@ -1,0 +1,174 @@
+"""The backend seam's contract: what every backend package provides, typed.
+
+keras_memfit's core (planning batch sizes, splitting batches, retrying,
+MemFit's strategies, the model analysis) is backend-neutral. Everything that
+depends on Keras's backend is a function of one package,
+`keras_memfit.backend.<name>`, whose `__init__` exports the names of the
+`Backend` protocol below; `keras_memfit.backend.get()` returns the active
+one. A new backend is a new package with the same module names
+(`oom`, `memory`, `steps`, `training`, `trainer`, `devices`, `tracing`) that
+satisfies this protocol; nothing outside `keras_memfit/backend/` changes.
+
+The values that cross the seam are typed here too: a traced output's `Spec`
+(or `NO_SPEC`), a train step's `StepOutcome`, and the `TrainStep`,
+`Accumulator` and `Guard` objects the step factories return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    runtime_checkable,
+)
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Shape (None for unknown dimensions) and dtype of a traced output."""
+
+    shape: Optional[Tuple[Optional[int], ...]]
+    dtype: np.dtype
+
+
+class _NoSpec:
+    """`output_spec`'s answer for a step that cannot be traced (an eager step)."""
+
+    _instance = None
+
+    def __new__(cls) -> "_NoSpec":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NO_SPEC"
+
+
+NO_SPEC = _NoSpec()
+
+
+class StepOutcome(enum.Enum):
+    """How far a train step that raised got, as the step itself tells.
+
+    Attributes:
+        UNTOUCHED: Nothing ran (XLA, for one, allocates before it executes
+            anything); nothing to undo.
+        RESTORED: It ran part-way; the small state it touched is back.
+        UPDATE_BEGAN: The optimizer update had begun: weights may be partly
+            updated, so the step must not be retried.
+    """
+
+    UNTOUCHED = "untouched"
+    RESTORED = "restored"
+    UPDATE_BEGAN = "update_began"
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """Copies of some variables, taken before a step and restored if it fails."""
+
+    def snapshot(self) -> None:
+        """Record the variables' current values."""
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+
+
+@runtime_checkable
+class TrainStep(Protocol):
+    """One compiled train step on a batch, returning Keras's logs.
+
+    Attributes:
+        snapshots_itself: True when the step snapshots and restores the small
+            state it may touch inside its own call (keras_memfit's version of
+            Keras's default step); False for a model's own `train_step`,
+            whose caller must snapshot with a `Guard`.
+        last_outcome: After a call raised, how far it got; None where the
+            step cannot tell (a custom `train_step`).
+    """
+
+    snapshots_itself: bool
+    last_outcome: Optional[StepOutcome]
+
+    def __call__(self, data: Any) -> Dict[str, Any]:
+        """Run one step on the Keras batch `data`; returns the logs."""
+
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """Sums weighted micro-batch gradients and applies them as one optimizer step."""
+
+    def reset(self) -> None:
+        """Start a new batch: zero the sums."""
+
+    def add(self, data: Any, weight: float) -> None:
+        """Add `weight` times the gradient of the loss on micro-batch `data`."""
+
+    def apply(self) -> None:
+        """Apply the summed gradients as one optimizer step."""
+
+
+class Backend(Protocol):
+    """What a backend package exports (see each backend's modules for details).
+
+    Grouped by the module that implements each part in every backend.
+    """
+
+    # oom: the backend's own out-of-memory forms.
+    def is_oom_error(self, exc: BaseException) -> bool: ...
+    def oom_error_bases(self) -> Tuple[type, ...]: ...
+    def init_oom_error(self, err: BaseException, message: str) -> None: ...
+
+    # memory: statistics and limits for the planner.
+    def compute_device(self) -> str: ...
+    def memory_stats(self, device: str) -> Optional[Tuple[int, int]]: ...
+    def memory_limit(self, device: str) -> Optional[Tuple[int, bool]]: ...
+    def reset_peak(self, device: str) -> None: ...
+
+    # steps: compiled inference steps, their outputs, undoing their state.
+    def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable: ...
+    def make_test_step(self, model: Any) -> Callable: ...
+    def prepare_test(self, model: Any, batch: Any) -> None: ...
+    def output_spec(self, step: Callable, x: Any) -> Any: ...
+    def guard_variables(self, variables: Sequence[Any]) -> Guard: ...
+
+    # training: train steps that can tell how far they got, accumulation.
+    def has_default_train_step(self, model: Any) -> bool: ...
+    def uses_distribution(self, model: Any) -> bool: ...
+    def make_train_step(self, model: Any) -> TrainStep: ...
+    def make_custom_train_step(self, model: Any) -> TrainStep: ...
+    def make_accumulator(self, model: Any) -> Accumulator: ...
+
+    # trainer: Keras's step functions in this backend's calling convention.
+    def step_function(
+        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
+    ) -> Callable: ...
+    def is_end_of_data(self, exc: BaseException) -> bool: ...
+
+    # devices: naming devices and placing variables and calls (`place`).
+    def host_device(self) -> str: ...
+    def list_accelerators(self) -> List[str]: ...
+    def canonical_device(self, name: str) -> Optional[str]: ...
+    def device_exists(self, name: str) -> bool: ...
+    def device_scope(self, device: str) -> ContextManager[Any]: ...
+    def variable_device(self, variable: Any) -> Optional[str]: ...
+    def move_variable(self, variable: Any, device: str) -> bool: ...
+    def creating_on(self, device: str, add_weight: Callable) -> Callable: ...
+    def call_on_device(self, device: str, call: Callable) -> Callable: ...
+    def follow_variable_devices(self, optimizer: Any) -> None: ...
+
+    # tracing: the model's layer calls, symbolically (memory report).
+    def probe_inputs(self, model: Any) -> Tuple[Any, bool]: ...
+    def trace_layer_calls(self, model: Any) -> dict: ...
