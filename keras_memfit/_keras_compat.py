@@ -95,3 +95,33 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
         (shape,) = shapes.values()
         return tensors(shape), True
     return {k.removesuffix("_shape"): tensors(s) for k, s in shapes.items()}, False
+
+
+def data_adapter(x: Any) -> Any:
+    """Keras's own data adapter for `x` (tf.data, PyDataset, generators, ...), unshuffled.
+
+    Raises:
+        ValueError: If Keras does not accept `x` as input data.
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(x, shuffle=False)
+
+
+def convolution_layer_classes() -> dict:
+    """Keras's base classes of convolution and pooling layers, by role, for FLOP counts."""
+    from keras.src.layers.convolutional.base_conv import BaseConv
+    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
+    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
+    from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
+    from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
+    from keras.src.layers.pooling.base_pooling import BasePooling
+
+    return {
+        "conv": BaseConv,
+        "conv_transpose": BaseConvTranspose,
+        "depthwise_conv": BaseDepthwiseConv,
+        "separable_conv": BaseSeparableConv,
+        "global_pooling": BaseGlobalPooling,
+        "pooling": BasePooling,
+    }
