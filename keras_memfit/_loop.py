@@ -1,4 +1,4 @@
-"""The batch loop `safe_predict` and `safe_evaluate` share: Keras's plumbing around `run_in_pieces`.
+"""The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`.
 
 `run_in_pieces` (see `keras_memfit.runner`) decides the pieces and retries
 them; this module gives the run what `model.predict`/`model.evaluate` give
@@ -23,30 +23,15 @@ from keras_memfit.runner import run_in_pieces
 _HOOKS = {"predict": ("predict", "stop_predicting"), "evaluate": ("test", "stop_evaluating")}
 
 
-def check_batch_size(batch_size: Optional[int], x: Any, advice: str = "") -> None:
-    """Reject a `batch_size` for input that comes batched already.
-
-    Args:
-        batch_size: The validated `batch_size` argument.
-        x: The input.
-        advice: A sentence appended to the error (e.g. what to use instead).
-
-    Raises:
-        ValueError: If `batch_size` is given and `x` is a dataset, a
-            PyDataset or a generator.
-    """
-    if batch_size is not None and not _data.is_array_like(x):
-        raise ValueError(
-            "batch_size must be None when x is a dataset, a PyDataset or a generator "
-            f"(they are already batched); received batch_size={batch_size} with x of "
-            f"type {type(x).__name__}" + (f". {advice}" if advice else "")
-        )
-
-
 def requested_size(
     source: _data.Chunks, batch_size: Optional[int], max_batch_size: Optional[int] = None
 ) -> Optional[int]:
     """The largest piece to run: the batch size asked for (arrays), bounded by `max_batch_size`.
+
+    Args:
+        source: The input's chunks.
+        batch_size: The validated `batch_size` argument.
+        max_batch_size: The validated `max_batch_size` argument (predict only).
 
     Returns:
         `batch_size` (default `data.DEFAULT_BATCH_SIZE`) for array input, None

@@ -72,7 +72,7 @@ def safe_evaluate(
         )
     if x is None:
         raise ValueError("x must be given; received x=None")
-    _loop.check_batch_size(batch_size, x)
+    _validate.batch_size_for(x, batch_size)
 
     source = _data.from_input(
         x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True

@@ -94,9 +94,7 @@ def safe_predict(
         )
     if out is not None:
         _check_out_types(out)
-    _loop.check_batch_size(
-        batch_size, x, advice="Use max_batch_size to bound the pieces run."
-    )
+    _validate.batch_size_for(x, batch_size, advice="Use max_batch_size to bound the pieces run.")
 
     source = _data.from_input(
         x, batch_size=batch_size, steps=steps, with_targets=False

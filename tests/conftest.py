@@ -13,7 +13,13 @@ Fault injection
     The `inject_oom` fixture makes every compiled step keras_memfit builds
     raise a real `tf.errors.ResourceExhaustedError` when its batch has more
     rows than a threshold, either before the step runs or after it ran (to
-    check that state a failed step touched is rolled back).
+    check that state a failed step touched is rolled back). It logs every
+    call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
+    raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
+    `inject_oom.rows(phase)` (all), the phase being optional. Other fault
+    fixtures swap the backend's steps with `support.wrap_factory` too.
+
+Shared models, data, callbacks and comparisons are in `support.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What `safe_predict` returns: into `out=` arrays and memmaps, through `postprocess`, for empty input."""
+"""What `safe_predict` returns: in `out=` arrays and memmaps, via `postprocess`, for no input."""
 
 from __future__ import annotations
 
