@@ -125,3 +125,8 @@ def convolution_layer_classes() -> dict:
         "global_pooling": BaseGlobalPooling,
         "pooling": BasePooling,
     }
+
+
+def flatten_metrics_in_order(model: keras.Model, logs: Any) -> Any:
+    """`logs` as the list `model.evaluate` returns, in Keras's metric order."""
+    return model._flatten_metrics_in_order(logs)

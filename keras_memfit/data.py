@@ -17,6 +17,8 @@ from typing import Any, Iterable, Iterator, Optional, Tuple
 import keras
 import numpy as np
 
+from keras_memfit import _keras_compat
+
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
 
@@ -164,10 +166,8 @@ def from_input(
 def _iterate_batches(x: Any) -> Iterable[Any]:
     # Keras's own data adapters know every input kind predict/evaluate take
     # (tf.data, PyDataset with its workers, generators, torch DataLoader, ...).
-    from keras.src.trainers.data_adapters import get_data_adapter
-
     try:
-        adapter = get_data_adapter(x, shuffle=False)
+        adapter = _keras_compat.data_adapter(x)
     except ValueError as err:
         raise TypeError(
             "x must be an array, a tensor, a list/dict of them, a tf.data.Dataset, "

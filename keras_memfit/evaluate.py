@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
-from keras_memfit import _cache, _loop, _validate
+from keras_memfit import _cache, _keras_compat, _loop, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.runner import prepend
@@ -104,7 +104,7 @@ def safe_evaluate(
     loop.end(logs, values=_bar_values(logs))
     if return_dict:
         return logs
-    return model._flatten_metrics_in_order(logs)
+    return _keras_compat.flatten_metrics_in_order(model, logs)
 
 
 def test_step_and_guard(model: keras.Model, batch: Any) -> Tuple[Any, Any]:
