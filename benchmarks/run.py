@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from benchmarks import common, hostmem, jobs, report, seed, training
+from benchmarks import common, hostmem, jobs, plot, report, seed, training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("overhead", "seed", "hostmem", "training", "scaling")
@@ -363,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(stored, f, indent=1)
         report.write_markdown(paths["RESULTS.md"], stored)
         if not args.no_plot:
-            report.write_plot(paths["results.png"], stored)
+            plot.write_plot(paths["results.png"], stored)
 
     if args.report_only:
         save()

@@ -20,7 +20,7 @@ SCENARIOS = ("overhead", "seed", "hostmem", "training", "scaling")
 
 sys.path.insert(0, ROOT)
 try:
-    from benchmarks import report
+    from benchmarks import plot, report
     from benchmarks.common import write_section
 finally:
     sys.path.remove(ROOT)
@@ -182,7 +182,7 @@ def test_scaling_reports_a_failed_probe_as_a_failure_not_a_time(tmp_path):
     assert "`ResourceExhaustedError` after 21.6 s" in text
     assert "batch_size=32" in text and "OOM when allocating tensor" in text
     # The plot draws the failure without a time (it would raise on a missing "seconds").
-    report.write_plot(str(tmp_path / "results.png"), results)
+    plot.write_plot(str(tmp_path / "results.png"), results)
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -200,7 +200,9 @@ def test_overhead_section_is_replaced_in_place(tmp_path):
     assert text.startswith("# keras_memfit benchmarks")  # a new file gets the header
 
 
-BENCHMARK_MODULES = ("common", "jobs", "hostmem", "seed", "training", "report", "overhead", "run")
+BENCHMARK_MODULES = (
+    "common", "jobs", "hostmem", "seed", "training", "report", "plot", "overhead", "run",
+)
 
 
 def _imports_of(module):
