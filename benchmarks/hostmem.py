@@ -30,6 +30,8 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from benchmarks.common import HOSTMEM_TARGET_SHARE
+
 APPROACHES = ("predict", "safe", "safe_argmax", "safe_memmap")
 LABELS = {
     "predict": "model.predict",
@@ -38,7 +40,7 @@ LABELS = {
     "safe_memmap": "safe_predict(out=np.memmap)",
 }
 TARGETED = ("safe_argmax", "safe_memmap")
-TARGET_SHARE = 0.10
+TARGET_SHARE = HOSTMEM_TARGET_SHARE
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -93,7 +95,7 @@ class PeakSampler:
         self.peak = max(self.peak, anon_rss())
 
 
-def job(config: Dict[str, Any]) -> Dict[str, Any]:
+def job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """One approach; returns the added peak memory in bytes and as a share of the output."""
     import keras
 

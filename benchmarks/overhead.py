@@ -37,31 +37,32 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-TARGETS = {"predict": 1.05, "evaluate": 1.05, "fit": 1.02}
-CALLS = ("predict", "evaluate", "fit")
+from benchmarks.common import OVERHEAD_CALLS as CALLS  # noqa: E402
+from benchmarks.common import OVERHEAD_TARGETS as TARGETS  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Result,
+    cpu_model,
+    load_average,
+    now_utc,
+    results_table,
+    usable_cpus,
+    verdicts,
+    versions,
+    write_section,
+)
+
 MIN_STEPS = 16  # calibration floor: a busy machine must not shrink a case to a few steps
 SECTION_KEY = "overhead"
 SECTION_TITLE = "Overhead with no memory pressure"
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-FILE_HEADER = """# keras_memfit benchmarks
-
-Each `benchmark: KEY` section below is produced by one benchmark script and
-regenerated independently: a script rewrites only the text between its own
-`<!-- BEGIN benchmark: KEY -->` and `<!-- END benchmark: KEY -->` markers and
-leaves the rest of this file alone (`notes: KEY` sections are written by hand
-and never touched by a script). Timings come from shared, noisy machines; read
-the ratios (measured side by side, interleaved), not the absolute times.
-"""
 
 
 # --------------------------------------------------------------------------
@@ -69,7 +70,7 @@ the ratios (measured side by side, interleaved), not the absolute times.
 # --------------------------------------------------------------------------
 def digit_cnn():
     """The Kaggle digit-recognizer CNN (28x28x1 -> 10 classes), as in the demo."""
-    from keras_memfit.demo import build_cnn
+    from keras_memfit.app.demo import build_cnn
 
     return build_cnn()
 
@@ -115,51 +116,6 @@ def make_data(name: str, n: int, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]
 # --------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------
-@dataclasses.dataclass
-class Result:
-    model: str
-    call: str  # "predict", "evaluate" or "fit"
-    batch_size: int
-    samples: int
-    repeats: int
-    keras_times: List[float]
-    memfit_times: List[float]
-
-    @property
-    def steps(self) -> int:
-        return -(-self.samples // self.batch_size)
-
-    @property
-    def keras_median(self) -> float:
-        return statistics.median(self.keras_times)
-
-    @property
-    def memfit_median(self) -> float:
-        return statistics.median(self.memfit_times)
-
-    @property
-    def ratio(self) -> float:
-        """Ratio of the medians: the acceptance criterion."""
-        return self.memfit_median / self.keras_median
-
-    @property
-    def paired_ratio(self) -> float:
-        """Median over the interleaved pairs of memfit time / Keras time."""
-        return statistics.median(m / k for m, k in zip(self.memfit_times, self.keras_times))
-
-    @property
-    def per_step_overhead_ms(self) -> float:
-        return (self.memfit_median - self.keras_median) / self.steps * 1e3
-
-    @property
-    def target(self) -> float:
-        return TARGETS[self.call]
-
-    @property
-    def passed(self) -> bool:
-        return self.ratio <= self.target
-
-
 def _timed(fn: Callable[[], object], setup: Optional[Callable[[], object]] = None) -> float:
     if setup is not None:
         setup()  # untimed: e.g. reset the weights before a fit
@@ -367,83 +323,18 @@ def run_case(
 # --------------------------------------------------------------------------
 # Reporting
 # --------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> Dict[str, str]:
-    import keras
-    import tensorflow as tf
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    try:
-        load = " / ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        load = "n/a"
-    devices = ", ".join(d.name.replace("/physical_device:", "") for d in
-                        tf.config.list_physical_devices())
+    """The machine and versions this process runs on (imports TensorFlow)."""
+    seen = versions()
     return {
-        "Date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "CPU": _cpu_model(),
-        "CPU count (usable / total)": f"{usable} / {os.cpu_count()}",
-        "Load average at start (1/5/15 min)": load,
-        "Devices seen by TensorFlow": devices,
-        "Python": platform.python_version(),
-        "TensorFlow": tf.__version__,
-        "Keras": keras.__version__,
-        "NumPy": np.__version__,
+        "Date (UTC)": now_utc(),
+        "CPU": cpu_model(),
+        "CPU count (usable / total)": usable_cpus(),
+        "Load average at start (1/5/15 min)": load_average(),
+        "Devices seen by TensorFlow": seen.pop("Devices seen by TensorFlow"),
+        **seen,
         "OS": platform.platform(),
     }
-
-
-def _span(times: List[float]) -> str:
-    return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
-
-
-def results_table(results: Sequence[Result]) -> str:
-    lines = [
-        "| Model | Call | Batch | Samples (steps) | Repeats | Keras s: median (min-max) "
-        "| keras_memfit s: median (min-max) | Ratio of medians | Median paired ratio "
-        "| Extra ms/step | Target | Result |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.model} | {r.call} | {r.batch_size} | {r.samples} ({r.steps}) | "
-            f"{r.repeats} | {_span(r.keras_times)} | {_span(r.memfit_times)} | "
-            f"**{r.ratio:.3f}** | {r.paired_ratio:.3f} | {r.per_step_overhead_ms:+.3f} | "
-            f"<= {r.target} | {'pass' if r.passed else 'FAIL'} |"
-        )
-    return "\n".join(lines)
-
-
-def verdicts(results: Sequence[Result]) -> str:
-    """One line per call: whether its target holds in every case."""
-    lines = []
-    for call in CALLS:
-        mine = [r for r in results if r.call == call]
-        if not mine:
-            continue
-        failed = [r for r in mine if not r.passed]
-        worst = max(mine, key=lambda r: r.ratio)
-        if not failed:
-            lines.append(f"- **{call}: target ratio <= {TARGETS[call]} holds in all "
-                         f"{len(mine)} cases** (worst: {worst.ratio:.3f}).")
-        else:
-            lines.append(f"- **{call}: target ratio <= {TARGETS[call]} fails in "
-                         f"{len(failed)} of {len(mine)} cases** (worst: {worst.ratio:.3f}, "
-                         f"{worst.model} batch {worst.batch_size}).")
-    return "\n".join(lines)
 
 
 def section_markdown(results: Sequence[Result], info: Dict[str, str], argv: List[str],
@@ -488,19 +379,6 @@ runs; the ratios are the result.
 
 {verdict}
 """
-
-
-def update_section(path: str, key: str, body: str) -> None:
-    """Replace (or append) the text between `key`'s markers in `path`."""
-    from benchmarks import report  # report imports this module
-
-    text = FILE_HEADER
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    text = report.update_section(text, key, body)
-    with open(path, "w") as f:
-        f.write(text)
 
 
 # --------------------------------------------------------------------------
@@ -553,6 +431,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
+    """`main(config["args"])` as a `benchmarks.jobs.run_job` target (in a fresh process)."""
+    return {"exit_code": main(list(config["args"]))}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -571,10 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 target_seconds=args.target_seconds, max_samples=args.max_samples,
                 calls=args.calls, log=log,
             ))
-    try:
-        end_load = " / ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        end_load = "n/a"
+    end_load = load_average()
 
     print()
     print(results_table(results))
@@ -591,7 +471,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "machine": info}, f)
     write = not args.no_write and (args.write or not args.quick)
     if write:
-        update_section(args.output, SECTION_KEY, section_markdown(results, info, argv, end_load))
+        write_section(args.output, SECTION_KEY, section_markdown(results, info, argv, end_load))
         print(f"\nwrote section '{SECTION_KEY}' of {args.output}")
     if args.check and any(not r.passed for r in results):
         return 1

@@ -1,7 +1,7 @@
 """One entry point for every benchmark: `python -m benchmarks.run`.
 
 Runs the scenarios, each job in a fresh child process under TensorFlow's
-capped CPU allocator (see `benchmarks._proc`), repeats and interleaves them,
+capped CPU allocator (see `benchmarks.jobs`), repeats and interleaves them,
 stores the raw measurements in `benchmarks/results.json`, and regenerates
 `benchmarks/RESULTS.md` (its generated sections; hand-written `notes:`
 sections are kept) and `benchmarks/results.png`.
@@ -36,13 +36,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from benchmarks import _proc, hostmem, report, seed, training
+from benchmarks import common, hostmem, jobs, plot, report, seed, training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("overhead", "seed", "hostmem", "training", "scaling")
@@ -75,11 +74,10 @@ class Context:
         (`quick_job`): starting TensorFlow would cost more than the work.
         """
         if self.quick:
-            function = _proc.resolve(target)
-            return [function(config) for config in configs]
+            return [jobs.run_here(target, config) for config in configs]
         results = []
         for config in configs:
-            result = _proc.run_job(target, config, cap_mb=cap_mb, timeout=timeout)
+            result = jobs.run_job(target, config, cap_mb=cap_mb, timeout=timeout)
             results.append(result)
             if "seconds" not in result:
                 continue
@@ -116,16 +114,12 @@ def run_overhead(ctx: Context) -> Dict[str, Any]:
             data = json.load(f)
         return dict(ctx.stamp(), cases=data["cases"], cap_mb=0,
                     seconds=time.perf_counter() - start)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.overhead"] + args, cwd=_proc.ROOT,
-        env=_proc.child_environment(OVERHEAD_CAP_MB), capture_output=True, text=True,
-        timeout=3600,
-    )
-    if proc.returncode != 0:
-        raise _proc.JobError("benchmarks.overhead failed:\n" + proc.stderr[-3000:])
-    for line in proc.stdout.splitlines():
+    def show(line: str) -> None:
         if line.startswith("ratio "):
             ctx.log("  " + line)
+
+    jobs.run_job("benchmarks.overhead:job", dict(args=args), cap_mb=OVERHEAD_CAP_MB,
+                 timeout=3600, report=show)
     with open(path) as f:
         data = json.load(f)
     return dict(ctx.stamp(), cases=data["cases"], cap_mb=OVERHEAD_CAP_MB,
@@ -154,7 +148,7 @@ def _seed_setup(ctx: Context, reuse: bool = False) -> Dict[str, Any]:
                 f"{stored.get('date')} UTC (not re-run)")
     else:
         calib = seed.calibrate(
-            lambda b: _proc.run_job("benchmarks.seed:try_job",
+            lambda b: jobs.run_job("benchmarks.seed:try_job",
                                     dict(data_path=path, n=n, batch_size=b), cap_mb=cap)["ok"],
             n, confirm=3,
         )
@@ -262,13 +256,7 @@ def run_scaling(ctx: Context, setup: Dict[str, Any]) -> Dict[str, Any]:
 # Entry point
 # --------------------------------------------------------------------------
 def machine(ctx: Context) -> Dict[str, str]:
-    from benchmarks.overhead import _cpu_model
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    info = {"CPU": _cpu_model(), "CPU count (usable / total)": f"{usable} / {os.cpu_count()}"}
+    info = {"CPU": common.cpu_model(), "CPU count (usable / total)": common.usable_cpus()}
     try:
         with open("/proc/meminfo") as f:
             total = int(f.readline().split()[1]) * 1024
@@ -276,14 +264,12 @@ def machine(ctx: Context) -> Dict[str, str]:
     except (OSError, ValueError, IndexError):
         pass
     info["OS"] = platform.platform()
-    versions = ctx.jobs("benchmarks._proc:versions_job", [{}], None)[0]
+    versions = ctx.jobs("benchmarks.jobs:versions_job", [{}], None)[0]
     versions.pop("process_seconds", None)
     info.update(versions)
-    try:
-        info["Load average at start (1/5/15 min)"] = " / ".join(
-            f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        pass
+    load = common.load_average()
+    if load != "n/a":
+        info["Load average at start (1/5/15 min)"] = load
     return info
 
 
@@ -328,7 +314,7 @@ def run_scenarios(ctx: Context, names: Sequence[str],
                 "scaling": lambda: run_scaling(ctx, setup),
             }[name]
             ctx.stored[name] = runner()
-        except _proc.JobError as err:
+        except jobs.JobError as err:
             failed.append(name)
             ctx.log(f"scenario {name} FAILED: {err}")
             continue
@@ -337,7 +323,7 @@ def run_scenarios(ctx: Context, names: Sequence[str],
     return failed
 
 
-def quick_job(config: Dict[str, Any]) -> Dict[str, Any]:
+def quick_job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """--quick: every scenario's tiny variant in this one (uncapped) child process."""
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -377,7 +363,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(stored, f, indent=1)
         report.write_markdown(paths["RESULTS.md"], stored)
         if not args.no_plot:
-            report.write_plot(paths["results.png"], stored)
+            plot.write_plot(paths["results.png"], stored)
 
     if args.report_only:
         save()
@@ -390,10 +376,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _log(f"{command}: writing into {output}")
     if args.quick:
         try:
-            out = _proc.run_job("benchmarks.run:quick_job", dict(
+            out = jobs.run_job("benchmarks.run:quick_job", dict(
                 workdir=workdir, command=command, scenarios=args.scenarios), cap_mb=None,
                 timeout=900)
-        except _proc.JobError as err:
+        except jobs.JobError as err:
             _log(f"--quick run FAILED: {err}")
             return 1
         stored.update(out["stored"])

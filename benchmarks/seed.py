@@ -61,7 +61,7 @@ def digits_path(workdir: str, n: int) -> str:
     """A cached .npy of `n` generated test digits, float32 [n, 28, 28, 1] in 0..1."""
     path = os.path.join(workdir, f"digits_test_{n}.npy")
     if not os.path.exists(path):
-        from keras_memfit import digits
+        from keras_memfit.app import digits
 
         _, _, x = digits.load_digits(0, n, seed=0)
         np.save(path, (x[..., None] / 255.0).astype("float32"))
@@ -74,7 +74,7 @@ def digits_path(workdir: str, n: int) -> str:
 def _model():
     import keras
 
-    from keras_memfit.demo import build_cnn
+    from keras_memfit.app.demo import build_cnn
 
     keras.utils.set_random_seed(0)
     return build_cnn()
@@ -140,9 +140,9 @@ def _finder(model, x, config) -> Dict[str, Any]:
 def _safe(model, x, config) -> Dict[str, Any]:
     import keras
 
-    from benchmarks._proc import OomCounter
+    from benchmarks.jobs import OomCounter
     from keras_memfit import safe_predict
-    from keras_memfit._child import usual_size
+    from keras_memfit.app.records import usual_size
 
     sizes: List[int] = []
 
@@ -173,7 +173,7 @@ def _safe(model, x, config) -> Dict[str, Any]:
     )
 
 
-def job(config: Dict[str, Any]) -> Dict[str, Any]:
+def job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """One approach on the first `n` digits; returns seconds, OOMs, batch size.
 
     config: approach, data_path, n, requested, oracle_batch, preds_path (optional).
@@ -208,7 +208,7 @@ def job(config: Dict[str, Any]) -> Dict[str, Any]:
     return dict(result, approach=approach, seconds=seconds, cpu_seconds=cpu_seconds, n=len(x))
 
 
-def try_job(config: Dict[str, Any]) -> Dict[str, Any]:
+def try_job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """Whether `model.predict(x, batch_size=config["batch_size"])` runs (fresh process)."""
     x = np.load(config["data_path"])[: int(config["n"])]
     model = _model()
@@ -217,7 +217,7 @@ def try_job(config: Dict[str, Any]) -> Dict[str, Any]:
     return dict(ok=ok, seconds=time.perf_counter() - start)
 
 
-def probe_job(config: Dict[str, Any]) -> Dict[str, Any]:
+def probe_job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """One `model.predict(x, batch_size=config["batch_size"])` call; its outcome, not its output.
 
     For sample counts where the whole input may not fit beside a batch (the

@@ -39,19 +39,19 @@ def data_path(workdir: str, n: int) -> str:
     """A cached .npz of `n` generated training digits (x float32 0..1, y int32)."""
     path = os.path.join(workdir, f"digits_train_{n}.npz")
     if not os.path.exists(path):
-        from keras_memfit import digits
+        from keras_memfit.app import digits
 
         x, y, _ = digits.load_digits(n, 0, seed=1)
         np.savez(path, x=(x[..., None] / 255.0).astype("float32"), y=y.astype("int32"))
     return path
 
 
-def job(config: Dict[str, Any]) -> Dict[str, Any]:
+def job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """One approach; returns seconds, OOMs, steps and final losses."""
     import keras
 
     from keras_memfit import MemFit, is_oom_error, safe_evaluate
-    from keras_memfit.demo import build_cnn
+    from keras_memfit.app.demo import build_cnn
 
     with np.load(config["data_path"]) as data:
         x, y = data["x"][: config["n"]], data["y"][: config["n"]]

@@ -1,8 +1,6 @@
-"""`python -m keras_memfit ...`: the `keras-memfit` command line (see `keras_memfit.cli`)."""
+"""`python -m keras_memfit ...`: the `keras-memfit` command line (see `keras_memfit.app.cli`)."""
 
-import sys
-
-from keras_memfit.cli import main
+from keras_memfit.app.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from keras_memfit import cli
+from keras_memfit.app import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +38,24 @@ def assert_one_line_error(capsys, argv, code: int, pattern: str) -> str:
     assert lines[0].startswith("keras-memfit: error: ")
     assert re.search(pattern, lines[0]), lines[0]
     return lines[0]
+
+
+# Work for `keras_memfit.app.worker.run_worker` tests (run with cwd=tests/).
+def echo_work(config, say):
+    """Says each of config["lines"], returns config["result"]."""
+    for line in config.get("lines", []):
+        say(line)
+    return config.get("result", {})
+
+
+def failing_work(config, say):
+    """Raises a non-WorkerError, as a bug in the work would."""
+    raise KeyError("no such key: " + config.get("key", "?"))
+
+
+def sleeping_work(config, say):
+    """Sleeps config["seconds"] (for the timeout)."""
+    import time
+
+    time.sleep(config["seconds"])
+    return {}

@@ -20,8 +20,8 @@ SCENARIOS = ("overhead", "seed", "hostmem", "training", "scaling")
 
 sys.path.insert(0, ROOT)
 try:
-    from benchmarks import report
-    from benchmarks.overhead import update_section as overhead_update_section
+    from benchmarks import plot, report
+    from benchmarks.common import write_section
 finally:
     sys.path.remove(ROOT)
 
@@ -182,18 +182,76 @@ def test_scaling_reports_a_failed_probe_as_a_failure_not_a_time(tmp_path):
     assert "`ResourceExhaustedError` after 21.6 s" in text
     assert "batch_size=32" in text and "OOM when allocating tensor" in text
     # The plot draws the failure without a time (it would raise on a missing "seconds").
-    report.write_plot(str(tmp_path / "results.png"), results)
+    plot.write_plot(str(tmp_path / "results.png"), results)
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_overhead_section_is_replaced_in_place(tmp_path):
     """Regenerating a section keeps other sections of RESULTS.md intact."""
     path = tmp_path / "RESULTS.md"
-    overhead_update_section(str(path), "overhead", "## A\nfirst")
-    overhead_update_section(str(path), "other", "## B\nkept")
-    overhead_update_section(str(path), "overhead", "## A\nsecond")
+    write_section(str(path), "overhead", "## A\nfirst")
+    write_section(str(path), "other", "## B\nkept")
+    write_section(str(path), "overhead", "## A\nsecond")
     text = path.read_text()
     assert "second" in text and "first" not in text
     assert "kept" in text
     assert text.count("<!-- BEGIN benchmark: overhead -->") == 1
     assert text.index("## A") < text.index("## B")
+    assert text.startswith("# keras_memfit benchmarks")  # a new file gets the header
+
+
+BENCHMARK_MODULES = (
+    "common", "jobs", "hostmem", "seed", "training", "report", "plot", "overhead", "run",
+)
+
+
+def _imports_of(module):
+    """The `benchmarks.*` modules `benchmarks/MODULE.py` imports (top level or in functions)."""
+    import ast
+
+    with open(os.path.join(ROOT, "benchmarks", f"{module}.py")) as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "benchmarks":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("benchmarks."))
+    return found - {module}
+
+
+def test_benchmark_imports_have_no_cycle_and_no_private_app_helpers():
+    graph = {m: _imports_of(m) for m in BENCHMARK_MODULES}
+    assert graph["common"] == set()  # the shared module imports no scenario
+    assert "overhead" not in graph["report"] and "report" not in graph["overhead"]
+
+    def reach(start, seen):
+        for nxt in graph.get(start, ()):
+            assert nxt != seen[0], f"import cycle through benchmarks.{nxt}: {seen}"
+            if nxt not in seen:
+                reach(nxt, seen + [nxt])
+
+    for module in BENCHMARK_MODULES:
+        reach(module, [module])
+    for module in BENCHMARK_MODULES:  # the app only through its public modules
+        with open(os.path.join(ROOT, "benchmarks", f"{module}.py")) as f:
+            text = f.read()
+        assert "keras_memfit._" not in text and "keras_memfit.app._" not in text, module
+        assert "keras_memfit.demo" not in text and "keras_memfit._child" not in text, module
+
+
+def test_each_benchmark_module_imports_alone_without_tensorflow():
+    code = (
+        "import importlib, sys; importlib.import_module(sys.argv[1]); "
+        "assert 'tensorflow' not in sys.modules, sys.argv[1]"
+    )
+    for module in BENCHMARK_MODULES:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, f"benchmarks.{module}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, (module, proc.stderr[-2000:])

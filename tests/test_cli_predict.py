@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cli_support import assert_one_line_error, run_cli
-from keras_memfit import cli, digits
+from keras_memfit.app import cli, digits
 
 N = 60  # not a multiple of the batch sizes used, so last batches are partial
 

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from cli_support import assert_one_line_error, run_cli
-from keras_memfit import cli
+from keras_memfit.app import cli
 
 DENSE_WEIGHT_BYTES = (784 * 10 + 10) * 4  # kernel + bias, float32
 

@@ -1,6 +1,6 @@
 """The Digit Recognizer demo, its generated data and the command line.
 
-- `keras_memfit.digits`: shapes, dtypes, determinism, speed, Kaggle's CSV
+- `keras_memfit.app.digits`: shapes, dtypes, determinism, speed, Kaggle's CSV
   formats (train.csv, test.csv, submission.csv) round trip.
 - `python -m keras_memfit demo`, end to end in a subprocess: the plain
   `model.predict(x_test, batch_size=28000)` really runs out of memory under
@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from cli_support import assert_one_line_error, run_cli
 
-from keras_memfit import _child, cli, demo, digits
+from keras_memfit.app import cli, demo, digits, records
+from keras_memfit.app import env as app_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,22 +172,22 @@ def test_submission_round_trip(tmp_path):
 # --------------------------------------------------------------------------
 def test_worker_environment_caps_the_cpu_allocator_or_leaves_it_for_the_gpu():
     base = {"PATH": "/bin", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "9", "PYTHONPATH": "/x"}
-    cpu = _child.worker_environment("cpu", 400, base)
+    cpu = app_env.worker_environment("cpu", 400, base)
     assert cpu["TF_CPU_ALLOCATOR_USE_BFC"] == "true"
     assert cpu["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "400"
     assert cpu["TF_ENABLE_ONEDNN_OPTS"] == "0"
     assert cpu["CUDA_VISIBLE_DEVICES"] == "-1"
     assert cpu["PYTHONPATH"].split(os.pathsep) == [ROOT, "/x"]
-    gpu = _child.worker_environment("gpu", 1024, base)
+    gpu = app_env.worker_environment("gpu", 1024, base)
     assert "TF_CPU_BFC_MEM_LIMIT_IN_MB" not in gpu and "TF_CPU_ALLOCATOR_USE_BFC" not in gpu
     assert base["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "9"  # not modified
     with pytest.raises(ValueError, match="device"):
-        _child.worker_environment("tpu", 1)
+        app_env.worker_environment("tpu", 1)
 
 
 def test_describe_sizes_run_length_encodes():
-    assert demo._describe_sizes([16, 64, 655, 655, 655, 410]) == "16, 64, 655 x 3, 410"
-    assert demo._describe_sizes([]) == ""
+    assert records.describe_sizes([16, 64, 655, 655, 655, 410]) == "16, 64, 655 x 3, 410"
+    assert records.describe_sizes([]) == ""
 
 
 def test_run_demo_rejects_bad_arguments_before_starting_a_worker(tmp_path):

@@ -2,7 +2,7 @@
 
 Each runs in a fresh Jupyter kernel (ipykernel's "python3", the interpreter
 running the tests) in a temporary working folder, on the offline data
-(`keras_memfit.digits` writes Kaggle-format CSVs there), with
+(`keras_memfit.app.digits` writes Kaggle-format CSVs there), with
 `KERAS_MEMFIT_NOTEBOOK_QUICK=1` cutting training to a few thousand rows and
 one epoch. The kernel inherits the test's environment, so under
 `@pytest.mark.memory_cap(MB)` its TensorFlow runs behind the capped CPU
@@ -85,7 +85,7 @@ def test_notebooks_say_how_to_install_on_kaggle():
 
 @pytest.mark.memory_cap(DIGITS_CAP_MB)
 def test_digit_recognizer_writes_the_submission_under_a_memory_cap(tmp_path, monkeypatch):
-    from keras_memfit import digits
+    from keras_memfit.app import digits
 
     nb = _execute("digit_recognizer.ipynb", tmp_path, monkeypatch)
     assert _errors(nb) == []

@@ -6,7 +6,7 @@ A Kaggle user trains a small CNN on the Digit Recognizer data, then
 `run_demo` (and `python -m keras_memfit demo`) replays that story on any
 machine, with no download:
 
-1. draws Kaggle-shaped digits (`keras_memfit.digits`) and trains the usual
+1. draws Kaggle-shaped digits (`keras_memfit.app.digits`) and trains the usual
    CNN (Conv2D 32 > Conv2D 64 > MaxPool > Flatten > Dense 10) briefly;
 2. calls the plain `model.predict(x_test, batch_size=28000)` under a memory
    limit, which fails with TensorFlow's real `ResourceExhaustedError`;
@@ -19,8 +19,8 @@ machine, with no download:
 
 The memory limit must be in place before TensorFlow is imported, and
 `import keras_memfit` imports TensorFlow, so the work runs in a child process
-(`keras_memfit._child`, shared with `keras-memfit predict`) started with the
-limit in its environment:
+(`keras_memfit.app.worker`, shared with `keras-memfit predict`) started with
+the limit in its environment (`keras_memfit.app.env`):
 
 - **CPU** (no GPU visible): TensorFlow's BFC allocator capped at N MiB
   (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=N`), oneDNN
@@ -36,7 +36,7 @@ Every real OOM costs about 10 s: TensorFlow's allocator waits for memory to be
 freed before it gives up. The whole demo takes about a minute on two CPU cores.
 
 Example:
-    >>> from keras_memfit.demo import run_demo
+    >>> from keras_memfit.app.demo import run_demo
     >>> result = run_demo("submission.csv")
     >>> result.plain_error is not None, result.accuracy > 0.9
     (True, True)
@@ -51,12 +51,10 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from keras_memfit import _child
-from keras_memfit._child import LogRecords as _Records
-from keras_memfit._child import Reporter
-from keras_memfit._child import describe_sizes as _describe_sizes
-from keras_memfit._child import gpu_visible as _gpu_visible
-from keras_memfit._child import stdout_reporter as _stdout_reporter
+from keras_memfit.app import records, worker
+from keras_memfit.app.env import gpu_visible
+from keras_memfit.app.errors import WorkerError
+from keras_memfit.app.worker import Reporter
 
 __all__ = [
     "DEFAULT_CPU_MEMORY_LIMIT_MB",
@@ -89,7 +87,7 @@ _TRAIN_BATCH_SIZE = 32
 _DEVICES = ("auto", "cpu", "gpu")
 
 
-class DemoError(_child.WorkerError):
+class DemoError(WorkerError):
     """The demo could not run (bad argument, unwritable output, worker failure)."""
 
 
@@ -187,12 +185,12 @@ def run_demo(
     _check_int("seed", seed, 0)
     if device not in _DEVICES:
         raise ValueError(f"device must be one of {list(_DEVICES)}; received device={device!r}")
-    report = report or _stdout_reporter
+    report = report or worker.stdout_reporter
     output = os.path.abspath(os.fspath(output))
-    _child.check_writable(output, DemoError)
+    worker.check_writable(output, DemoError)
 
     if device == "auto":
-        device = "gpu" if _gpu_visible() else "cpu"
+        device = "gpu" if gpu_visible() else "cpu"
     if memory_limit_mb is None:
         memory_limit_mb = (
             DEFAULT_GPU_MEMORY_LIMIT_MB if device == "gpu" else DEFAULT_CPU_MEMORY_LIMIT_MB
@@ -214,11 +212,11 @@ def run_demo(
         if device == "cpu" else None
     )
     try:
-        result = _child.run_worker(
-            "keras_memfit.demo:_work", config, report=report,
+        result = worker.run_worker(
+            "keras_memfit.app.demo:_work", config, report=report,
             what="the demo's worker process", segv_hint=segv_hint,
         )
-    except _child.WorkerError as err:
+    except WorkerError as err:
         raise DemoError(str(err)) from err
     return DemoResult(**result)
 
@@ -282,13 +280,13 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     device, limit = config["device"], config["memory_limit_mb"]
     verbose = config["verbose"]
     step = say if verbose else (lambda line: None)
-    # On GPU, the child's entry (`_child.worker_main`) has set the limit already.
+    # On GPU, the child's entry (`worker.worker_main`) has set the limit already.
 
     import keras
     import numpy as np
 
     import keras_memfit
-    from keras_memfit import digits
+    from keras_memfit.app import digits
 
     where = "GPU:0" if device == "gpu" else "CPU"
     step(
@@ -356,7 +354,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         f"[4/4] keras_memfit.safe_predict(model, x_test, batch_size={n}, "
         "postprocess=argmax) ..."
     )
-    records = _Records(step if verbose else None)
+    logged = records.LogRecords(step if verbose else None)
     sizes: List[int] = []
 
     class _BatchSizes(keras.callbacks.Callback):
@@ -364,7 +362,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
             sizes.append(len(logs["outputs"]))
 
     t = time.perf_counter()
-    with records.capture():
+    with logged.capture():
         labels = keras_memfit.safe_predict(
             model, x_test, batch_size=n,
             postprocess=lambda y: keras.ops.argmax(y, axis=-1),
@@ -386,14 +384,14 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     )
     say(
         f"  keras_memfit.safe_predict(batch_size={n}):  OK, {len(labels)} labels in "
-        f"{safe_seconds:.1f} s, {records.warnings} OOM(s) paid"
+        f"{safe_seconds:.1f} s, {logged.warnings} OOM(s) paid"
     )
     # The size most batches ran at (the probes and the last, clipped batch are smaller).
-    used = _child.usual_size(sizes)
-    say(f"    batch size used: {used} (batches run: {_describe_sizes(sizes)})")
-    for message in records.messages:
+    used = records.usual_size(sizes)
+    say(f"    batch size used: {used} (batches run: {records.describe_sizes(sizes)})")
+    for message in logged.messages:
         say(f"    adapted: {message}")
-    if not records.messages:
+    if not logged.messages:
         say("    adapted: nothing (the whole batch fitted)")
     say(f"  accuracy against the generated test labels: {accuracy:.4f}")
     say(f"  wrote {config['output']} (ImageId,Label; {len(labels)} rows)")
@@ -404,6 +402,6 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         train_accuracy=train_accuracy, plain_error=plain_error,
         plain_seconds=plain_seconds, cleanup_seconds=cleanup_seconds,
         safe_seconds=safe_seconds, batch_sizes=sizes,
-        ooms_paid=records.warnings, adaptations=records.messages,
+        ooms_paid=logged.warnings, adaptations=logged.messages,
         accuracy=accuracy, rows=int(len(labels)), total_seconds=total,
     )

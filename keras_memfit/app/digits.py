@@ -20,7 +20,7 @@ and `write_submission` / `load_submission` for `submission.csv`
 (`ImageId,Label`, ImageId counting from 1).
 
 Example:
-    >>> from keras_memfit import digits
+    >>> from keras_memfit.app import digits
     >>> x_train, y_train, x_test = digits.load_digits(train_samples=1000)
     >>> x_train.shape, x_train.dtype, y_train[:5], x_test.shape
     ((1000, 28, 28), dtype('uint8'), array([...]), (28000, 28, 28))

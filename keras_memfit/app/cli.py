@@ -5,7 +5,8 @@ Subcommands:
         `keras_memfit.safe_predict` recovers and writes `submission.csv`.
     predict: `safe_predict` a saved model over a `.npy`, `.npz` or Kaggle
         `.csv` file, streaming the outputs to a `.npy` or `.csv` file (the
-        file handling lives in `keras_memfit.predict_file`).
+        file handling lives in `keras_memfit.app.inputs`, `outputs` and
+        `models`, the child's work in `keras_memfit.app.predict_file`).
     report: The memory report (`keras_memfit.memory_report`) of a saved
         model at a batch size, as a table or JSON.
 
@@ -14,7 +15,7 @@ options and sets `handler`, a function taking the parsed arguments and
 returning the exit status.
 The parser only reads constants from the subcommands' modules; their work
 (and TensorFlow, where they need it) is imported when the subcommand runs.
-Work that needs TensorFlow runs in a child process (`keras_memfit._child`),
+Work that needs TensorFlow runs in a child process (`keras_memfit.app.worker`),
 so that a memory limit can be set before TensorFlow starts and TensorFlow's
 log output and crashes never reach the terminal as more than one line.
 
@@ -29,11 +30,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
-from keras_memfit import (  # the standard library only: no TensorFlow
-    _child,
-    predict_file,
-)
-from keras_memfit._child import WorkerError
+# The standard library (and numpy, when a file is checked) only: no TensorFlow.
+from keras_memfit.app import env, inputs, models, outputs, worker
+from keras_memfit.app.errors import PredictError, WorkerError, one_line
 
 PROG = "keras-memfit"
 
@@ -69,7 +68,7 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 # demo
 # --------------------------------------------------------------------------
 def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
-    from keras_memfit.demo import (  # constants only: keras_memfit.demo imports no TensorFlow
+    from keras_memfit.app.demo import (  # constants only: the demo imports no TensorFlow
         DEFAULT_CPU_MEMORY_LIMIT_MB,
         DEFAULT_EPOCHS,
         DEFAULT_GPU_MEMORY_LIMIT_MB,
@@ -123,7 +122,7 @@ def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from keras_memfit import demo
+    from keras_memfit.app import demo
 
     try:
         demo.run_demo(
@@ -228,21 +227,21 @@ def _run_predict(args: argparse.Namespace) -> int:
     model_path = os.path.abspath(args.model)
     input_path = os.path.abspath(args.input)
     out_path = os.path.abspath(args.out)
-    input_kind = _extension(input_path, predict_file.INPUT_KINDS, "INPUT")
-    out_kind = _extension(out_path, predict_file.OUTPUT_KINDS, "--out")
-    predict_file.check_model_file(model_path, args.model)
+    input_kind = _extension(input_path, inputs.INPUT_KINDS, "INPUT")
+    out_kind = _extension(out_path, outputs.OUTPUT_KINDS, "--out")
+    models.check_model_file(model_path, args.model)
     if not os.path.isfile(input_path):
         raise _Failure(f"cannot read {args.input}: no such file")
     _check_output(out_path, (model_path, input_path))
     # Bad files fail here, before TensorFlow starts.
-    predict_file.open_input(input_path, header_only=True)
+    inputs.open_input(input_path, header_only=True)
 
     if args.scale is None:
-        scale = predict_file.CSV_SCALE if input_kind == ".csv" else None
+        scale = inputs.CSV_SCALE if input_kind == ".csv" else None
     else:
         scale = None if args.scale == "none" else float(args.scale)
     limit = args.memory_limit
-    device = "gpu" if _child.gpu_visible() else "cpu"
+    device = "gpu" if env.gpu_visible() else "cpu"
     config = dict(
         model=model_path, input=input_path, out=out_path, out_kind=out_kind,
         argmax=bool(args.argmax), batch_size=args.batch_size, scale=scale,
@@ -253,9 +252,9 @@ def _run_predict(args: argparse.Namespace) -> int:
         f"hold what it must (the model's weights, one sample): try a --memory-limit above {limit}"
         if device == "cpu" and limit is not None else None
     )
-    say = (lambda line: None) if args.quiet else _child.stdout_reporter
-    result = _child.run_worker(
-        "keras_memfit.predict_file:predict_work", config, report=say,
+    say = (lambda line: None) if args.quiet else worker.stdout_reporter
+    result = worker.run_worker(
+        "keras_memfit.app.predict_file:predict_work", config, report=say,
         what="the prediction process", segv_hint=segv_hint,
     )
     for line in _predict_summary(result, args, time.perf_counter() - start):
@@ -274,7 +273,7 @@ def _extension(path: str, allowed: Sequence[str], what: str) -> str:
 
 
 def _check_output(path: str, inputs: Sequence[str]) -> None:
-    _child.check_writable(path)
+    worker.check_writable(path)
     for other in inputs:
         if os.path.exists(path) and os.path.samefile(path, other):
             raise UsageError(f"--out {path} would overwrite an input file")
@@ -353,16 +352,16 @@ def _run_report(args: argparse.Namespace) -> int:
     import json
 
     model_path = os.path.abspath(args.model)
-    predict_file.check_model_file(model_path, args.model)  # before TensorFlow starts
+    models.check_model_file(model_path, args.model)  # before TensorFlow starts
     config = dict(
         model=model_path, batch_size=args.batch_size, training=not args.inference,
         budget=None if args.budget is None else args.budget * _MIB,
         # The report needs no device memory: run where TensorFlow would, unlimited.
-        device="gpu" if _child.gpu_visible() else "cpu", memory_limit_mb=None,
+        device="gpu" if env.gpu_visible() else "cpu", memory_limit_mb=None,
     )
     lines: List[str] = []
-    result = _child.run_worker(
-        "keras_memfit.cli:_report_work", config, report=lines.append,
+    result = worker.run_worker(
+        "keras_memfit.app.cli:_report_work", config, report=lines.append,
         what="the report process",
     )
     if args.json:
@@ -396,19 +395,19 @@ def _report_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
     # Training memory needs the optimizer the model was saved with; a model
     # whose compile configuration will not load is still reported, without.
     try:
-        model = predict_file.load_model(config["model"], None, compile=config["training"])
-    except predict_file.PredictError:
+        model = models.load_model(config["model"], None, compile=config["training"])
+    except PredictError:
         if not config["training"]:
             raise
-        model = predict_file.load_model(config["model"], None, compile=False)
+        model = models.load_model(config["model"], None, compile=False)
     try:
         report = keras_memfit.memory_report(
             model, batch_size=config["batch_size"], training=config["training"],
             budget=config["budget"],
         )
     except ValueError as err:  # a model the report cannot size (e.g. no input shape)
-        raise predict_file.PredictError(
-            f"cannot report on model '{model.name}': {predict_file.one_line(err)}"
+        raise PredictError(
+            f"cannot report on model '{model.name}': {one_line(err)}"
         ) from err
     text = io.StringIO()
     report.summary(print_fn=lambda line="", *_, **__: text.write(f"{line}\n"))

@@ -1,0 +1,233 @@
+"""What every benchmark shares: targets, result types, machine info, RESULTS.md sections.
+
+The scenario scripts (`overhead`, `seed`, `hostmem`, `training`, `scaling` in
+`run`) and the report (`report`) import from here, never from one another's
+entry points, so that the imports point one way:
+`run -> report -> {seed, hostmem, training} -> common`, `overhead -> common`.
+This module imports only the standard library (and TensorFlow inside
+`versions`, to ask what it sees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import re
+import statistics
+from typing import Dict, List, Sequence, Tuple
+
+MiB = 2**20
+
+# --------------------------------------------------------------------------
+# Targets (the acceptance criteria each scenario reports PASS/MISS against)
+# --------------------------------------------------------------------------
+OVERHEAD_TARGETS = {"predict": 1.05, "evaluate": 1.05, "fit": 1.02}
+"""Overhead: keras_memfit time / Keras time (ratio of medians), per call."""
+OVERHEAD_CALLS = ("predict", "evaluate", "fit")
+SEED_TARGETS = {"safe": 1.3, "safe_second": 1.05}
+"""Seed: safe_predict's first and second call / the oracle (ratio of medians)."""
+HOSTMEM_TARGET_SHARE = 0.10
+"""Host memory: peak added memory / output size, for the targeted approaches."""
+
+FILE_HEADER = """# keras_memfit benchmarks
+
+Each `benchmark: KEY` section below is produced by one benchmark script and
+regenerated independently: a script rewrites only the text between its own
+`<!-- BEGIN benchmark: KEY -->` and `<!-- END benchmark: KEY -->` markers and
+leaves the rest of this file alone (`notes: KEY` sections are written by hand
+and never touched by a script). Timings come from shared, noisy machines; read
+the ratios (measured side by side, interleaved), not the absolute times.
+"""
+
+
+# --------------------------------------------------------------------------
+# Result types
+# --------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    """One overhead case: a model, a call and a batch size, timed both ways.
+
+    Attributes:
+        model: The model's name in `benchmarks.overhead.MODELS`.
+        call: "predict", "evaluate" or "fit".
+        batch_size: The batch size of both paths.
+        samples: Samples per call.
+        repeats: Timed calls per path.
+        keras_times: Seconds of each plain Keras call.
+        memfit_times: Seconds of each keras_memfit call, interleaved with them.
+    """
+
+    model: str
+    call: str
+    batch_size: int
+    samples: int
+    repeats: int
+    keras_times: List[float]
+    memfit_times: List[float]
+
+    @property
+    def steps(self) -> int:
+        return -(-self.samples // self.batch_size)
+
+    @property
+    def keras_median(self) -> float:
+        return statistics.median(self.keras_times)
+
+    @property
+    def memfit_median(self) -> float:
+        return statistics.median(self.memfit_times)
+
+    @property
+    def ratio(self) -> float:
+        """Ratio of the medians: the acceptance criterion."""
+        return self.memfit_median / self.keras_median
+
+    @property
+    def paired_ratio(self) -> float:
+        """Median over the interleaved pairs of memfit time / Keras time."""
+        return statistics.median(m / k for m, k in zip(self.memfit_times, self.keras_times))
+
+    @property
+    def per_step_overhead_ms(self) -> float:
+        return (self.memfit_median - self.keras_median) / self.steps * 1e3
+
+    @property
+    def target(self) -> float:
+        return OVERHEAD_TARGETS[self.call]
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio <= self.target
+
+
+def _span(times: List[float]) -> str:
+    return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
+
+
+def results_table(results: Sequence[Result]) -> str:
+    """The overhead cases as a Markdown table."""
+    lines = [
+        "| Model | Call | Batch | Samples (steps) | Repeats | Keras s: median (min-max) "
+        "| keras_memfit s: median (min-max) | Ratio of medians | Median paired ratio "
+        "| Extra ms/step | Target | Result |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.model} | {r.call} | {r.batch_size} | {r.samples} ({r.steps}) | "
+            f"{r.repeats} | {_span(r.keras_times)} | {_span(r.memfit_times)} | "
+            f"**{r.ratio:.3f}** | {r.paired_ratio:.3f} | {r.per_step_overhead_ms:+.3f} | "
+            f"<= {r.target} | {'pass' if r.passed else 'FAIL'} |"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(results: Sequence[Result]) -> str:
+    """One line per call: whether its target holds in every case."""
+    lines = []
+    for call in OVERHEAD_CALLS:
+        mine = [r for r in results if r.call == call]
+        if not mine:
+            continue
+        failed = [r for r in mine if not r.passed]
+        worst = max(mine, key=lambda r: r.ratio)
+        target = OVERHEAD_TARGETS[call]
+        if not failed:
+            lines.append(f"- **{call}: target ratio <= {target} holds in all "
+                         f"{len(mine)} cases** (worst: {worst.ratio:.3f}).")
+        else:
+            lines.append(f"- **{call}: target ratio <= {target} fails in "
+                         f"{len(failed)} of {len(mine)} cases** (worst: {worst.ratio:.3f}, "
+                         f"{worst.model} batch {worst.batch_size}).")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Machine info
+# --------------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> str:
+    """"usable / total" CPU count."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return f"{usable} / {os.cpu_count()}"
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average, "n/a" where there is none."""
+    try:
+        return " / ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def now_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def versions() -> Dict[str, str]:
+    """Versions of what runs, and the devices TensorFlow sees (imports TensorFlow)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    return {
+        "Python": platform.python_version(),
+        "TensorFlow": tf.__version__,
+        "Keras": keras.__version__,
+        "NumPy": np.__version__,
+        "Devices seen by TensorFlow": ", ".join(
+            d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices()
+        ),
+    }
+
+
+# --------------------------------------------------------------------------
+# RESULTS.md sections
+# --------------------------------------------------------------------------
+def _markers(key: str) -> Tuple[str, str]:
+    return f"<!-- BEGIN benchmark: {key} -->", f"<!-- END benchmark: {key} -->"
+
+
+def update_section(text: str, key: str, body: str, first: bool = False) -> str:
+    """`text` with `key`'s generated section replaced, or added (at the top if `first`)."""
+    begin, end = _markers(key)
+    block = f"{begin}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    if first:
+        match = re.search(r"^<!-- BEGIN ", text, re.MULTILINE)
+        if match:
+            return text[:match.start()] + block + "\n\n" + text[match.start():]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def read_results_file(path: str) -> str:
+    """The text of the results file at `path`, or a new file's header."""
+    if not os.path.exists(path):
+        return FILE_HEADER
+    with open(path) as f:
+        return f.read()
+
+
+def write_section(path: str, key: str, body: str) -> None:
+    """Replace (or append) the text between `key`'s markers in the file at `path`."""
+    text = update_section(read_results_file(path), key, body)
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,273 @@
+"""Reading `keras-memfit predict`'s INPUT and fitting it to the model's inputs.
+
+INPUT is a `.npy` (memory-mapped), a `.npz` (one array, or one per model input
+named after it) or a Kaggle Digit Recognizer CSV (`pixel0..pixel783`, with or
+without `label`). `open_input` reads it with numpy only, so the parent can
+check a file before TensorFlow starts (`header_only=True`); `arrange_inputs`,
+in the child, maps and reshapes its arrays onto the model's inputs.
+Everything that can fail raises `PredictError` with the one line shown.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Tuple
+
+from keras_memfit.app.errors import PredictError, one_line
+
+__all__ = ["CSV_SCALE", "INPUT_KINDS", "InputFile", "arrange_inputs", "open_input"]
+
+INPUT_KINDS = (".npy", ".npz", ".csv")
+CSV_SCALE = 255.0  # what the Kaggle notebooks divide pixels by
+_PIXELS = 784  # pixel0..pixel783 in Kaggle's Digit Recognizer CSVs
+
+
+class InputFile:
+    """An input file's arrays, opened without reading what need not be read.
+
+    Attributes:
+        path: The file.
+        kind: ".npy", ".npz" or ".csv".
+        arrays: Name -> array ("" for the single array of a .npy or .csv; a
+            read-only memmap for .npy, uint8 [n, 784] for .csv; a .npz's
+            arrays are read when first asked for); empty when opened with
+            `header_only`.
+        names: Array names in file order.
+    """
+
+    def __init__(self, path: str, kind: str, arrays: Any, names: List[str]) -> None:
+        self.path = path
+        self.kind = kind
+        self.arrays = arrays
+        self.names = names
+
+
+def open_input(path: str, header_only: bool = False) -> InputFile:
+    """Open INPUT (numpy only, no TensorFlow).
+
+    Args:
+        path: A .npy, .npz or .csv file.
+        header_only: Only check that the file is readable and well formed as
+            far as that is cheap (the .npy header, the .npz directory, the
+            CSV header); `arrays` is then empty.
+
+    Returns:
+        An `InputFile`.
+
+    Raises:
+        PredictError: If the file cannot be read or is not in the format
+            its extension says.
+
+    Example:
+        >>> open_input("test.csv").arrays[""].shape
+        (28000, 784)
+    """
+    import zipfile
+
+    import numpy as np
+
+    kind = os.path.splitext(path)[1].lower()
+    name = os.path.basename(path)
+    try:
+        if kind == ".npy":
+            with open(path, "rb") as f:
+                if f.read(6) != b"\x93NUMPY":
+                    raise ValueError("not a .npy file (no NUMPY header)")
+            array = np.load(path, mmap_mode="r")  # reads the header; data on demand
+            if not isinstance(array, np.ndarray):
+                raise ValueError("it holds no array")
+            _check_samples(array, name)
+            return InputFile(path, kind, {} if header_only else {"": array}, [""])
+        if kind == ".npz":
+            if not zipfile.is_zipfile(path):
+                raise ValueError("not a zip archive")
+            archive = np.load(path)  # members are read (whole) when asked for
+            names = list(archive.files)
+            if not names:
+                archive.close()
+                raise ValueError("it holds no arrays")
+            if header_only:
+                archive.close()
+                return InputFile(path, kind, {}, names)
+            return InputFile(path, kind, _NpzArrays(archive, name), names)
+        return _open_csv(path, name, header_only)
+    except PredictError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        detail = " ".join(str(err).split()) or type(err).__name__
+        raise PredictError(f"cannot read {name} as {kind}: {detail}") from err
+
+
+class _NpzArrays:
+    """The arrays of an open .npz file, each read and checked when first asked for.
+
+    (.npz members cannot be memory-mapped: each is read into memory whole.)
+    """
+
+    def __init__(self, archive: Any, name: str) -> None:
+        self._archive = archive
+        self._name = name
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._archive.files
+
+    def __getitem__(self, key: str) -> Any:
+        import zipfile
+
+        label = f"{self._name}[{key!r}]"
+        try:
+            array = self._archive[key]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise PredictError(f"cannot read {label}: {one_line(err)}") from err
+        _check_samples(array, label)
+        return array
+
+
+def _check_samples(array: Any, label: str) -> None:
+    if array.ndim == 0:
+        raise PredictError(f"{label} is a scalar; expected one row per sample")
+    if array.dtype.hasobject:
+        raise PredictError(f"{label} holds Python objects; expected numbers")
+    if array.shape[0] == 0:
+        raise PredictError(f"{label} holds no samples")
+
+
+def _open_csv(path: str, name: str, header_only: bool) -> InputFile:
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        header = f.readline().strip().split(",")
+    pixels = [f"pixel{i}" for i in range(_PIXELS)]
+    if header not in (pixels, ["label"] + pixels):
+        missing = [c for c in pixels if c not in header]
+        shown = ",".join(header[:3]) + (",..." if len(header) > 3 else "")
+        detail = f"{len(missing)} pixel columns missing" if missing else f"header starts {shown!r}"
+        raise PredictError(
+            f"{name} is not a Kaggle Digit Recognizer CSV ({detail}); expected the "
+            "header 'pixel0,...,pixel783', optionally after a 'label' column"
+        )
+    if header_only:
+        return InputFile(path, ".csv", {}, [""])
+    from keras_memfit.app import digits
+
+    try:
+        images, _ = digits.load_kaggle_csv(path)
+    except ValueError as err:
+        raise PredictError(" ".join(str(err).split())) from err
+    _check_samples(images, name)
+    return InputFile(path, ".csv", {"": images.reshape(len(images), _PIXELS)}, [""])
+
+
+def _model_inputs(model: Any) -> Any:
+    """The structure of KerasTensors the model takes, or None if it declares none."""
+    try:
+        struct = model.input  # Functional: the structure it was built with
+    except (AttributeError, ValueError):
+        struct = None
+    if struct is None:
+        inputs = getattr(model, "inputs", None)  # Sequential
+        if not inputs:
+            return None
+        struct = inputs[0] if len(inputs) == 1 else list(inputs)
+    return struct
+
+
+def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
+    """Map the file's arrays onto the model's inputs.
+
+    Returns:
+        `(x, specs, n)`: arrays in the structure of the model's inputs
+        (reshaped to its input shapes), the matching KerasTensors (None when
+        the model declares no inputs), and the number of samples.
+    """
+    import keras
+
+    name = os.path.basename(source.path)
+    struct = _model_inputs(model)
+    if struct is None:  # a subclassed model: feed the file as it is
+        if source.kind == ".csv":
+            raise PredictError(
+                f"model '{model.name}' does not declare its input shape, so the CSV's "
+                "pixels cannot be reshaped for it; save them as a .npy of the shape it takes"
+            )
+        if len(source.names) != 1:
+            raise PredictError(
+                f"{name} holds {len(source.names)} arrays {source.names}, and model "
+                f"'{model.name}' does not declare its inputs; give it one array"
+            )
+        x = source.arrays[source.names[0]]
+        return x, None, int(x.shape[0])
+
+    if isinstance(struct, dict):
+        keys = list(struct)
+        specs = [struct[k] for k in keys]
+        names = [[k, getattr(t, "name", k)] for k, t in zip(keys, specs)]
+    else:
+        specs = keras.tree.flatten(struct)
+        names = [[getattr(t, "name", f"input_{i}")] for i, t in enumerate(specs)]
+    shown = [n[0] for n in names]
+    if source.kind == ".npz":
+        chosen = []
+        for aliases in names:
+            found = next((a for a in aliases if a in source.arrays), None)
+            chosen.append(found)
+        if None in chosen:
+            if len(specs) == 1 and len(source.names) == 1:
+                chosen = [source.names[0]]
+            elif len(specs) == 1:
+                raise PredictError(
+                    f"{name} holds {len(source.names)} arrays {source.names}, but model "
+                    f"'{model.name}' takes one input, named {shown[0]!r}: save one array, "
+                    "or name the one to use after the input"
+                )
+            else:
+                missing = [n[0] for n, c in zip(names, chosen) if c is None]
+                raise PredictError(
+                    f"{name} holds arrays {source.names}, but model '{model.name}' takes "
+                    f"inputs named {shown} (no array for {missing}): save one array per "
+                    "input, named after it: np.savez(path, **{input_name: array})"
+                )
+        arrays = [source.arrays[c] for c in chosen]
+    else:
+        if len(specs) != 1:
+            raise PredictError(
+                f"model '{model.name}' takes {len(specs)} inputs {shown}; a {source.kind} "
+                "file holds one array: give a .npz with one array named after each input"
+            )
+        arrays = [source.arrays[""]]
+    fitted = [
+        _fit_shape(a, spec, label, name)
+        for a, spec, label in zip(arrays, specs, shown)
+    ]
+    counts = sorted({int(a.shape[0]) for a in fitted})
+    if len(counts) > 1:
+        raise PredictError(
+            f"{name}: the model's inputs must have the same number of samples; "
+            f"received {counts}"
+        )
+    if isinstance(struct, dict):
+        x = dict(zip(keys, fitted))
+        spec_struct = dict(zip(keys, specs))
+    else:
+        x = keras.tree.pack_sequence_as(struct, fitted)
+        spec_struct = struct
+    return x, spec_struct, counts[0]
+
+
+def _fit_shape(array: Any, spec: Any, label: str, name: str) -> Any:
+    """`array` reshaped (a view) to the input's shape, or a PredictError."""
+    import math
+
+    have = tuple(int(d) for d in array.shape[1:])
+    want = tuple(spec.shape[1:])
+    if len(want) == len(have) and all(w is None or w == h for w, h in zip(want, have)):
+        return array
+    if None not in want and math.prod(have) == math.prod(want):
+        squeezed = lambda dims: tuple(d for d in dims if d != 1)  # noqa: E731
+        # Rows of flat values (Kaggle's pixel0..pixel783), or the same dims
+        # up to axes of size one ((28, 28) for (28, 28, 1)); never a
+        # transposition such as (3, 28, 28) for (28, 28, 3).
+        if len(have) == 1 or squeezed(have) == squeezed(want):
+            return array.reshape((array.shape[0],) + want)
+    raise PredictError(
+        f"{name} has samples of shape {have}, but the model's input '{label}' takes "
+        f"samples of shape {tuple(want)}"
+    )

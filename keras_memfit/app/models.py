@@ -1,0 +1,80 @@
+"""Saved Keras models for `keras-memfit predict` and `report`.
+
+`check_model_file` runs in the parent, before TensorFlow starts;
+`load_model` in the child. Both raise `PredictError` with the one line shown.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from keras_memfit.app.errors import PredictError, one_line
+
+__all__ = ["check_model_file", "load_model"]
+
+
+def check_model_file(path: str, shown: str) -> None:
+    """Check, before TensorFlow starts, that `path` can be a saved model.
+
+    Args:
+        path: The model file (absolute).
+        shown: How to name it in the message (as the user typed it).
+
+    Raises:
+        PredictError: If it is a folder, missing, or a `.keras` file that is
+            not a zip archive.
+
+    Example:
+        >>> check_model_file("/tmp/missing.keras", "missing.keras")
+        Traceback (most recent call last):
+        PredictError: cannot load model missing.keras: no such file
+    """
+    import zipfile
+
+    if os.path.isdir(path):
+        raise PredictError(
+            f"cannot load model {shown}: it is a folder (a SavedModel?); keras-memfit "
+            "loads .keras and .h5 files with keras.saving.load_model"
+        )
+    if not os.path.isfile(path):
+        raise PredictError(f"cannot load model {shown}: no such file")
+    if path.lower().endswith(".keras") and not zipfile.is_zipfile(path):
+        raise PredictError(f"cannot load model {shown}: not a .keras file (not a zip archive)")
+
+
+def load_model(path: str, memory_limit_mb: Optional[int], *, compile: bool = False) -> Any:
+    """Load a saved Keras model, or say in one line why it cannot be loaded.
+
+    Args:
+        path: A `.keras` or `.h5` file.
+        memory_limit_mb: The simulated device's limit in MiB, if any (named
+            in the message when loading runs out of memory).
+        compile: Whether to restore the optimizer and loss too (predicting
+            needs neither).
+
+    Returns:
+        The `keras.Model`.
+
+    Raises:
+        PredictError: If the file does not load, or holds something that is
+            not a Keras model.
+
+    Example:
+        >>> model = load_model("digits.keras", None)
+    """
+    import keras
+
+    from keras_memfit import is_oom_error
+
+    name = os.path.basename(path)
+    try:
+        model = keras.saving.load_model(path, compile=compile)
+    except Exception as err:  # any way a model file can fail to load
+        hint = ""
+        if memory_limit_mb is not None and is_oom_error(err):
+            hint = f" (it does not fit in {memory_limit_mb} MiB)"
+        raise PredictError(f"cannot load model {name}{hint}: {one_line(err)}") from err
+    if not isinstance(model, keras.Model):
+        raise PredictError(f"{name} holds a {type(model).__name__}, not a Keras model")
+    return model

@@ -1,0 +1,75 @@
+"""Writing `keras-memfit predict`'s output: atomically, as `.npy` or `.csv`.
+
+The outputs stream into a memory-mapped `.npy` next to `--out`
+(`temporary_path`), which becomes the output or is written out as a CSV
+(`write_csv`: `ImageId,Label` with `--argmax`, as Kaggle's submission.csv,
+`ImageId,p0..pK` otherwise) a chunk at a time, then renamed into place.
+`writing(path)` turns an OSError into the one-line `PredictError` shown.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from keras_memfit.app.errors import PredictError, one_line
+
+__all__ = ["OUTPUT_KINDS", "temporary_path", "write_csv", "writing"]
+
+OUTPUT_KINDS = (".npy", ".csv")
+_CSV_CHUNK_ROWS = 8192  # rows formatted at once when writing a CSV
+
+
+class writing:
+    """Turns an OSError while writing `path` into a one-line PredictError."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: Any, traceback: Any) -> None:
+        if isinstance(err, OSError):
+            raise PredictError(f"cannot write {self.path}: {one_line(err)}") from err
+
+
+def temporary_path(out_path: str) -> str:
+    """A fresh path prefix next to the output, so the final rename is atomic."""
+    import tempfile
+
+    folder, base = os.path.split(out_path)
+    handle, path = tempfile.mkstemp(prefix=f".{base}.", suffix=".partial", dir=folder)
+    os.close(handle)
+    os.remove(path)
+    return path
+
+
+def write_csv(path: str, values: Any, argmax: bool) -> None:
+    """Write `ImageId,Label` or `ImageId,p0..pK` rows, a chunk at a time.
+
+    Args:
+        path: The CSV to write.
+        values: Labels [n] (argmax) or outputs [n, ...] (flattened per row
+            into p0..pK); a memmap is read a chunk at a time.
+        argmax: Whether `values` are labels.
+    """
+    import numpy as np
+
+    n = int(values.shape[0])
+    width = int(np.prod(values.shape[1:], dtype=np.int64)) if values.ndim > 1 else 1
+    if values.dtype.kind == "f":
+        # Enough digits for the value to read back exactly.
+        fmt = "%.17g" if values.dtype.itemsize > 4 else "%.9g"
+    else:
+        fmt = "%d"
+    header = "ImageId,Label" if argmax else "ImageId," + ",".join(f"p{i}" for i in range(width))
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(header + "\n")
+        for begin in range(0, n, _CSV_CHUNK_ROWS):
+            stop = min(n, begin + _CSV_CHUNK_ROWS)
+            block = np.asarray(values[begin:stop]).reshape(stop - begin, width).tolist()
+            f.write("".join(
+                f"{i}," + ",".join(fmt % v for v in row) + "\n"
+                for i, row in zip(range(begin + 1, stop + 1), block)
+            ))

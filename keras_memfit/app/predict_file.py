@@ -1,0 +1,209 @@
+"""`keras-memfit predict`'s work in the child process: safe_predict over a file.
+
+`predict_work` (run by `keras_memfit.app.worker`) loads the model
+(`keras_memfit.app.models`), reads INPUT and fits it to the model's inputs
+(`keras_memfit.app.inputs`), runs `safe_predict` streaming into a
+memory-mapped `.npy`, and writes it out as `.npy` or `.csv`
+(`keras_memfit.app.outputs`). The command line (`keras_memfit.app.cli`)
+holds the parser and the summary printed from its result.
+
+Everything here that can fail raises `PredictError` with the one line the
+command line shows. Keras and keras_memfit's public names are imported when
+the work runs, in the child.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from keras_memfit.app.errors import PredictError, one_line
+from keras_memfit.app.inputs import arrange_inputs, open_input
+from keras_memfit.app.models import load_model
+from keras_memfit.app.outputs import temporary_path, write_csv, writing
+
+__all__ = ["predict_work"]
+
+
+def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
+    """The child process's work for `keras-memfit predict` (imports TensorFlow).
+
+    Args:
+        config: From the `predict` handler in `keras_memfit.app.cli`: model,
+            input, out, out_kind, argmax, batch_size, scale, device,
+            memory_limit_mb.
+        say: Prints a line (unused: the parent prints the summary).
+
+    Returns:
+        What the summary `keras_memfit.app.cli` prints needs.
+
+    Raises:
+        PredictError: With one line, for anything wrong with the model, the
+            input or the output.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit.
+
+    Example:
+        >>> worker.run_worker("keras_memfit.app.predict_file:predict_work", config)
+        {'samples': 28000, 'batch_size_used': 4096, 'ooms_paid': 0, ...}
+    """
+    import keras
+    import numpy as np
+
+    import keras_memfit
+    from keras_memfit import data
+    from keras_memfit.app import records
+    from keras_memfit.backend import get as backend
+
+    model = load_model(config["model"], config["memory_limit_mb"])
+    source = open_input(config["input"])
+    x, specs, n = arrange_inputs(model, source)
+    scale = config["scale"]
+    prepare = None if scale is None else _scaler(x, specs, scale)
+    postprocess = _argmax_labels if config["argmax"] else None
+    sample = _one_output_row(model, x, prepare, postprocess)
+    row = keras.tree.flatten(sample)[0]
+    shape = (n,) + row.shape[1:]
+    out_kind, out_path = config["out_kind"], config["out"]
+    if out_kind == ".csv" and config["argmax"] and len(shape) != 1:
+        raise PredictError(
+            f"--argmax gives labels of shape {shape[1:]} per sample; ImageId,Label "
+            "needs one label per sample (write a .npy instead)"
+        )
+
+    sizes: List[int] = []
+
+    class _BatchSizes(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            # Keras flattens nested logs ({"outputs": {"probs": a}} -> {"probs": a})
+            # and turns one-element arrays into floats: a scalar is one row.
+            value = next(iter((logs or {}).values()), None)
+            sizes.append(int(value.shape[0]) if getattr(value, "ndim", 0) else 1)
+
+    logged = records.LogRecords(None)
+    batch_size = config["batch_size"] or data.DEFAULT_BATCH_SIZE
+    with writing(out_path):
+        temporary = temporary_path(out_path)
+    try:
+        # The outputs go straight into a memory-mapped .npy: for --out .npy it
+        # becomes the output; for .csv it is read back a chunk at a time.
+        with writing(out_path):
+            target = np.lib.format.open_memmap(
+                temporary + ".npy", mode="w+", dtype=row.dtype, shape=shape
+            )
+        kwargs = dict(
+            postprocess=postprocess, out=keras.tree.pack_sequence_as(sample, [target]),
+            verbose=0, callbacks=[_BatchSizes()],
+        )
+        t = time.perf_counter()
+        with logged.capture():
+            if prepare is None:
+                keras_memfit.safe_predict(model, x, batch_size=batch_size, **kwargs)
+            else:
+                batches = _prepared_batches(x, n, batch_size, prepare)
+                keras_memfit.safe_predict(model, batches, max_batch_size=batch_size, **kwargs)
+        predict_seconds = time.perf_counter() - t
+        if sum(sizes) != n:
+            raise PredictError(f"predicted {sum(sizes)} of {n} samples")
+        with writing(out_path):
+            target.flush()
+            if out_kind == ".csv":
+                write_csv(temporary + ".csv", target, config["argmax"])
+            del target, kwargs
+            os.replace(temporary + out_kind, out_path)
+    finally:
+        for suffix in (".npy", ".csv"):
+            if os.path.exists(temporary + suffix):
+                os.remove(temporary + suffix)
+
+    used = records.usual_size(sizes)
+    return dict(
+        model=model.name, samples=n, input=os.path.basename(config["input"]),
+        scale=scale, out_kind=out_kind,
+        argmax=bool(config["argmax"]), shape=list(shape), dtype=str(row.dtype),
+        device="GPU" if backend().list_accelerators() else "CPU",
+        memory_limit_mb=config["memory_limit_mb"], batch_size=batch_size,
+        batch_size_used=used, batch_sizes=records.describe_sizes(sizes),
+        ooms_paid=logged.warnings, adaptations=logged.messages,
+        predict_seconds=predict_seconds,
+    )
+
+
+def _argmax_labels(outputs: Any) -> Any:
+    """--argmax's `postprocess`: labels on the device (a single output may be nested)."""
+    import keras
+
+    return keras.tree.map_structure(lambda y: keras.ops.argmax(y, axis=-1), outputs)
+
+
+def _one_output_row(
+    model: Any, x: Any, prepare: Optional[Callable], postprocess: Optional[Callable]
+) -> Any:
+    """The (post-processed) outputs for the first sample, as numpy: their shape and dtype.
+
+    Found with `model.predict_on_batch`, not `safe_predict`, so that the
+    planner's memory of this model and input signature starts clean.
+    """
+    import keras
+    import numpy as np
+
+    from keras_memfit import data
+
+    first = data.rows(x, 0, 1)
+    if prepare is not None:
+        first = prepare(first)
+    try:
+        sample = model.predict_on_batch(first)
+    except Exception as err:
+        raise PredictError(f"model '{model.name}' cannot take this input: {one_line(err)}") from err
+    leaves = keras.tree.flatten(sample)
+    if len(leaves) != 1:
+        raise PredictError(
+            f"model '{model.name}' has {len(leaves)} outputs; keras-memfit predict "
+            "writes one array (use safe_predict from Python for several)"
+        )
+    row = np.asarray(leaves[0])
+    if row.ndim == 0 or row.shape[0] != 1:
+        raise PredictError(
+            f"model '{model.name}' does not keep the batch dimension: one sample gave "
+            f"shape {row.shape}"
+        )
+    if postprocess is None:
+        return keras.tree.map_structure(np.asarray, sample)
+    if row.ndim < 2:
+        raise PredictError(
+            f"--argmax needs outputs with a class axis; model '{model.name}' gives "
+            "one value per sample"
+        )
+    return keras.tree.map_structure(keras.ops.convert_to_numpy, postprocess(sample))
+
+
+def _scaler(x: Any, specs: Any, scale: float) -> Callable[[Any], Any]:
+    """A function dividing a batch of `x` by `scale`, as the float type its input takes."""
+    import keras
+    import numpy as np
+
+    def float_type(spec: Any) -> Any:
+        try:
+            dtype = np.dtype(getattr(spec, "dtype", None) or "float32")
+        except TypeError:  # bfloat16 and other types numpy does not know
+            return np.float32
+        return dtype.type if dtype.kind == "f" else np.float32
+
+    types = keras.tree.map_structure(float_type, specs if specs is not None else x)
+
+    def prepare(piece: Any) -> Any:
+        return keras.tree.map_structure(
+            lambda a, kind: np.asarray(a).astype(kind) / kind(scale), piece, types
+        )
+
+    return prepare
+
+
+def _prepared_batches(x: Any, n: int, batch_size: int, prepare: Callable) -> Any:
+    """Batches of `x`, each passed through `prepare` (host memory: one batch)."""
+    from keras_memfit import data
+
+    for begin in range(0, n, batch_size):
+        # A 1-tuple: Keras reads a 2- or 3-tuple (or list) as (x, y[, weights]).
+        yield (prepare(data.rows(x, begin, min(n, begin + batch_size))),)

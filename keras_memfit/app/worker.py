@@ -1,0 +1,313 @@
+"""Running work in a child process, optionally memory-limited: the worker runner.
+
+A memory limit must be in place before TensorFlow is imported, and
+`import keras_memfit`'s public names import TensorFlow, so the command line
+(`keras-memfit demo`, `predict`, `report`) and the benchmarks run their work
+in a child process (`python -m keras_memfit.app.worker TARGET CONFIG_JSON
+RESULT_PATH`) started with the limit in its environment
+(`keras_memfit.app.env`: a capped CPU allocator, or a GPU logical device the
+child configures before any op).
+
+Without a limit the child runs with the caller's environment (plus quieter
+TensorFlow logging). Either way the parent imports no TensorFlow, relays the
+child's stdout line by line, keeps its stderr (TensorFlow's log noise, and
+the traceback of a failed work) to itself, and turns any failure, even a
+crash, into one line: a `WorkerError` (whose `stderr` keeps the rest).
+
+The child calls `TARGET` ("module:function") as `function(config, say)`, where
+`config` is the JSON-decoded dict (it must hold "device" and
+"memory_limit_mb" unless the caller passes its own `env`) and `say` prints a
+line to stdout; the returned dict is the parent's result. A `WorkerError`
+raised there is reported as its message; any other exception as its type and
+the first line of its message.
+
+Example:
+    >>> result = run_worker(
+    ...     "keras_memfit.app.demo:_work", dict(device="cpu", memory_limit_mb=400, ...),
+    ...     report=print, what="the demo's worker process")
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from keras_memfit.app import env as _env
+from keras_memfit.app.errors import WorkerError
+
+__all__ = [
+    "Reporter",
+    "WorkerError",
+    "check_writable",
+    "crash_message",
+    "main",
+    "resolve_target",
+    "run_worker",
+    "stdout_reporter",
+    "worker_main",
+]
+
+MODULE = "keras_memfit.app.worker"  # what the child runs with `python -m`
+
+Reporter = Callable[[str], None]
+Work = Callable[[Dict[str, Any], Reporter], Dict[str, Any]]
+
+
+def stdout_reporter(line: str) -> None:
+    """Print `line` to stdout and flush (the default reporter).
+
+    Args:
+        line: The line, without its newline.
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------
+def run_worker(
+    target: str,
+    config: Dict[str, Any],
+    *,
+    report: Optional[Reporter] = None,
+    what: str = "the worker process",
+    segv_hint: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[str] = None,
+    timeout: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Run `target(config, say)` in a child process and return its result.
+
+    Args:
+        target: "module:function" to call in the child.
+        config: JSON-serialisable dict for the function. Unless `env` is
+            given, its "device" ("cpu" or "gpu") and "memory_limit_mb" (MiB,
+            or None) choose the child's environment
+            (`keras_memfit.app.env.worker_environment`); on GPU with a limit
+            the child configures the logical device before any op.
+        report: Called with each line the child prints to stdout; default:
+            print it to stdout.
+        what: How error messages name the child, e.g. "the demo's worker process".
+        segv_hint: Appended to the error message when the child crashes with
+            SIGSEGV (e.g. advice to raise a CPU memory limit).
+        env: The child's whole environment, instead of the one `config`
+            chooses (the benchmarks build their own).
+        cwd: The child's working folder; default this process's.
+        timeout: Seconds before the child is killed; default: no limit.
+
+    Returns:
+        The dict the function returned (through JSON).
+
+    Raises:
+        WorkerError: With one line: the function's error, or how the child
+            crashed, failed or timed out (the last line of its stderr); its
+            `stderr` holds all the child wrote there.
+        ValueError: If `config["device"]` is not "cpu" or "gpu" (without `env`).
+
+    Example:
+        >>> run_worker("keras_memfit.app.predict_file:predict_work", config,
+        ...            what="the prediction process")
+        {'samples': 28000, ...}
+    """
+    report = report or stdout_reporter
+    if env is None:
+        limit = config.get("memory_limit_mb")
+        env = _env.worker_environment(config["device"], None if limit is None else int(limit))
+    with tempfile.TemporaryDirectory(prefix="keras_memfit_worker_") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        stderr_path = os.path.join(tmp, "stderr.txt")
+        command = [sys.executable, "-m", MODULE, target, json.dumps(config), result_path]
+        with open(stderr_path, "w+", encoding="utf-8", errors="replace") as stderr:
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd,
+                encoding="utf-8", errors="replace",
+            )
+            killed = threading.Event()
+
+            def kill() -> None:
+                killed.set()
+                proc.kill()
+
+            timer = None if timeout is None else threading.Timer(timeout, kill)
+            if timer is not None:
+                timer.start()
+            try:
+                for line in proc.stdout:
+                    report(line.rstrip("\n"))
+                code = proc.wait()
+            except BaseException:  # Ctrl-C or a failing reporter: stop the child
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                proc.stdout.close()
+                if timer is not None:
+                    timer.cancel()
+            stderr.seek(0)
+            errors = stderr.read()
+        result = _read_json(result_path)
+    if killed.is_set():
+        raise WorkerError(f"{what} timed out after {timeout:g} s", errors)
+    if result is not None and "error" in result:
+        raise WorkerError(result["error"], errors)
+    if code != 0 or result is None:
+        raise WorkerError(crash_message(code, errors, what, segv_hint), errors)
+    return result
+
+
+def crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = None) -> str:
+    """One line saying how a child process ended without a result.
+
+    Args:
+        code: Its exit status (negative: killed by that signal).
+        errors: What it wrote to stderr.
+        what: How to name it, e.g. "the demo's worker process".
+        segv_hint: Appended after "; " when it crashed with SIGSEGV.
+
+    Returns:
+        "WHAT crashed (SIGNAL)[; HINT]" or "WHAT failed (exit code N): LAST LINE".
+
+    Example:
+        >>> crash_message(-11, "", "the worker process")
+        'the worker process crashed (SIGSEGV)'
+    """
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        message = f"{what} crashed ({name})"
+        if segv_hint and name == "SIGSEGV":
+            message += f"; {segv_hint}"
+        return message
+    lines = [line.strip() for line in errors.splitlines() if line.strip()]
+    last = lines[-1] if lines else "no error message"
+    return f"{what} failed (exit code {code}): {last}"
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def check_writable(path: str, error: type = WorkerError) -> None:
+    """Raises `error` with one line unless a file can be written at `path`.
+
+    Args:
+        path: An absolute path.
+        error: The exception class to raise.
+
+    Raises:
+        WorkerError: (or `error`) if the folder does not exist or is not
+            writable, or if `path` is a folder.
+    """
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise error(f"cannot write {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise error(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise error(f"cannot write {path}: folder {folder} is not writable")
+
+
+# --------------------------------------------------------------------------
+# Child side
+# --------------------------------------------------------------------------
+def worker_main(target: "str | Work", config_json: str, result_path: str) -> int:
+    """The child's entry point: run the work, write its result (or error) as JSON.
+
+    Args:
+        target: "module:function", or the function itself.
+        config_json: The JSON config; with "device" "gpu" and a
+            "memory_limit_mb", the GPU is limited first
+            (`keras_memfit.app.env.configure_gpu`).
+        result_path: Where to write `{"error": ...}` or the function's result.
+
+    Returns:
+        0 on success, 1 if the work raised (its traceback then goes to
+        stderr, which the parent keeps to itself).
+
+    Example:
+        >>> worker_main("keras_memfit.app.demo:_work", json.dumps(config), "result.json")
+        0
+    """
+    try:
+        config = json.loads(config_json)
+        if config.get("device") == "gpu" and config.get("memory_limit_mb") is not None:
+            _env.configure_gpu(int(config["memory_limit_mb"]))  # before any op touches the GPU
+        work = resolve_target(target) if isinstance(target, str) else target
+        result = work(config, stdout_reporter)
+        code = 0
+    except WorkerError as err:
+        result, code = {"error": " ".join(str(err).split())}, 1
+    except Exception as err:  # reported by the parent as one line
+        traceback.print_exc()
+        message = str(getattr(err, "message", None) or err).strip().splitlines()
+        result = {"error": f"{type(err).__name__}: {message[0] if message else ''}"}
+        code = 1
+    with open(result_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    return code
+
+
+def resolve_target(target: str) -> Work:
+    """The function a "module:function" target names (importing the module).
+
+    Args:
+        target: E.g. "keras_memfit.app.demo:_work".
+
+    Returns:
+        The function.
+
+    Raises:
+        ValueError: If `target` is not "module:function".
+        ImportError, AttributeError: If the module or the function does not exist.
+
+    Example:
+        >>> resolve_target("keras_memfit.app.predict_file:predict_work")
+        <function predict_work at 0x...>
+    """
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise ValueError(f"target must be 'module:function'; received {target!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`.
+
+    Args:
+        argv: The three arguments; default `sys.argv[1:]`.
+
+    Returns:
+        The exit status (2 for wrong arguments).
+
+    Example:
+        >>> main(["keras_memfit.app.demo:_work", json.dumps(config), "result.json"])
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 3:
+        sys.stderr.write(f"usage: python -m {MODULE} MODULE:FUNCTION CONFIG_JSON RESULT_PATH\n")
+        return 2
+    return worker_main(*argv)
+
+
+if __name__ == "__main__":
+    # Run the imported module's `main`, not this `__main__` copy, so that the
+    # work raises the same `WorkerError` class that `worker_main` catches.
+    from keras_memfit.app.worker import main as _main
+
+    sys.exit(_main())
