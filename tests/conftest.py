@@ -134,12 +134,9 @@ def pytest_pyfunc_call(pyfuncitem):
         raise pytest.UsageError(
             f"memory_cap needs a positive int of MiB; received {mb!r} on {pyfuncitem.nodeid}"
         )
-    capped = {
-        "TF_CPU_ALLOCATOR_USE_BFC": "true",
-        "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
-        "TF_ENABLE_ONEDNN_OPTS": "0",
-        CAPPED_ENV: "1",
-    }
+    from keras_memfit.app.env import capped_cpu_env
+
+    capped = {**capped_cpu_env(mb), CAPPED_ENV: "1"}
     _, result = _run_child_pytest([pyfuncitem.nodeid], capped, timeout=600)
     passed = result.returncode == 0 and " passed" in result.stdout
     if not passed:
