@@ -127,13 +127,40 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _is_application(path: str) -> bool:
+    # `python -m keras_memfit` is the applications' entry point.
+    return path.startswith("keras_memfit/app/") or path == "keras_memfit/__main__.py"
+
+
 def test_library_does_not_import_applications_benchmarks_or_tests():
     offenders = {
         path: sorted(m for m in imported if m.startswith(("keras_memfit.app", "benchmarks", "tests")))
         for path, imported in _all_imports(PACKAGE).items()
-        if not path.startswith("keras_memfit/app/")
+        if not _is_application(path)
     }
     assert {p: m for p, m in offenders.items() if m} == {}
+
+
+def test_library_docstrings_do_not_use_the_applications():
+    # `>>> from keras_memfit.app.demo import build_cnn` in a library docstring
+    # would make its examples depend on the applications.
+    offenders = []
+    for name, path in _modules(PACKAGE).items():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if not _is_application(rel) and ("keras_memfit.app" in text or "keras_memfit.demo" in text):
+            offenders.append(rel)
+    assert offenders == []
+
+
+def test_only_the_environment_set_up_imports_tensorflow_in_the_applications():
+    importers = sorted(
+        path for path, imported in _all_imports(PACKAGE).items()
+        if _is_application(path)
+        and any(m == "tensorflow" or m.startswith("tensorflow.") for m in imported)
+    )
+    assert importers == ["keras_memfit/app/env.py"]
 
 
 def test_only_the_backend_imports_tensorflow():
