@@ -28,7 +28,7 @@ def format_count(n: Optional[int]) -> str:
 
 
 def format_shape(shape: tuple) -> str:
-    """`(26, 26, 32)` -> "(26, 26, 32)", `(None, 8)` -> "(?, 8)"; a tuple of shapes joined by ", "."""
+    """`(26, 26, 32)` -> "(26, 26, 32)", `(None, 8)` -> "(?, 8)"; several shapes joined by ", "."""
     if shape and isinstance(shape[0], tuple):
         return ", ".join(format_shape(s) for s in shape)
     if len(shape) == 1:

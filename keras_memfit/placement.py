@@ -7,6 +7,11 @@ but used at most once per sample (lookups, a Dense on flat features) to
 `/CPU:0`, where their variables, optimizer slots, forward ops and optimizer
 updates live; everything else (convolutions, attention, the head) stays on
 the accelerator, so that only the small tensor at the cut crosses PCIe.
+
+The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis`
+(the analysis `memory_report` makes, with the automatic choice in
+`keras_memfit.analysis.choice`); this module resolves the arguments, applies
+the placement and describes it.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ class PlacementPlan:
         crossing_bytes_per_sample: Bytes per sample crossing between host and
             accelerator layers (the cut), model inputs and outputs excluded;
             unknown dimensions (a variable sequence length) count as 1.
-            Measured by one probe pass on a zero sample shaped like the
-            model's inputs (one tensor, a list/tuple or a dict of them).
+            Counted on the symbolic trace of the forward pass that
+            `memory_report` uses (nothing runs), between the model's
+            top-level layers; 0 for a model that cannot be traced (not built).
         applied: Whether the model now spans two devices (some layer is
             pinned to the host). False with no accelerator or nothing to pin;
             the model's variables are then on the accelerator (or untouched,
@@ -119,7 +125,7 @@ def place(
 
     Automatic choice (no `cpu_layers`): only top-level layers that use each
     weight at most once per sample are candidates: at most 2 FLOPs per weight
-    per sample by `memory_report`, or, where FLOPs are unknown, Embedding,
+    per sample (as `memory_report` counts them), or, where FLOPs are unknown, Embedding,
     hashing/lookup layers and a Dense/EinsumDense on flat features.
     Convolutions, attention, RNNs and anything else reusing their weights
     stay on the accelerator. Candidates are pinned in order of

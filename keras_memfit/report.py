@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -26,11 +25,10 @@ import keras
 
 from keras_memfit import _validate
 from keras_memfit._units import format_bytes, format_count, format_shape, format_table
-from keras_memfit.analysis import Row, analyse, short_device
+from keras_memfit.analysis import Row, analyse, short_device, sizes
+from keras_memfit.analysis.peak import DeviceMemory
 
 __all__ = ["DeviceMemory", "LayerMemory", "MemoryReport", "memory_report"]
-
-logger = logging.getLogger("keras_memfit")
 
 
 @dataclasses.dataclass
@@ -85,34 +83,6 @@ class LayerMemory:
         return data
 
 
-@dataclasses.dataclass
-class DeviceMemory:
-    """The peak estimate for one device of a model whose variables span several.
-
-    Attributes:
-        device: The device ("CPU:0", "GPU:0").
-        param_bytes: Bytes of the weights living there.
-        slot_bytes: Bytes of the optimizer slots of those weights.
-        fixed_bytes: The part of the device's estimated peak that does not
-            grow with the batch.
-        bytes_per_sample: The part of the device's estimated peak per sample.
-    """
-
-    device: str
-    param_bytes: int
-    slot_bytes: int
-    fixed_bytes: int
-    bytes_per_sample: int
-
-    def peak_bytes_at(self, batch_size: int) -> int:
-        """`fixed_bytes + batch_size * bytes_per_sample`."""
-        return self.fixed_bytes + batch_size * self.bytes_per_sample
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The estimate as a JSON-serialisable dict."""
-        return dataclasses.asdict(self)
-
-
 class MemoryReport:
     """Per-layer memory of a model at one batch size, with totals and an estimate of peak.
 
@@ -151,19 +121,14 @@ class MemoryReport:
         peak_bytes: Estimated peak device memory of one step at `batch_size`:
             `fixed_bytes + batch_size * bytes_per_sample`, where
 
-            - inference: `fixed_bytes` = weights, plus optimizer slots when the
-              optimizer is already built (they stay on the device);
-              `bytes_per_sample` = the inputs (held by the caller throughout)
-              plus the largest live set along the forward
-              pass: for each layer, the tensors still needed after the
-              previous layer (its own inputs and skip connections, i.e. the
-              previous row's `cut_bytes_per_sample`) plus what the layer
-              produces;
-            - training: `fixed_bytes` = weights + slots + gradients (one per
-              trainable weight) + two copies of the largest trainable weight
-              (the optimizer update's temporaries); `bytes_per_sample` = the inputs, every
-              activation (all are kept for the backward pass), plus two more
-              copies of the largest one (the gradients flowing back through it).
+            - inference: `fixed_bytes` = weights, plus the slots of a built
+              optimizer; `bytes_per_sample` = the inputs plus the largest live
+              set along the forward pass (each layer's output plus what the
+              previous row's `cut_bytes_per_sample` keeps alive);
+            - training: `fixed_bytes` = weights + slots + gradients + two
+              update temporaries of the largest trainable weight;
+              `bytes_per_sample` = the inputs, every activation (kept for the
+              backward pass) and two more copies of the largest one.
 
             Not modelled: temporaries inside a layer (convolution workspaces,
             the tensors between a Dense's matmul, bias add and activation),
@@ -207,7 +172,6 @@ class MemoryReport:
         self.device = device
         self.per_device: Dict[str, DeviceMemory] = dict(per_device or {})
         self._spans_devices = len(self.per_device) > 1
-
 
     @property
     def peak_bytes(self) -> int:
@@ -283,10 +247,9 @@ class MemoryReport:
                 model's variables live on.
 
         Example:
-            >>> from keras_memfit.demo import build_cnn
-            >>> report = memory_report(build_cnn(), batch_size=512)
-            >>> report.max_batch_size(400 << 20)  # training under 400 MiB
-            688
+            >>> report = memory_report(model, batch_size=512)  # the MLP of `memory_report`
+            >>> report.max_batch_size(16 << 20)  # training under 16 MiB
+            1907
         """
         if budget is None:
             if self.budget is None:
@@ -448,9 +411,6 @@ def memory_report(
       (a host embedding's output) thus land on the accelerator too; a model
       input counts on each device that consumes it.
 
-    A model on one device is reported as before (`device`, if given, must be
-    that device).
-
     Optimizer slots are counted for the compiled optimizer (a
     `LossScaleOptimizer` is looked through) without building it: a copy made
     from its config builds against the model's weights while recording the
@@ -483,21 +443,25 @@ def memory_report(
             model has not been built.
 
     Example:
-        >>> from keras_memfit.demo import build_cnn
-        >>> report = memory_report(build_cnn(), batch_size=512, budget=2 << 30)
+        >>> model = keras.Sequential([
+        ...     keras.Input((784,)),
+        ...     keras.layers.Dense(256, activation="relu", name="hidden"),
+        ...     keras.layers.Dense(10, activation="softmax", name="out"),
+        ... ])
+        >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> report = memory_report(model, batch_size=512, budget=64 << 20)
         >>> report.summary()  # the table; report.rows and report.to_dict() as data
         >>> report.rows[0].param_bytes, report.rows[0].output_shape
-        (1280, (26, 26, 32))
-        >>> report.max_batch_size()  # training steps predicted to fit 2 GiB
-        3540
+        (803840, (256,))
+        >>> report.max_batch_size()  # training steps predicted to fit 64 MiB
+        9962
     """
-
     _validate.model(model)
     batch_size = _validate.positive_int("batch_size", batch_size, allow_none=False)
     budget = _validate.positive_int("budget", budget)
     if not isinstance(training, bool):
         raise ValueError(f"training must be True or False; received training={training!r}")
-    policy = _policy(dtype_policy)
+    policy = sizes.dtype_policy(dtype_policy)
     if device is not None and (not isinstance(device, str) or not short_device(device)):
         raise ValueError(
             "device must be None or a device name such as 'GPU:0' or '/CPU:1'; "
@@ -516,7 +480,7 @@ def memory_report(
         fixed_bytes=estimate.fixed_bytes,
         bytes_per_sample=estimate.bytes_per_sample,
         device=chosen,
-        per_device={name: DeviceMemory(name, *e) for name, e in per_device.items()},
+        per_device=per_device,
     )
 
 
@@ -537,18 +501,6 @@ def _layer_memory(row: Row, batch_size: int) -> LayerMemory:
         working_bytes_per_sample=row.working,
         trainable_bytes=row.trainable_bytes,
     )
-
-
-def _policy(value: Any):
-    if value is None:
-        return None
-    try:
-        return keras.dtype_policies.get(value)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(
-            "dtype_policy must be None, a dtype policy name such as 'mixed_float16' "
-            f"or a keras.DTypePolicy; received dtype_policy={value!r} ({exc})"
-        ) from None
 
 
 def _jsonable_shape(shape: Any) -> Any:

@@ -89,8 +89,8 @@ def choose(
         chosen = [c for c in candidates if sizes[c.name] >= oversized_bytes]
         if not chosen:
             return [], (
-                f"accelerator memory unknown and no cheap layer reaches {format_bytes(oversized_bytes)}; "
-                "nothing pinned (pass budget= to choose by size)"
+                "accelerator memory unknown and no cheap layer reaches "
+                f"{format_bytes(oversized_bytes)}; nothing pinned (pass budget= to choose by size)"
             )
         return chosen, (
             f"accelerator memory unknown: pinned the cheap layers of at least "

@@ -17,7 +17,7 @@ from keras_memfit import _keras_compat
 from keras_memfit import backend as _backend
 from keras_memfit.analysis.flops import flops_per_sample
 from keras_memfit.analysis.graph import LayerGraph
-from keras_memfit.analysis.peak import Estimate, Step, VariableBytes, device_steps, estimate
+from keras_memfit.analysis.peak import DeviceMemory, Step, VariableBytes, device_steps, estimate
 from keras_memfit.analysis.sizes import ByteCounter, size, slot_bytes
 
 OTHER_WEIGHTS = "(other weights)"
@@ -202,7 +202,7 @@ class ModelAnalysis:
 
     def peak(
         self, *, training: bool, device: Optional[str] = None
-    ) -> Tuple[Optional[str], Estimate, Dict[str, Estimate]]:
+    ) -> Tuple[Optional[str], DeviceMemory, Dict[str, DeviceMemory]]:
         """The peak estimate of one step, for the model or for one of its devices.
 
         When the variables span several devices, each device gets its own
@@ -233,10 +233,11 @@ class ModelAnalysis:
                 f"({', '.join(devices)}); received device={device!r}"
             )
         steps = [Step(row.produced, row.working, row.cut) for row in self.rows]
-        whole = estimate(steps, self.variables, self.input_bytes_per_sample,
-                         training=training, slots_resident=self.slots_resident)
         if len(devices) <= 1 or self.graph is None:
             wanted = wanted or (devices[0] if devices else None)
+            whole = estimate(steps, self.variables, self.input_bytes_per_sample,
+                             training=training, slots_resident=self.slots_resident,
+                             device=wanted)
             return wanted, whole, ({} if wanted is None else {wanted: whole})
         host = _backend.get().host_device().lstrip("/")
         weight_bytes = {d: sum(v.nbytes for v in self.variables if v.device == d)
@@ -249,6 +250,6 @@ class ModelAnalysis:
             here_steps, inputs = device_steps(self.graph, sides, default, name)
             mine = [v for v in self.variables if (v.device or default) == name]
             per_device[name] = estimate(here_steps, mine, inputs, training=training,
-                                        slots_resident=self.slots_resident)
+                                        slots_resident=self.slots_resident, device=name)
         wanted = wanted or default
         return wanted, per_device[wanted], per_device

@@ -18,7 +18,8 @@ device of a model whose variables span several (after `keras_memfit.place`).
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Sequence
+import dataclasses
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from keras_memfit.analysis.graph import LayerGraph
 
@@ -61,13 +62,32 @@ class VariableBytes(NamedTuple):
     trainable: bool
 
 
-class Estimate(NamedTuple):
-    """Weights, slots and the peak estimate of a model, or of one of its devices."""
+@dataclasses.dataclass
+class DeviceMemory:
+    """The peak estimate of a model, or of one device of a model whose variables span several.
 
+    Attributes:
+        device: The device ("CPU:0", "GPU:0").
+        param_bytes: Bytes of the weights living there.
+        slot_bytes: Bytes of the optimizer slots of those weights.
+        fixed_bytes: The part of the device's estimated peak that does not
+            grow with the batch.
+        bytes_per_sample: The part of the device's estimated peak per sample.
+    """
+
+    device: str
     param_bytes: int
     slot_bytes: int
     fixed_bytes: int
     bytes_per_sample: int
+
+    def peak_bytes_at(self, batch_size: int) -> int:
+        """`fixed_bytes + batch_size * bytes_per_sample`."""
+        return self.fixed_bytes + batch_size * self.bytes_per_sample
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The estimate as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
 
 
 def estimate(
@@ -77,7 +97,8 @@ def estimate(
     *,
     training: bool,
     slots_resident: bool,
-) -> Estimate:
+    device: Optional[str] = None,
+) -> DeviceMemory:
     """The peak estimate of one step (see the module docstring for the formula).
 
     Args:
@@ -87,9 +108,10 @@ def estimate(
         training: A training step (else inference).
         slots_resident: Whether the optimizer's slots exist (built optimizer):
             they then count for inference too.
+        device: The device estimated for (None: a model without variables).
 
     Returns:
-        The `Estimate`.
+        The `DeviceMemory`.
     """
     params = sum(v.nbytes for v in variables)
     slots = sum(v.slot_bytes for v in variables)
@@ -106,12 +128,12 @@ def estimate(
             live = max(live, previous_cut + step.working)
             previous_cut = step.cut
         per_sample = input_bytes + live
-    return Estimate(params, slots, fixed, per_sample)
+    return DeviceMemory(device or "", params, slots, fixed, per_sample)
 
 
 def device_steps(
     graph: LayerGraph, sides: Sequence[str], default: str, device: str
-) -> "tuple[List[Step], int]":
+) -> Tuple[List[Step], int]:
     """The top-level steps and input bytes of `graph` as they land on `device`.
 
     `sides[i]` is the device top-level call `graph.top[i]` runs on. A tensor

@@ -44,6 +44,23 @@ def is_floating(dtype: Any) -> bool:
     return "float" in dtype_name(dtype)
 
 
+def dtype_policy(value: Any) -> Any:
+    """`value` as a `keras.DTypePolicy` (None stays None).
+
+    Raises:
+        ValueError: If `value` names no dtype policy.
+    """
+    if value is None:
+        return None
+    try:
+        return keras.dtype_policies.get(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            "dtype_policy must be None, a dtype policy name such as 'mixed_float16' "
+            f"or a keras.DTypePolicy; received dtype_policy={value!r} ({exc})"
+        ) from None
+
+
 class ByteCounter:
     """Bytes of tensors and variables, optionally under another dtype policy.
 
