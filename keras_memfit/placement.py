@@ -54,11 +54,14 @@ class PlacementPlan:
         host: The host device ("/CPU:0").
         device_bytes: Bytes of weights plus optimizer slots on each device.
         crossing_bytes_per_sample: Bytes per sample crossing between host and
-            accelerator layers (the cut), model inputs and outputs excluded;
+            accelerator layers (the cut): the model's inputs are not counted
+            (they are fed from the host either way), a host layer's output
+            that the model returns is (the loss runs on the accelerator);
             unknown dimensions (a variable sequence length) count as 1.
             Counted on the symbolic trace of the forward pass that
             `memory_report` uses (nothing runs), between the model's
-            top-level layers; 0 for a model that cannot be traced (not built).
+            top-level layers; 0 for a model that cannot be traced (not
+            built).
         applied: Whether the model now spans two devices (some layer is
             pinned to the host). False with no accelerator or nothing to pin;
             the model's variables are then on the accelerator (or untouched,
