@@ -24,6 +24,11 @@ def per_model(model: Any, key: Hashable, build: Callable[[], Any]) -> Any:
     return entries[key]
 
 
+def forget(model: Any) -> None:
+    """Forget every entry cached for `model` (its devices or functions changed)."""
+    _PER_MODEL.pop(model, None)
+
+
 def clear() -> None:
     """Forget every cached entry (tests use this between cases)."""
     _PER_MODEL.clear()

@@ -1,8 +1,8 @@
-"""Human-readable sizes for the tables keras_memfit prints."""
+"""Human-readable sizes, counts, shapes and tables for what keras_memfit prints."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 
 def format_bytes(n: Optional[int]) -> str:
@@ -25,3 +25,50 @@ def format_count(n: Optional[int]) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
+
+
+def format_shape(shape: tuple) -> str:
+    """`(26, 26, 32)` -> "(26, 26, 32)", `(None, 8)` -> "(?, 8)"; several shapes joined by ", "."""
+    if shape and isinstance(shape[0], tuple):
+        return ", ".join(format_shape(s) for s in shape)
+    if len(shape) == 1:
+        return f"({'?' if shape[0] is None else shape[0]},)"
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def format_table(
+    title: str,
+    header: Sequence[str],
+    body: Sequence[Sequence[str]],
+    total: Sequence[str],
+    *,
+    line_length: Optional[int] = None,
+    left: Sequence[int] = (0, 1),
+) -> List[str]:
+    """A ruled text table: title, header, body rows and a total row.
+
+    Columns are as wide as their widest cell; the columns in `left` are
+    left-aligned, the others right-aligned. With `line_length`, the first two
+    (free-text) columns give or take the difference, and cells too long for
+    their column end in "…".
+
+    Returns:
+        The table's lines.
+    """
+    widths = [max(len(row[i]) for row in [header, total, *body]) for i in range(len(header))]
+    natural = sum(widths) + 2 * (len(widths) - 1)
+    if line_length is not None and line_length != natural:
+        extra = line_length - natural
+        widths[0] = max(8, widths[0] + extra // 2 + extra % 2)
+        widths[1] = max(8, widths[1] + extra // 2)
+    width = sum(widths) + 2 * (len(widths) - 1)
+
+    def line(cells):
+        out = []
+        for i, (cell, w) in enumerate(zip(cells, widths)):
+            cell = cell if len(cell) <= w else cell[: max(1, w - 1)] + "…"
+            out.append(cell.ljust(w) if i in left else cell.rjust(w))
+        return "  ".join(out).rstrip()
+
+    return [title, "━" * width, line(header), "━" * width, *(line(cells) for cells in body),
+            "─" * width, line(total), "━" * width]

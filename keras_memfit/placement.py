@@ -7,6 +7,11 @@ but used at most once per sample (lookups, a Dense on flat features) to
 `/CPU:0`, where their variables, optimizer slots, forward ops and optimizer
 updates live; everything else (convolutions, attention, the head) stays on
 the accelerator, so that only the small tensor at the cut crosses PCIe.
+
+The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis`
+(the analysis `memory_report` makes, with the automatic choice in
+`keras_memfit.analysis.choice`); this module resolves the arguments, applies
+the placement and describes it.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import keras
-import numpy as np
 
-from keras_memfit import _cache, _model_state, _validate
+from keras_memfit import _cache, _keras_compat, _model_state, _validate
 from keras_memfit import backend as backend_seam
 from keras_memfit._units import format_bytes
+from keras_memfit.analysis import ModelAnalysis, analyse, choice
+from keras_memfit.analysis.sizes import ByteCounter
 
 logger = logging.getLogger("keras_memfit")
 
@@ -34,7 +40,6 @@ OVERSIZED_BYTES = 1 << 30
 #: When even pinning every cheap layer cannot make the rest fit, only cheap
 #: layers holding at least this share of all weights and slots are pinned.
 DOMINANT_SHARE = 0.1
-_CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
 _STATE = "_memfit_placement"
 _said_no_accelerator = False
 
@@ -49,10 +54,14 @@ class PlacementPlan:
         host: The host device ("/CPU:0").
         device_bytes: Bytes of weights plus optimizer slots on each device.
         crossing_bytes_per_sample: Bytes per sample crossing between host and
-            accelerator layers (the cut), model inputs and outputs excluded;
+            accelerator layers (the cut): the model's inputs are not counted
+            (they are fed from the host either way), a host layer's output
+            that the model returns is (the loss runs on the accelerator);
             unknown dimensions (a variable sequence length) count as 1.
-            Measured by one probe pass on a zero sample shaped like the
-            model's inputs (one tensor, a list/tuple or a dict of them).
+            Counted on the symbolic trace of the forward pass that
+            `memory_report` uses (nothing runs), between the model's
+            top-level layers; 0 for a model that cannot be traced (not
+            built).
         applied: Whether the model now spans two devices (some layer is
             pinned to the host). False with no accelerator or nothing to pin;
             the model's variables are then on the accelerator (or untouched,
@@ -119,7 +128,7 @@ def place(
 
     Automatic choice (no `cpu_layers`): only top-level layers that use each
     weight at most once per sample are candidates: at most 2 FLOPs per weight
-    per sample by `memory_report`, or, where FLOPs are unknown, Embedding,
+    per sample (as `memory_report` counts them), or, where FLOPs are unknown, Embedding,
     hashing/lookup layers and a Dense/EinsumDense on flat features.
     Convolutions, attention, RNNs and anything else reusing their weights
     stay on the accelerator. Candidates are pinned in order of
@@ -171,7 +180,7 @@ def place(
     be = backend_seam.get()
     host = be.host_device()
     accelerator = _resolve_accelerator(be, accelerator, host)
-    all_layers = list(model._flatten_layers(include_self=False, recursive=True))
+    all_layers = [layer for layer in _keras_compat.all_layers(model) if layer is not model]
     pinned = None if cpu_layers is None else _resolve_layers(model, all_layers, cpu_layers)
     if accelerator is None:
         global _said_no_accelerator
@@ -181,14 +190,13 @@ def place(
                 "model already runs on the CPU. Pass accelerator= to name another device."
             )
             _said_no_accelerator = True
-        plan = _plan(model, be, host, None, [], False,
+        plan = _plan(ModelAnalysis(model, ByteCounter()), host, None, [], False,
                      "no accelerator: TensorFlow sees no GPU; nothing changed")
         _show(plan, verbose)
         return plan
 
-    rows = _report_rows(model)
-    sizes = _layer_bytes(model, be, rows)
-    recorder = None
+    analysis = _analyse(model)
+    sizes = choice.layer_bytes(analysis, model.layers)
     if pinned is None:
         if not model.built:
             raise ValueError(
@@ -196,14 +204,33 @@ def place(
                 f"unbuilt {type(model).__name__} {model.name!r}. Call model.build("
                 "input_shape) (or the model on a batch) first, or pass cpu_layers=."
             )
-        recorder = _probe(model)
-        pinned, reason = _choose(model, be, accelerator, budget, sizes, rows, recorder)
+        if budget is None:
+            limit = be.memory_limit(accelerator.lstrip("/"))
+            budget = limit[0] if limit else None
+        pinned, reason = choice.choose(
+            analysis, model.layers, sizes, budget, weight_share=WEIGHT_SHARE,
+            oversized_bytes=OVERSIZED_BYTES, dominant_share=DOMINANT_SHARE)
     else:
         reason = "layers given by cpu_layers"
     _apply(model, be, host, accelerator, pinned)
-    plan = _plan(model, be, host, accelerator, pinned, True, reason, sizes, recorder)
+    plan = _plan(analysis, host, accelerator, pinned, True, reason, sizes)
     _show(plan, verbose)
     return plan
+
+
+def _analyse(model: keras.Model) -> ModelAnalysis:
+    """The model's analysis; untraced (sizes only) when it cannot be traced.
+
+    An unbuilt model, or one the trace fails on, still has its weights and
+    slots counted; its cheapness is then judged by layer class and nothing is
+    counted as crossing.
+    """
+    if model.built:
+        try:
+            return analyse(model)
+        except Exception as exc:  # the trace is advisory here
+            logger.debug("keras_memfit.place: no traced graph for %r (%s)", model.name, exc)
+    return ModelAnalysis(model, ByteCounter())
 
 
 def _show(plan: PlacementPlan, verbose: bool) -> None:
@@ -261,282 +288,28 @@ def _resolve_layers(model, all_layers, cpu_layers) -> List[keras.layers.Layer]:
     return chosen
 
 
-# -------------------------------------------------------------------- sizes
-def _nbytes(variable) -> int:
-    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
-
-
-def _slots_per_variable(optimizer) -> int:
-    """How many slots the optimizer keeps per trainable variable (0 without one)."""
-    if optimizer is None:
-        return 0
-    probe_var = keras.Variable(np.zeros((2,), "float32"), name="memfit_probe")
-    try:
-        clone = optimizer.__class__.from_config(optimizer.get_config())
-        clone.build([probe_var])
-        return sum(1 for v in clone.variables if tuple(v.shape) == (2,))
-    except Exception:  # an exotic optimizer: assume Adam's two slots
-        return 2
-
-
-def _report_rows(model) -> Dict[str, Any]:
-    """`memory_report`'s row (weights, slots, FLOPs per sample) per top-level layer name.
-
-    Empty when the report cannot be made (an unbuilt model, a layer it cannot
-    trace): sizes are then counted here and cheapness judged by layer class.
-    """
-    if not model.built:
-        return {}
-    try:
-        from keras_memfit.report import memory_report
-
-        rows = memory_report(model, batch_size=1).rows
-    except Exception as exc:  # the report is advisory here; count by hand instead
-        logger.debug("keras_memfit.place: memory_report unavailable (%s)", exc)
-        return {}
-    names = {layer.name for layer in model.layers}
-    return {row.name: row for row in rows if row.name in names}
-
-
-def _counted_bytes(weights, be, optimizer, slots_per_variable: Callable[[], int]) -> int:
-    """Bytes of `weights` plus their optimizer slots, counted by hand.
-
-    A trainable weight's slots are those the (built) optimizer holds for it;
-    when it holds none yet, `slots_per_variable()` slots of the weight's size.
-    """
-    total = 0
-    for v in weights:
-        total += _nbytes(v)
-        if v.trainable and optimizer is not None:
-            found = _model_state.slot_variables(optimizer, v)
-            total += (sum(_nbytes(s) for s in found) if found
-                      else slots_per_variable() * _nbytes(v))
-    return total
-
-
-def _layer_bytes(model, be, rows=None) -> Dict[str, int]:
-    """Weights plus optimizer slots of each top-level layer that has weights.
-
-    From `memory_report`'s row where its weights match the layer's, else
-    counted by hand.
-    """
-    rows = _report_rows(model) if rows is None else rows
-    optimizer = getattr(model, "optimizer", None)
-    slots_per_variable = functools.cache(lambda: _slots_per_variable(optimizer))
-    sizes = {}
-    for layer in model.layers:
-        weights = layer.weights
-        if not weights:
-            continue
-        row = rows.get(layer.name)
-        if row is not None and row.param_bytes == sum(_nbytes(v) for v in weights):
-            sizes[layer.name] = row.param_bytes + row.slot_bytes
-        else:
-            sizes[layer.name] = _counted_bytes(weights, be, optimizer, slots_per_variable)
-    return sizes
-
-
-def _is_cheap(layer, row=None) -> bool:
-    """Whether `layer` uses each of its weights at most once per sample.
-
-    From `memory_report`'s FLOPs where known (at most 2 per weight per
-    sample: one multiply-add), else by class: lookups, and a Dense/EinsumDense
-    on flat (batch, features) inputs.
-    """
-    if row is not None and row.flops is not None and row.params:
-        return row.flops <= 2 * row.params * 1.01
-    name = type(layer).__name__
-    if any(key in name for key in _CHEAP_CLASSES):
-        return True
-    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
-        shape = _input_shape(layer)
-        return shape is not None and len(shape) == 2
-    return False
-
-
-def _input_shape(layer):
-    try:
-        return tuple(layer.input.shape)
-    except Exception:
-        shapes = getattr(layer, "_build_shapes_dict", None) or {}
-        if len(shapes) == 1:
-            return tuple(next(iter(shapes.values())))
-        return None
-
-
-# ----------------------------------------------------------------- crossing
-def _per_sample(tensor) -> int:
-    shape = tuple(tensor.shape)[1:]
-    count = int(np.prod([1 if d is None else int(d) for d in shape])) if shape else 1
-    return count * np.dtype(keras.backend.standardize_dtype(tensor.dtype)).itemsize
-
-
-class _Recorder:
-    """Records, for one probe forward pass, which top-level layer made and used which tensor."""
-
-    def __init__(self):
-        self.producer = {}  # id(tensor) -> layer name
-        self.consumers = {}  # id(tensor) -> set of layer names
-        self.inputs = {}  # layer name -> list of input tensors
-        self.outputs = {}  # layer name -> list of output tensors
-        self.keep = []  # keep tensors alive so ids stay unique
-
-
-def _probe(model) -> Optional[_Recorder]:
-    """Run the model once on one zero sample, recording each top-level layer's tensors.
-
-    The sample has the structure the model is called with (a tensor, a list
-    or tuple, or a dict of named inputs), for Sequential, functional and
-    subclassed models alike; None when it cannot be made (an unbuilt model).
-    """
-    try:
-        batch, positional = backend_seam.get().probe_inputs(model)
-    except Exception as exc:
-        logger.debug("keras_memfit.place: no probe inputs for %r (%s)", model.name, exc)
-        return None
-    recorder = _Recorder()
-    originals = []
-    for layer in model.layers:
-        call = layer.call
-
-        def recording(*args, __call=call, __name=layer.name, **kwargs):
-            flat_in = [t for t in keras.tree.flatten((args, kwargs)) if keras.ops.is_tensor(t)]
-            out = __call(*args, **kwargs)
-            flat_out = [t for t in keras.tree.flatten(out) if keras.ops.is_tensor(t)]
-            recorder.inputs[__name] = flat_in
-            recorder.outputs[__name] = flat_out
-            recorder.keep.extend(flat_in + flat_out)
-            for t in flat_in:
-                recorder.consumers.setdefault(id(t), set()).add(__name)
-            for t in flat_out:
-                recorder.producer[id(t)] = __name
-            return out
-
-        originals.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", recording)
-    try:
-        if positional:
-            model(batch)
-        else:
-            model(**batch)
-    except Exception as exc:
-        logger.debug("keras_memfit.place: probe pass of %r failed (%s)", model.name, exc)
-        return None
-    finally:
-        for layer, original in originals:
-            if original is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", original)
-    return recorder
-
-
-def _crossing(recorder: Optional[_Recorder], names: Sequence[str]) -> int:
-    """Bytes per sample crossing between the layers `names` (host) and the rest."""
-    if recorder is None:
-        return 0
-    pinned = set(names)
-    seen, total = set(), 0
-    for name in pinned:
-        for t in recorder.inputs.get(name, []):
-            source = recorder.producer.get(id(t))
-            if source is not None and source not in pinned and id(t) not in seen:
-                seen.add(id(t))
-                total += _per_sample(t)
-        for t in recorder.outputs.get(name, []):
-            users = recorder.consumers.get(id(t), set())
-            if (not users or not users <= pinned) and id(t) not in seen:
-                seen.add(id(t))
-                total += _per_sample(t)
-    return total
-
-
-# ------------------------------------------------------------------- choice
-def _choose(model, be, accelerator, budget, sizes, rows, recorder):
-    candidates = [layer for layer in model.layers
-                  if layer.name in sizes and _is_cheap(layer, rows.get(layer.name))]
-    total = sum(sizes.values())
-    if budget is None:
-        limit = be.memory_limit(accelerator.lstrip("/"))
-        budget = limit[0] if limit else None
-    if budget is None:
-        chosen = [c for c in candidates if sizes[c.name] >= OVERSIZED_BYTES]
-        if not chosen:
-            return [], (
-                f"accelerator memory unknown and no cheap layer reaches {format_bytes(OVERSIZED_BYTES)}; "
-                "nothing pinned (pass budget= to choose by size)"
-            )
-        return chosen, (
-            f"accelerator memory unknown: pinned the cheap layers of at least "
-            f"{format_bytes(OVERSIZED_BYTES)} of weights and slots"
-        )
-    allowed = int(budget * WEIGHT_SHARE)
-    if total <= allowed:
-        return [], (
-            f"weights and slots ({format_bytes(total)}) fit in {WEIGHT_SHARE:.0%} of the budget "
-            f"({format_bytes(allowed)}); nothing pinned"
-        )
-
-    def score(layer):
-        cost = _crossing(recorder, [layer.name])
-        return sizes[layer.name] / max(cost, 1)
-
-    chosen, rest = [], total
-    for layer in sorted(candidates, key=score, reverse=True):
-        if rest <= allowed:
-            break
-        chosen.append(layer)
-        rest -= sizes[layer.name]
-    if rest <= allowed:
-        # Keep only what the fit needs: drop the smallest pins that are not needed.
-        for layer in sorted(chosen, key=lambda c: sizes[c.name]):
-            if rest + sizes[layer.name] <= allowed:
-                chosen.remove(layer)
-                rest += sizes[layer.name]
-    else:
-        # Cannot fit anyway: pin only the dominant layers, not every small cheap one.
-        for layer in [c for c in chosen if sizes[c.name] < DOMINANT_SHARE * total]:
-            chosen.remove(layer)
-            rest += sizes[layer.name]
-    chosen.sort(key=model.layers.index)
-    names = ", ".join(c.name for c in chosen) or "none"
-    if rest <= allowed:
-        reason = (
-            f"weights and slots ({format_bytes(total)}) exceed {WEIGHT_SHARE:.0%} of the budget "
-            f"({format_bytes(allowed)}); pinned the cheap layers with the most bytes per byte "
-            f"crossing ({names}), leaving {format_bytes(rest)} on the accelerator"
-        )
-    else:
-        reason = (
-            f"weights and slots ({format_bytes(total)}) exceed {WEIGHT_SHARE:.0%} of the budget "
-            f"({format_bytes(allowed)}); pinning the cheap layers ({names}) still leaves "
-            f"{format_bytes(rest)}: the compute-heavy layers themselves do not fit (cheap "
-            f"layers under {DOMINANT_SHARE:.0%} of the total stay on the accelerator)"
-        )
-    return chosen, reason
-
-
-def _plan(model, be, host, accelerator, pinned, applied, reason, sizes=None, recorder=None):
-    """The `PlacementPlan`; `recorder` is the probe pass made for `_choose`, if any."""
-    sizes = _layer_bytes(model, be) if sizes is None else sizes
+# --------------------------------------------------------------------- plan
+def _plan(
+    analysis: ModelAnalysis,
+    host: str,
+    accelerator: Optional[str],
+    pinned: List[Any],
+    applied: bool,
+    reason: str,
+    sizes: Optional[Dict[str, int]] = None,
+) -> PlacementPlan:
+    """The `PlacementPlan` of pinning `pinned`, from the model's analysis."""
+    model = analysis.model
+    sizes = choice.layer_bytes(analysis, model.layers) if sizes is None else sizes
     names = [layer.name for layer in pinned]
-    optimizer = getattr(model, "optimizer", None)
-    slots_per_variable = functools.cache(lambda: _slots_per_variable(optimizer))
-    on_host = 0
     total = sum(sizes.values())
-    for layer in pinned:
-        if layer.name in sizes and layer in model.layers:
-            on_host += sizes[layer.name]
-        else:
-            on_host += _counted_bytes(layer.weights, be, optimizer, slots_per_variable)
+    on_host = sum(analysis.weights_bytes(layer.weights) for layer in pinned)
     if accelerator is None or not pinned:
         device_bytes = {accelerator or host: total}
         crossing = 0
     else:
         device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
-        if recorder is None and model.built:  # cpu_layers= (or a failed probe): probe now
-            recorder = _probe(model)
-        crossing = _crossing(recorder, names)
+        crossing = analysis.crossing(pinned)
     applied = applied and accelerator is not None and bool(names)
     return PlacementPlan(
         cpu_layers=names, accelerator=accelerator, host=host, device_bytes=device_bytes,
@@ -587,8 +360,8 @@ def _apply(model, be, host, accelerator, pinned) -> None:
     # (Keras may create them while tracing, where a scope around `call` or
     # `build` is lost when the creation is lifted out of the graph).
     pinned_layers = {id(sub) for layer in pinned
-                     for sub in layer._flatten_layers(include_self=True, recursive=True)}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+                     for sub in _keras_compat.all_layers(layer)}
+    for layer in _keras_compat.all_layers(model):
         device = host if id(layer) in pinned_layers else accelerator
         wrapped.append((layer, "add_weight", layer.__dict__.get("add_weight")))
         object.__setattr__(layer, "add_weight", be.creating_on(device, layer.add_weight))
@@ -647,4 +420,4 @@ def _reset_functions(model) -> None:
     for attr in ("train_function", "test_function", "predict_function"):
         if hasattr(model, attr):
             setattr(model, attr, None)
-    _cache._PER_MODEL.pop(model, None)
+    _cache.forget(model)

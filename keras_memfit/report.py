@@ -8,34 +8,27 @@ the model were cut right after it. Totals, an estimate of the peak device
 memory of one step, and the largest batch predicted to fit a memory budget
 come with it. Nothing runs and nothing large is allocated: the shapes come
 from one symbolic trace of the model's forward pass.
+
+This module is the public front end: the numbers come from
+`keras_memfit.analysis` (the traced graph, the byte and slot counters, the
+peak formula), which `keras_memfit.place` shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import re
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
 from keras_memfit import _validate
-from keras_memfit import backend as _backend
-from keras_memfit._units import format_bytes, format_count
+from keras_memfit._units import format_bytes, format_count, format_shape, format_table
+from keras_memfit.analysis import Row, analyse, short_device, sizes
+from keras_memfit.analysis.peak import DeviceMemory
 
 __all__ = ["DeviceMemory", "LayerMemory", "MemoryReport", "memory_report"]
-
-logger = logging.getLogger("keras_memfit")
-
-# Training keeps the layers' outputs for the backward pass; the backward pass
-# itself holds about two more activations of the largest layer at a time (the
-# gradient flowing in and the one flowing out). See `MemoryReport.peak_bytes`.
-_BACKWARD_WORKING_COPIES = 2
-# The optimizer's update computes a few weight-sized temporaries per variable
-# (and densifies sparse gradients such as an Embedding's), one variable at a time.
-_UPDATE_WORKING_COPIES = 2
 
 
 @dataclasses.dataclass
@@ -90,34 +83,6 @@ class LayerMemory:
         return data
 
 
-@dataclasses.dataclass
-class DeviceMemory:
-    """The peak estimate for one device of a model whose variables span several.
-
-    Attributes:
-        device: The device ("CPU:0", "GPU:0").
-        param_bytes: Bytes of the weights living there.
-        slot_bytes: Bytes of the optimizer slots of those weights.
-        fixed_bytes: The part of the device's estimated peak that does not
-            grow with the batch.
-        bytes_per_sample: The part of the device's estimated peak per sample.
-    """
-
-    device: str
-    param_bytes: int
-    slot_bytes: int
-    fixed_bytes: int
-    bytes_per_sample: int
-
-    def peak_bytes_at(self, batch_size: int) -> int:
-        """`fixed_bytes + batch_size * bytes_per_sample`."""
-        return self.fixed_bytes + batch_size * self.bytes_per_sample
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The estimate as a JSON-serialisable dict."""
-        return dataclasses.asdict(self)
-
-
 class MemoryReport:
     """Per-layer memory of a model at one batch size, with totals and an estimate of peak.
 
@@ -156,19 +121,14 @@ class MemoryReport:
         peak_bytes: Estimated peak device memory of one step at `batch_size`:
             `fixed_bytes + batch_size * bytes_per_sample`, where
 
-            - inference: `fixed_bytes` = weights, plus optimizer slots when the
-              optimizer is already built (they stay on the device);
-              `bytes_per_sample` = the inputs (held by the caller throughout)
-              plus the largest live set along the forward
-              pass: for each layer, the tensors still needed after the
-              previous layer (its own inputs and skip connections, i.e. the
-              previous row's `cut_bytes_per_sample`) plus what the layer
-              produces;
-            - training: `fixed_bytes` = weights + slots + gradients (one per
-              trainable weight) + two copies of the largest trainable weight
-              (the optimizer update's temporaries); `bytes_per_sample` = the inputs, every
-              activation (all are kept for the backward pass), plus two more
-              copies of the largest one (the gradients flowing back through it).
+            - inference: `fixed_bytes` = weights, plus the slots of a built
+              optimizer; `bytes_per_sample` = the inputs plus the largest live
+              set along the forward pass (each layer's output plus what the
+              previous row's `cut_bytes_per_sample` keeps alive);
+            - training: `fixed_bytes` = weights + slots + gradients + two
+              update temporaries of the largest trainable weight;
+              `bytes_per_sample` = the inputs, every activation (kept for the
+              backward pass) and two more copies of the largest one.
 
             Not modelled: temporaries inside a layer (convolution workspaces,
             the tensors between a Dense's matmul, bias add and activation),
@@ -176,6 +136,7 @@ class MemoryReport:
             measured by TensorFlow's allocator the estimate is within the error
             stated in the README (measured by `tests/test_report.py`).
     """
+
 
     def __init__(
         self,
@@ -187,8 +148,8 @@ class MemoryReport:
         budget: Optional[int],
         dtype_policy: Optional[str],
         input_bytes_per_sample: int,
-        slots_resident: bool,
-        largest_trainable_bytes: int = 0,
+        fixed_bytes: int,
+        bytes_per_sample: int,
         device: Optional[str] = None,
         per_device: Optional[Dict[str, DeviceMemory]] = None,
     ) -> None:
@@ -206,34 +167,11 @@ class MemoryReport:
         flops = [r.flops for r in rows]
         self.flops = None if any(f is None for f in flops) else sum(flops)
         self.params = sum(r.params for r in rows)
-        activations = [r.activation_bytes_per_sample for r in rows]
-        if training:
-            self.fixed_bytes = (
-                self.param_bytes + self.slot_bytes + self.trainable_bytes
-                + _UPDATE_WORKING_COPIES * largest_trainable_bytes
-            )
-            self.bytes_per_sample = (
-                input_bytes_per_sample
-                + sum(activations)
-                + _BACKWARD_WORKING_COPIES * max(activations, default=0)
-            )
-        else:
-            self.fixed_bytes = self.param_bytes + (self.slot_bytes if slots_resident else 0)
-            live, previous_cut = 0, input_bytes_per_sample
-            for row in rows:
-                live = max(live, previous_cut + row.working_bytes_per_sample)
-                previous_cut = row.cut_bytes_per_sample
-            self.bytes_per_sample = input_bytes_per_sample + live
+        self.fixed_bytes = fixed_bytes
+        self.bytes_per_sample = bytes_per_sample
         self.device = device
-        self._spans_devices = bool(per_device) and len(per_device) > 1
-        if self._spans_devices:
-            chosen = per_device[device]
-            self.fixed_bytes, self.bytes_per_sample = chosen.fixed_bytes, chosen.bytes_per_sample
-        elif device is not None:
-            per_device = {device: DeviceMemory(
-                device, self.param_bytes, self.slot_bytes, self.fixed_bytes,
-                self.bytes_per_sample)}
         self.per_device: Dict[str, DeviceMemory] = dict(per_device or {})
+        self._spans_devices = len(self.per_device) > 1
 
     @property
     def peak_bytes(self) -> int:
@@ -280,7 +218,7 @@ class MemoryReport:
         """(fixed bytes, bytes per sample) of `device`, or of the report's device."""
         if device is None:
             return self.fixed_bytes, self.bytes_per_sample
-        name = _device_short(device)
+        name = short_device(device)
         if name not in self.per_device:
             known = ", ".join(self.per_device) or "none: the model has no variables"
             raise ValueError(
@@ -309,10 +247,9 @@ class MemoryReport:
                 model's variables live on.
 
         Example:
-            >>> from keras_memfit.demo import build_cnn
-            >>> report = memory_report(build_cnn(), batch_size=512)
-            >>> report.max_batch_size(400 << 20)  # training under 400 MiB
-            688
+            >>> report = memory_report(model, batch_size=512)  # the MLP of `memory_report`
+            >>> report.max_batch_size(16 << 20)  # training under 16 MiB
+            1907
         """
         if budget is None:
             if self.budget is None:
@@ -397,7 +334,7 @@ class MemoryReport:
         body = [
             [
                 f"{r.name} ({r.class_name})",
-                _shape_text(r.output_shape),
+                format_shape(r.output_shape),
                 f"{r.params:,}",
                 format_bytes(r.param_bytes),
                 format_bytes(r.slot_bytes),
@@ -411,33 +348,10 @@ class MemoryReport:
         total = ["Total", "", f"{self.params:,}", format_bytes(self.param_bytes),
                  format_bytes(self.slot_bytes), format_bytes(self.activation_bytes),
                  format_count(self.flops), "", ""]
-        widths = [max(len(line[i]) for line in [header, total] + body) for i in range(len(header))]
-        natural = sum(widths) + 2 * (len(widths) - 1)
-        if line_length is not None and line_length != natural:
-            # Give or take room in the first two (free-text) columns.
-            extra = line_length - natural
-            first = max(8, widths[0] + extra // 2 + extra % 2)
-            second = max(8, widths[1] + extra // 2)
-            widths[0], widths[1] = first, second
-        width = sum(widths) + 2 * (len(widths) - 1)
-
-        def line(cells):
-            out = []
-            for i, (cell, w) in enumerate(zip(cells, widths)):
-                cell = cell if len(cell) <= w else cell[: max(1, w - 1)] + "…"
-                out.append(cell.ljust(w) if i < 2 or i == 7 else cell.rjust(w))
-            return "  ".join(out).rstrip()
-
         mode = "training" if self.training else "inference"
         policy = f", dtype policy {self.dtype_policy}" if self.dtype_policy else ""
-        lines = [
-            f'Memory report: "{self.model_name}" ({mode}, batch_size={self.batch_size}{policy})',
-            "━" * width,
-            line(header),
-            "━" * width,
-        ]
-        lines += [line(cells) for cells in body]
-        lines += ["─" * width, line(total), "━" * width]
+        title = f'Memory report: "{self.model_name}" ({mode}, batch_size={self.batch_size}{policy})'
+        lines = format_table(title, header, body, total, line_length=line_length, left=(0, 1, 7))
         on = f" on {self.device}" if self._spans_devices else ""
         lines.append(
             f"Estimated peak{on} at batch_size={self.batch_size}: {format_bytes(self.peak_bytes)} "
@@ -497,9 +411,6 @@ def memory_report(
       (a host embedding's output) thus land on the accelerator too; a model
       input counts on each device that consumes it.
 
-    A model on one device is reported as before (`device`, if given, must be
-    that device).
-
     Optimizer slots are counted for the compiled optimizer (a
     `LossScaleOptimizer` is looked through) without building it: a copy made
     from its config builds against the model's weights while recording the
@@ -532,544 +443,67 @@ def memory_report(
             model has not been built.
 
     Example:
-        >>> from keras_memfit.demo import build_cnn
-        >>> report = memory_report(build_cnn(), batch_size=512, budget=2 << 30)
+        >>> model = keras.Sequential([
+        ...     keras.Input((784,)),
+        ...     keras.layers.Dense(256, activation="relu", name="hidden"),
+        ...     keras.layers.Dense(10, activation="softmax", name="out"),
+        ... ])
+        >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> report = memory_report(model, batch_size=512, budget=64 << 20)
         >>> report.summary()  # the table; report.rows and report.to_dict() as data
         >>> report.rows[0].param_bytes, report.rows[0].output_shape
-        (1280, (26, 26, 32))
-        >>> report.max_batch_size()  # training steps predicted to fit 2 GiB
-        3540
+        (803840, (256,))
+        >>> report.max_batch_size()  # training steps predicted to fit 64 MiB
+        9962
     """
     _validate.model(model)
     batch_size = _validate.positive_int("batch_size", batch_size, allow_none=False)
     budget = _validate.positive_int("budget", budget)
     if not isinstance(training, bool):
         raise ValueError(f"training must be True or False; received training={training!r}")
-    policy = _policy(dtype_policy)
-    if device is not None and (not isinstance(device, str) or not _device_short(device)):
+    policy = sizes.dtype_policy(dtype_policy)
+    if device is not None and (not isinstance(device, str) or not short_device(device)):
         raise ValueError(
             "device must be None or a device name such as 'GPU:0' or '/CPU:1'; "
             f"received device={device!r}"
         )
-    _check_built(model)
-    tf_backend = _backend.get()
-    trace = tf_backend.trace_layer_calls(model)
-
-    compute_itemsize = None if policy is None else _itemsize(policy.compute_dtype)
-    variable_itemsize = None if policy is None else _itemsize(policy.variable_dtype)
-
-    def tensor_bytes(shape, dtype) -> int:
-        size = 1
-        for d in shape[1:]:
-            size *= 1 if d is None else int(d)
-        itemsize = _itemsize(dtype)
-        if compute_itemsize is not None and _is_floating(dtype):
-            itemsize = compute_itemsize
-        return size * itemsize
-
-    def variable_bytes(v) -> int:
-        itemsize = _itemsize(v.dtype)
-        if variable_itemsize is not None and _is_floating(v.dtype):
-            itemsize = variable_itemsize
-        return _size(v.shape) * itemsize
-
-    sizes: Dict[str, int] = {}
-    shapes: Dict[str, tuple] = {}
-    for key, shape, dtype in trace["inputs"]:
-        sizes[key] = tensor_bytes(shape, dtype)
-        shapes[key] = shape
-    calls = trace["calls"]
-    for call in calls:
-        for key, shape, dtype in call["inputs"] + call["outputs"]:
-            sizes.setdefault(key, tensor_bytes(shape, dtype))
-            shapes.setdefault(key, shape)
-    children: Dict[Optional[int], List[int]] = {}
-    for index, call in enumerate(calls):
-        children.setdefault(call["parent"], []).append(index)
-    top = children.get(None, [])
-
-    slots = _slot_bytes(model, variable_bytes)
-    input_keys = [key for key, _, _ in trace["inputs"]]
-    top_cuts = _cuts(top, calls, children, sizes, input_keys)
-
-    seen_vars: set = set()
-    call_counts: Dict[int, int] = {}
-    rows = []
-    largest_trainable = 0
-    # (device, bytes, slot bytes, trainable) of every variable, and the
-    # devices of each top-level row's weights: for models on several devices.
-    variables_by_device: List[Tuple[str, int, int, bool]] = []
-    row_devices: List[set] = []
-
-    def note_variables(weights) -> set:
-        found = set()
-        for v in weights:
-            name = (tf_backend.variable_device(v) or "").lstrip("/")
-            found.add(name)
-            variables_by_device.append((
-                name, variable_bytes(v), slots.get(id(v), 0) if v.trainable else 0,
-                bool(v.trainable),
-            ))
-        return found - {""}
-
-    for position, index in enumerate(top):
-        call = calls[index]
-        op = call["op"]
-        count = call_counts[id(op)] = call_counts.get(id(op), 0) + 1
-        weights = [v for v in getattr(op, "weights", []) if id(v) not in seen_vars]
-        seen_vars.update(id(v) for v in weights)
-        found = note_variables(weights)
-        row_devices.append(found)
-        trainable = [v for v in weights if v.trainable]
-        largest_trainable = max([largest_trainable] + [variable_bytes(v) for v in trainable])
-        produced = _produced(index, calls, children)
-        activation = sum(sizes[k] for k in produced)
-        devices = sorted(found)
-        outputs = [shape[1:] for _, shape, _ in call["outputs"]]
-        rows.append(
-            LayerMemory(
-                name=op.name if count == 1 else f"{op.name} (call {count})",
-                class_name=type(op).__name__,
-                output_shape=outputs[0] if len(outputs) == 1 else tuple(outputs),
-                params=sum(_size(v.shape) for v in weights),
-                param_bytes=sum(variable_bytes(v) for v in weights),
-                slot_bytes=sum(slots.get(id(v), 0) for v in trainable),
-                activation_bytes=activation * batch_size,
-                flops=_flops_of(index, calls, children, shapes, batch_size),
-                device=",".join(devices) if devices else "-",
-                cut_bytes_per_sample=top_cuts[position],
-                activation_bytes_per_sample=activation,
-                working_bytes_per_sample=_working(index, calls, children, sizes),
-                trainable_bytes=sum(variable_bytes(v) for v in trainable),
-            )
-        )
-    # Weights no traced call owns: the model's own, or layers its call skips.
-    others = [v for v in model.weights if id(v) not in seen_vars]
-    if others:
-        devices = sorted(note_variables(others))
-        trainable = [v for v in others if v.trainable]
-        largest_trainable = max([largest_trainable] + [variable_bytes(v) for v in trainable])
-        rows.append(
-            LayerMemory(
-                name="(other weights)", class_name="-", output_shape=(),
-                params=sum(_size(v.shape) for v in others),
-                param_bytes=sum(variable_bytes(v) for v in others),
-                slot_bytes=sum(slots.get(id(v), 0) for v in trainable),
-                activation_bytes=0, flops=0,
-                device=",".join(devices) if devices else "-",
-                cut_bytes_per_sample=0,
-                trainable_bytes=sum(variable_bytes(v) for v in trainable),
-            )
-        )
-    optimizer = getattr(model, "optimizer", None)
-    slots_resident = bool(optimizer is not None and getattr(optimizer, "built", False))
-    devices = sorted({name for name, _, _, _ in variables_by_device} - {""})
-    wanted = None if device is None else _device_short(device)
-    if wanted is not None and devices and wanted not in devices:
-        raise ValueError(
-            "device must be one of the devices the model's variables live on "
-            f"({', '.join(devices)}); received device={device!r}"
-        )
-    per_device = None
-    if len(devices) > 1:
-        host = tf_backend.host_device().lstrip("/")
-        weight_bytes = {d: sum(b for n, b, _, _ in variables_by_device if n == d)
-                        for d in devices}
-        others_first = sorted(devices, key=lambda d: (d == host, -weight_bytes[d], d))
-        default = others_first[0]
-        sides = [next(iter(found)) if len(found) == 1 else default for found in row_devices]
-        per_device = _device_estimates(
-            devices, default, sides, top, calls, children, sizes, input_keys,
-            variables_by_device, training=training, slots_resident=slots_resident,
-        )
-        wanted = wanted or default
-    elif wanted is None and devices:
-        wanted = devices[0]
+    analysis = analyse(model, policy)
+    chosen, estimate, per_device = analysis.peak(training=training, device=device)
     return MemoryReport(
-        rows,
+        [_layer_memory(row, batch_size) for row in analysis.rows],
         model_name=model.name,
         batch_size=batch_size,
         training=training,
         budget=budget,
         dtype_policy=None if policy is None else policy.name,
-        input_bytes_per_sample=sum(sizes[k] for k in dict.fromkeys(input_keys)),
-        largest_trainable_bytes=largest_trainable,
-        slots_resident=slots_resident,
-        device=wanted,
+        input_bytes_per_sample=analysis.input_bytes_per_sample,
+        fixed_bytes=estimate.fixed_bytes,
+        bytes_per_sample=estimate.bytes_per_sample,
+        device=chosen,
         per_device=per_device,
     )
 
 
-def _check_built(model: keras.Model) -> None:
-    """Refuse a model whose layers are not all built: tracing would build them."""
-    layers = [model] + list(model._flatten_layers(include_self=False, recursive=True))
-    unbuilt = [layer.name for layer in layers if not layer.built]
-    if unbuilt:
-        raise ValueError(
-            f"the model {model.name!r} has not been built, so its layers' shapes are "
-            f"unknown; received a model with unbuilt layers {unbuilt[:5]}. Build it "
-            "first, as `model.summary()` needs too: call it on a batch (a subclassed "
-            "model's `build(input_shape)` builds its layers only if it defines "
-            "`build`), or give a Sequential model a `keras.Input(shape)` first layer."
-        )
-
-
-# --------------------------------------------------------------------------
-# Graph arithmetic
-# --------------------------------------------------------------------------
-def _produced(index: int, calls: list, children: dict) -> List[str]:
-    """Keys of the tensors a call and all its descendants produce (no repeats)."""
-    keys = dict.fromkeys(key for key, _, _ in calls[index]["outputs"])
-    for child in children.get(index, []):
-        keys.update(dict.fromkeys(_produced(child, calls, children)))
-    return list(keys)
-
-
-def _consumed(index: int, calls: list, children: dict) -> List[str]:
-    """Keys of the tensors a call takes from outside itself (no repeats).
-
-    Its own arguments, plus what its sublayers take that some other call
-    produced (a tensor its sublayers get from an operation inside its `call`
-    that is not a layer is internal to it).
-    """
-    keys = dict.fromkeys(key for key, _, _ in calls[index]["inputs"])
-    inner = set(_produced(index, calls, children))
-    produced_anywhere = _all_produced(calls)
-    for child in _descendants(index, children):
-        for key, _, _ in calls[child]["inputs"]:
-            if key in produced_anywhere and key not in inner:
-                keys[key] = None
-    return [key for key in keys if key not in inner]
-
-
-def _descendants(index: int, children: dict) -> List[int]:
-    found = []
-    for child in children.get(index, []):
-        found.append(child)
-        found.extend(_descendants(child, children))
-    return found
-
-
-def _all_produced(calls: list) -> set:
-    return {key for call in calls for key, _, _ in call["outputs"]}
-
-
-def _cuts(
-    sequence: Sequence[int], calls: list, children: dict, sizes: dict, entering: Sequence[str]
-) -> List[int]:
-    """Bytes per sample crossing a cut after each call of `sequence`.
-
-    Tensors in `entering` (the model's inputs, or a nested call's inputs) are
-    produced before the first call; a tensor nobody in `sequence` produced is
-    taken as produced right before its first consumer.
-
-    Returns:
-        The cut after each call.
-    """
-    produced_at: Dict[str, int] = {key: -1 for key in entering}
-    last_use: Dict[str, int] = {}
-    for position, index in enumerate(sequence):
-        for key in _consumed(index, calls, children):
-            if key not in produced_at:
-                produced_at[key] = position - 1
-            last_use[key] = max(last_use.get(key, -1), position)
-        for key in _produced(index, calls, children):
-            produced_at.setdefault(key, position)
-    cuts = []
-    for position in range(len(sequence)):
-        cuts.append(sum(
-            sizes.get(key, 0) for key, used in last_use.items()
-            if used > position and produced_at[key] <= position
-        ))
-    return cuts
-
-
-def _working(index: int, calls: list, children: dict, sizes: dict) -> int:
-    """Bytes per sample a call holds at its busiest, beyond the tensors it was given.
-
-    A leaf call: what it produces. A call with sublayers: the largest, over its
-    sublayers in order, of what crosses into that sublayer from before plus
-    that sublayer's own working bytes (its inputs from outside are counted by
-    the caller).
-    """
-    inner = children.get(index, [])
-    own = sum(sizes.get(key, 0) for key, _, _ in calls[index]["outputs"])
-    if not inner:
-        return own
-    entering = [key for key, _, _ in calls[index]["inputs"]]
-    cuts = _cuts(inner, calls, children, sizes, entering)
-    live, previous = 0, 0
-    for position, child in enumerate(inner):
-        live = max(live, previous + _working(child, calls, children, sizes))
-        previous = cuts[position]
-    return max(live, own)
-
-
-def _device_estimates(
-    devices: Sequence[str],
-    default: str,
-    sides: Sequence[str],
-    top: Sequence[int],
-    calls: list,
-    children: dict,
-    sizes: dict,
-    input_keys: Sequence[str],
-    variables: Sequence[Tuple[str, int, int, bool]],
-    *,
-    training: bool,
-    slots_resident: bool,
-) -> Dict[str, DeviceMemory]:
-    """The peak estimate of each device, for a model whose variables span several.
-
-    `sides[i]` is the device top-level call `top[i]` runs on. A tensor lives
-    on the device of the call producing it and on that of every top-level
-    call consuming it (a model input: on its consumers' devices, or on
-    `default`). Per device, the same arithmetic as `MemoryReport` with the
-    tensors and variables living there; on one device it gives the same
-    numbers.
-    """
-    residence: Dict[str, set] = {}
-    for position, index in enumerate(top):
-        for key in _produced(index, calls, children):
-            residence.setdefault(key, set()).add(sides[position])
-    for position, index in enumerate(top):
-        for key in _consumed(index, calls, children):
-            residence.setdefault(key, set()).add(sides[position])
-    estimates = {}
-    for device in devices:
-        here = {key: (size if device in residence.get(key, {default}) else 0)
-                for key, size in sizes.items()}
-        inputs = sum(here.get(key, 0) for key in dict.fromkeys(input_keys))
-        mine = [(b, s, t) for name, b, s, t in variables if (name or default) == device]
-        params = sum(b for b, _, _ in mine)
-        slot_bytes = sum(s for _, s, _ in mine)
-        trainable = [b for b, _, t in mine if t]
-        produced = [sum(here[key] for key in _produced(index, calls, children)) for index in top]
-        if training:
-            fixed = params + slot_bytes + sum(trainable) + \
-                _UPDATE_WORKING_COPIES * max(trainable, default=0)
-            per_sample = inputs + sum(produced) + \
-                _BACKWARD_WORKING_COPIES * max(produced, default=0)
-        else:
-            fixed = params + (slot_bytes if slots_resident else 0)
-            cuts = _cuts(top, calls, children, here, input_keys)
-            live, previous_cut = 0, inputs
-            for position, index in enumerate(top):
-                working = (_working(index, calls, children, sizes)
-                           if sides[position] == device else produced[position])
-                live = max(live, previous_cut + working)
-                previous_cut = cuts[position]
-            per_sample = inputs + live
-        estimates[device] = DeviceMemory(device, params, slot_bytes, fixed, per_sample)
-    return estimates
-
-
-# --------------------------------------------------------------------------
-# Optimizer slots
-# --------------------------------------------------------------------------
-class _SlotStandIn:
-    """What the recording optimizer copy gets instead of a slot variable."""
-
-    def __init__(self, shape, dtype):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-
-
-def _slot_bytes(model: keras.Model, variable_bytes: Callable[[Any], int]) -> Dict[int, int]:
-    """Slot bytes per trainable variable (by `id`) for the model's optimizer."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return {}
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:  # LossScaleOptimizer: its own variables are scalars
-        optimizer = inner
-    trainable = list(model.trainable_variables)
-    if not trainable:
-        return {}
-    by_ref: Dict[int, int] = {}
-    pooled = 0
-    try:
-        clone = type(optimizer).from_config(optimizer.get_config())
-
-        def from_reference(reference_variable, name=None, initializer="zeros"):
-            nonlocal by_ref
-            stand_in = _SlotStandIn(reference_variable.shape, reference_variable.dtype)
-            by_ref[id(reference_variable)] = by_ref.get(id(reference_variable), 0) + \
-                variable_bytes(stand_in)
-            return stand_in
-
-        def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
-                         layout=None, name=None, **kwargs):
-            nonlocal pooled
-            stand_in = _SlotStandIn(shape, dtype or "float32")
-            pooled += variable_bytes(stand_in)
-            return stand_in
-
-        object.__setattr__(clone, "add_variable_from_reference", from_reference)
-        object.__setattr__(clone, "add_variable", add_variable)
-        clone.build(trainable)
-    except Exception as exc:  # a custom optimizer that cannot be copied this way
-        by_ref, pooled = {}, 0
-        if not getattr(optimizer, "built", False):
-            logger.warning(
-                "memory_report: could not count the slots of %s (%s: %s); they are "
-                "reported as 0 until the optimizer is built", type(optimizer).__name__,
-                type(exc).__name__, exc)
-            return {}
-        pooled = sum(
-            variable_bytes(v) for v in optimizer.variables if _size(v.shape) > 1
-        )
-    if pooled:  # slots not tied to one variable: shared in proportion to size
-        total = sum(variable_bytes(v) for v in trainable) or 1
-        for v in trainable:
-            by_ref[id(v)] = by_ref.get(id(v), 0) + round(pooled * variable_bytes(v) / total)
-    return by_ref
-
-
-# --------------------------------------------------------------------------
-# FLOPs
-# --------------------------------------------------------------------------
-_ZERO_FLOP_LAYERS = (
-    "InputLayer", "Flatten", "Reshape", "Permute", "RepeatVector", "Dropout",
-    "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "GaussianDropout",
-    "GaussianNoise", "AlphaDropout", "Concatenate", "Identity", "Embedding",
-    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D",
-    "Cropping3D", "ActivityRegularization", "Masking",
-)
-_MERGE_LAYERS = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
-_ELEMENTWISE_LAYERS = ("Activation", "ReLU", "LeakyReLU", "ELU", "PReLU", "Softmax")
-
-
-def _flops_of(
-    index: int, calls: list, children: dict, shapes: dict, batch_size: int
-) -> Optional[int]:
-    per_sample = _layer_flops(calls[index], shapes)
-    if per_sample is not None:
-        return per_sample * batch_size
-    inner = children.get(index, [])
-    if not inner:
-        return None
-    parts = [_flops_of(child, calls, children, shapes, batch_size) for child in inner]
-    return None if any(p is None for p in parts) else sum(parts)
-
-
-def _layer_flops(call: dict, shapes: dict) -> Optional[int]:
-    """Forward FLOPs per sample of a layer of a known kind, or None."""
-    from keras.src.layers.convolutional.base_conv import BaseConv
-    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
-    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
-    from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
-    from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
-    from keras.src.layers.pooling.base_pooling import BasePooling
-
-    layer = call["op"]
-    outputs = [shape[1:] for _, shape, _ in call["outputs"]]
-    if not outputs or any(None in shape for shape in outputs):
-        return None
-    out = outputs[0]
-    out_size = _size(out)
-    name = type(layer).__name__
-    if name in _ZERO_FLOP_LAYERS:
-        return 0
-    kernel = getattr(layer, "kernel", None)
-    channels_first = getattr(layer, "data_format", None) == "channels_first"
-    spatial = (out[1:] if channels_first else out[:-1]) if len(out) > 1 else ()
-    if isinstance(layer, keras.layers.Dense):
-        if kernel is None:
-            return None
-        fan_in, units = int(kernel.shape[0]), int(kernel.shape[1])
-        return 2 * fan_in * units * _size(out[:-1])
-    if isinstance(layer, BaseDepthwiseConv):
-        return 2 * _size(layer.kernel_size) * out_size
-    if isinstance(layer, BaseSeparableConv):
-        depthwise = layer.depthwise_kernel
-        in_channels = int(depthwise.shape[-2]) * int(depthwise.shape[-1])
-        return 2 * _size(spatial) * in_channels * (_size(layer.kernel_size) + layer.filters)
-    if isinstance(layer, BaseConvTranspose):
-        if kernel is None:
-            return None
-        # kernel: (*kernel_size, filters, in_channels); every input position
-        # spreads into kernel_size x filters outputs.
-        in_channels, filters = int(kernel.shape[-1]), int(kernel.shape[-2])
-        stride = _size(layer.strides)
-        in_positions = _size(spatial) // max(1, stride)
-        return 2 * _size(layer.kernel_size) * in_channels * filters * in_positions
-    if isinstance(layer, BaseConv):
-        if kernel is None:
-            return None
-        # kernel: (*kernel_size, in_channels / groups, filters)
-        per_output = _size(layer.kernel_size) * int(kernel.shape[-2])
-        return 2 * per_output * out_size
-    if isinstance(layer, BaseGlobalPooling):
-        shape = call["inputs"][0][1] if call["inputs"] else None
-        return None if shape is None or None in shape[1:] else _size(shape[1:])
-    if isinstance(layer, BasePooling):
-        return _size(layer.pool_size) * out_size
-    if name in _MERGE_LAYERS:
-        return max(0, len(call["inputs"]) - 1) * out_size
-    if name in _ELEMENTWISE_LAYERS:
-        return out_size
-    if name == "BatchNormalization":
-        return 2 * out_size
-    return None
-
-
-# --------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------
-def _policy(value: Any):
-    if value is None:
-        return None
-    try:
-        return keras.dtype_policies.get(value)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(
-            "dtype_policy must be None, a dtype policy name such as 'mixed_float16' "
-            f"or a keras.DTypePolicy; received dtype_policy={value!r} ({exc})"
-        ) from None
-
-
-def _device_short(name: str) -> str:
-    """A device name in short form ("/device:GPU:0", "/GPU:0" -> "GPU:0"); "" if unparsable."""
-    name = name.rsplit("device:", 1)[-1].strip().lstrip("/")
-    kind, _, index = name.partition(":")
-    if not kind or not kind.isalpha() or (index and not index.isdigit()):
-        return ""
-    return f"{kind.upper()}:{int(index) if index else 0}"
-
-
-def _size(shape: Sequence[Optional[int]]) -> int:
-    size = 1
-    for d in shape:
-        size *= 1 if d is None else int(d)
-    return size
-
-
-def _dtype_name(dtype: Any) -> str:
-    return getattr(dtype, "name", None) or str(dtype)
-
-
-def _itemsize(dtype: Any) -> int:
-    name = _dtype_name(dtype)
-    if name == "bool":
-        return 1
-    bits = re.findall(r"\d+", name)
-    return max(1, int(bits[-1]) // 8) if bits else 4
-
-
-def _is_floating(dtype: Any) -> bool:
-    return "float" in _dtype_name(dtype)
+def _layer_memory(row: Row, batch_size: int) -> LayerMemory:
+    """The table row of one analysed call, its activations and FLOPs at `batch_size`."""
+    return LayerMemory(
+        name=row.name,
+        class_name=row.class_name,
+        output_shape=row.output_shape,
+        params=row.params,
+        param_bytes=row.param_bytes,
+        slot_bytes=row.slot_bytes,
+        activation_bytes=row.produced * batch_size,
+        flops=None if row.flops is None else row.flops * batch_size,
+        device=",".join(row.devices) if row.devices else "-",
+        cut_bytes_per_sample=row.cut,
+        activation_bytes_per_sample=row.produced,
+        working_bytes_per_sample=row.working,
+        trainable_bytes=row.trainable_bytes,
+    )
 
 
 def _jsonable_shape(shape: Any) -> Any:
     if isinstance(shape, tuple):
         return [_jsonable_shape(s) for s in shape]
     return shape
-
-
-def _shape_text(shape: tuple) -> str:
-    if shape and isinstance(shape[0], tuple):
-        return ", ".join(_shape_text(s) for s in shape)
-    if len(shape) == 1:
-        return f"({'?' if shape[0] is None else shape[0]},)"
-    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

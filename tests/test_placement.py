@@ -425,6 +425,43 @@ def test_crossing_of_models_with_dict_and_list_inputs(kind):
     assert _device(model.get_layer("head").kernel) == ACC
 
 
+def test_a_pinned_layer_that_returns_its_input_sends_it_back_across():
+    x = keras.Input((16,))
+    h = keras.layers.Dense(32, name="a")(x)
+    h = keras.layers.Dropout(0.5, name="drop")(h)  # at inference: its input, unchanged
+    model = keras.Model(x, keras.layers.Dense(2, name="b")(h))
+    plan = place(model, cpu_layers=["drop"], accelerator=ACC)
+    assert plan.crossing_bytes_per_sample == 2 * 32 * 4  # to the host and back
+    plan = place(model, cpu_layers=["a", "drop"], accelerator=ACC)
+    assert plan.crossing_bytes_per_sample == 32 * 4  # only drop's output returns
+
+
+def test_place_analyses_the_model_once_without_running_it(monkeypatch):
+    import tensorflow as tf
+
+    from keras_memfit.backend import tensorflow as tf_backend
+
+    eager_calls, traces = [], []
+
+    class Watched(keras.layers.Layer):
+        def call(self, x):
+            eager_calls.append(tf.executing_eagerly())
+            return x * 2.0
+
+    real_trace = tf_backend.trace_layer_calls
+    monkeypatch.setattr(tf_backend, "trace_layer_calls",
+                        lambda model: traces.append(model) or real_trace(model))
+    ids = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(ROWS, DIM, name="emb")(ids)
+    h = keras.layers.Flatten()(Watched(name="watched")(h))
+    model = _compile(keras.Model(ids, keras.layers.Dense(CLASSES, name="head")(h)))
+    for kwargs in ({"budget": 10_000_000}, {"cpu_layers": ["emb"]}):
+        eager_calls.clear(), traces.clear()
+        plan = place(model, accelerator=ACC, **kwargs)
+        assert plan.cpu_layers == ["emb"] and plan.crossing_bytes_per_sample == CUT_BYTES
+        assert traces == [model] and True not in eager_calls, kwargs
+
+
 # ------------------------------------------------------- memory report after place
 def test_memory_report_after_place_estimates_each_device_and_fits_the_accelerator():
     from keras_memfit import memory_report

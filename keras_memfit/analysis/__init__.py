@@ -1,0 +1,21 @@
+"""One analysis of a model, shared by `memory_report` and `place`.
+
+Modules, one concept each (imports point down this list):
+
+- `sizes`: the one byte counter (tensors per sample, variables, under a
+  dtype policy) and the one optimizer-slot counter;
+- `graph`: the traced layer graph (one symbolic forward pass through
+  `keras_memfit.backend.get().trace_layer_calls`), its cuts, working sets and
+  the bytes per sample crossing between any set of top-level layers and the
+  rest;
+- `flops`: forward FLOPs per sample of a traced call;
+- `peak`: the one peak formula, for the model and per device;
+- `model`: `ModelAnalysis`, the above for one model, row by row;
+- `choice`: which cheap layers `place` pins for a budget.
+
+`keras_memfit.report` and `keras_memfit.placement` are the public front ends.
+"""
+
+from keras_memfit.analysis.model import ModelAnalysis, Row, analyse, check_built, short_device
+
+__all__ = ["ModelAnalysis", "Row", "analyse", "check_built", "short_device"]

@@ -1,0 +1,141 @@
+"""Which top-level layers to keep on the host so that the rest fits the accelerator.
+
+`place` asks this for its automatic choice: among the layers that use each
+weight at most once per sample ("cheap" layers: lookups, a Dense on flat
+features), pin those freeing the most bytes of weights and slots per byte
+crossing the cut, until what stays on the accelerator fits its share of the
+budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import keras
+
+from keras_memfit._units import format_bytes
+from keras_memfit.analysis.model import ModelAnalysis, Row
+
+_CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
+
+
+def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
+    """Weights plus optimizer slots of each of `layers` that has weights, by name."""
+    return {layer.name: analysis.weights_bytes(layer.weights) for layer in layers if layer.weights}
+
+
+def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
+    """Whether `layer` uses each of its weights at most once per sample.
+
+    From the analysis's FLOPs where known (at most 2 per weight per sample:
+    one multiply-add), else by class: lookups, and a Dense/EinsumDense on
+    flat (batch, features) inputs.
+    """
+    if row is not None and row.flops is not None and row.params:
+        return row.flops <= 2 * row.params * 1.01
+    name = type(layer).__name__
+    if any(key in name for key in _CHEAP_CLASSES):
+        return True
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        shape = _input_shape(layer)
+        return shape is not None and len(shape) == 2
+    return False
+
+
+# TODO(lead): move the `_build_shapes_dict` read to keras_memfit._keras_compat
+# (Keras private API: the shapes a layer was built with).
+def _input_shape(layer):
+    try:
+        return tuple(layer.input.shape)
+    except Exception:
+        shapes = getattr(layer, "_build_shapes_dict", None) or {}
+        if len(shapes) == 1:
+            return tuple(next(iter(shapes.values())))
+        return None
+
+
+def choose(
+    analysis: ModelAnalysis,
+    layers: List[Any],
+    sizes: Dict[str, int],
+    budget: Optional[int],
+    *,
+    weight_share: float,
+    oversized_bytes: int,
+    dominant_share: float,
+) -> Tuple[List[Any], str]:
+    """The cheap layers to pin to the host, and why.
+
+    Args:
+        analysis: The model's analysis (its rows give FLOPs, its graph the
+            bytes crossing a cut).
+        layers: The model's top-level layers, in order.
+        sizes: Weights plus slots of each layer with weights, by name.
+        budget: Bytes of the accelerator, or None when unknown.
+        weight_share: Share of `budget` weights and slots may use.
+        oversized_bytes: With no budget, the size from which a cheap layer is
+            pinned.
+        dominant_share: When pinning every cheap layer still does not fit,
+            only cheap layers holding at least this share of the total stay
+            pinned.
+
+    Returns:
+        (the layers to pin, in model order; the reason, in words).
+    """
+    candidates = [layer for layer in layers
+                  if layer.name in sizes and is_cheap(layer, analysis.first_row(layer))]
+    total = sum(sizes.values())
+    if budget is None:
+        chosen = [c for c in candidates if sizes[c.name] >= oversized_bytes]
+        if not chosen:
+            return [], (
+                "accelerator memory unknown and no cheap layer reaches "
+                f"{format_bytes(oversized_bytes)}; nothing pinned (pass budget= to choose by size)"
+            )
+        return chosen, (
+            f"accelerator memory unknown: pinned the cheap layers of at least "
+            f"{format_bytes(oversized_bytes)} of weights and slots"
+        )
+    allowed = int(budget * weight_share)
+    if total <= allowed:
+        return [], (
+            f"weights and slots ({format_bytes(total)}) fit in {weight_share:.0%} of the budget "
+            f"({format_bytes(allowed)}); nothing pinned"
+        )
+
+    def score(layer):
+        return sizes[layer.name] / max(analysis.crossing([layer]), 1)
+
+    chosen, rest = [], total
+    for layer in sorted(candidates, key=score, reverse=True):
+        if rest <= allowed:
+            break
+        chosen.append(layer)
+        rest -= sizes[layer.name]
+    if rest <= allowed:
+        # Keep only what the fit needs: drop the smallest pins that are not needed.
+        for layer in sorted(chosen, key=lambda c: sizes[c.name]):
+            if rest + sizes[layer.name] <= allowed:
+                chosen.remove(layer)
+                rest += sizes[layer.name]
+    else:
+        # Cannot fit anyway: pin only the dominant layers, not every small cheap one.
+        for layer in [c for c in chosen if sizes[c.name] < dominant_share * total]:
+            chosen.remove(layer)
+            rest += sizes[layer.name]
+    chosen.sort(key=layers.index)
+    names = ", ".join(c.name for c in chosen) or "none"
+    if rest <= allowed:
+        reason = (
+            f"weights and slots ({format_bytes(total)}) exceed {weight_share:.0%} of the budget "
+            f"({format_bytes(allowed)}); pinned the cheap layers with the most bytes per byte "
+            f"crossing ({names}), leaving {format_bytes(rest)} on the accelerator"
+        )
+    else:
+        reason = (
+            f"weights and slots ({format_bytes(total)}) exceed {weight_share:.0%} of the budget "
+            f"({format_bytes(allowed)}); pinning the cheap layers ({names}) still leaves "
+            f"{format_bytes(rest)}: the compute-heavy layers themselves do not fit (cheap "
+            f"layers under {dominant_share:.0%} of the total stay on the accelerator)"
+        )
+    return chosen, reason

@@ -1,0 +1,113 @@
+"""Forward FLOPs per sample of the traced calls, where they can be derived.
+
+A multiply-add counts as 2; bias adds and activations inside a layer are
+not counted. Layers of an unknown kind have unknown FLOPs (None), unless
+they have sublayers whose FLOPs are all known.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import keras
+
+from keras_memfit.analysis.graph import Call, LayerGraph
+from keras_memfit.analysis.sizes import size
+
+_ZERO_FLOP_LAYERS = (
+    "InputLayer", "Flatten", "Reshape", "Permute", "RepeatVector", "Dropout",
+    "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "GaussianDropout",
+    "GaussianNoise", "AlphaDropout", "Concatenate", "Identity", "Embedding",
+    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D",
+    "Cropping3D", "ActivityRegularization", "Masking",
+)
+_MERGE_LAYERS = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
+_ELEMENTWISE_LAYERS = ("Activation", "ReLU", "LeakyReLU", "ELU", "PReLU", "Softmax")
+
+
+# TODO(lead): move to keras_memfit._keras_compat (Keras private API: the base
+# classes of the convolution and pooling layers, which have no public name).
+def _layer_bases() -> Tuple[type, ...]:
+    """(BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
+    BaseGlobalPooling, BasePooling) from `keras.src`."""
+    from keras.src.layers.convolutional.base_conv import BaseConv
+    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
+    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
+    from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
+    from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
+    from keras.src.layers.pooling.base_pooling import BasePooling
+
+    return (BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
+            BaseGlobalPooling, BasePooling)
+
+
+def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
+    """Forward FLOPs per sample of call `index`, its sublayers' if its own kind is unknown.
+
+    Returns:
+        The FLOPs, or None where some part cannot be derived.
+    """
+    own = layer_flops(graph.calls[index])
+    if own is not None:
+        return own
+    inner = graph.children.get(index, [])
+    if not inner:
+        return None
+    parts = [flops_per_sample(graph, child) for child in inner]
+    return None if any(p is None for p in parts) else sum(parts)
+
+
+def layer_flops(call: Call) -> Optional[int]:
+    """Forward FLOPs per sample of one call of a layer of a known kind, or None."""
+    (BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
+     BaseGlobalPooling, BasePooling) = _layer_bases()
+    layer = call.op
+    outputs = [t.shape[1:] for t in call.outputs]
+    if not outputs or any(None in shape for shape in outputs):
+        return None
+    out = outputs[0]
+    out_size = size(out)
+    name = type(layer).__name__
+    if name in _ZERO_FLOP_LAYERS:
+        return 0
+    kernel = getattr(layer, "kernel", None)
+    channels_first = getattr(layer, "data_format", None) == "channels_first"
+    spatial = (out[1:] if channels_first else out[:-1]) if len(out) > 1 else ()
+    if isinstance(layer, keras.layers.Dense):
+        if kernel is None:
+            return None
+        fan_in, units = int(kernel.shape[0]), int(kernel.shape[1])
+        return 2 * fan_in * units * size(out[:-1])
+    if isinstance(layer, BaseDepthwiseConv):
+        return 2 * size(layer.kernel_size) * out_size
+    if isinstance(layer, BaseSeparableConv):
+        depthwise = layer.depthwise_kernel
+        in_channels = int(depthwise.shape[-2]) * int(depthwise.shape[-1])
+        return 2 * size(spatial) * in_channels * (size(layer.kernel_size) + layer.filters)
+    if isinstance(layer, BaseConvTranspose):
+        if kernel is None:
+            return None
+        # kernel: (*kernel_size, filters, in_channels); every input position
+        # spreads into kernel_size x filters outputs.
+        in_channels, filters = int(kernel.shape[-1]), int(kernel.shape[-2])
+        stride = size(layer.strides)
+        in_positions = size(spatial) // max(1, stride)
+        return 2 * size(layer.kernel_size) * in_channels * filters * in_positions
+    if isinstance(layer, BaseConv):
+        if kernel is None:
+            return None
+        # kernel: (*kernel_size, in_channels / groups, filters)
+        per_output = size(layer.kernel_size) * int(kernel.shape[-2])
+        return 2 * per_output * out_size
+    if isinstance(layer, BaseGlobalPooling):
+        shape = call.inputs[0].shape if call.inputs else None
+        return None if shape is None or None in shape[1:] else size(shape[1:])
+    if isinstance(layer, BasePooling):
+        return size(layer.pool_size) * out_size
+    if name in _MERGE_LAYERS:
+        return max(0, len(call.inputs) - 1) * out_size
+    if name in _ELEMENTWISE_LAYERS:
+        return out_size
+    if name == "BatchNormalization":
+        return 2 * out_size
+    return None

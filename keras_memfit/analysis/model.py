@@ -1,0 +1,255 @@
+"""`ModelAnalysis`: one analysis of a model, shared by `memory_report` and `place`.
+
+It traces the model once (`LayerGraph`), counts every weight and optimizer
+slot with one counter (`sizes`), sums each top-level call's activations,
+working set, cut and FLOPs per sample, and estimates the peak of one step for
+the model and for each device its variables live on (`peak`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import keras
+
+from keras_memfit import _keras_compat
+from keras_memfit import backend as _backend
+from keras_memfit.analysis.flops import flops_per_sample
+from keras_memfit.analysis.graph import LayerGraph
+from keras_memfit.analysis.peak import DeviceMemory, Step, VariableBytes, device_steps, estimate
+from keras_memfit.analysis.sizes import ByteCounter, size, slot_bytes
+
+OTHER_WEIGHTS = "(other weights)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One top-level call of the forward pass (or the weights no call owns).
+
+    Byte quantities that grow with the batch are per sample.
+
+    Attributes:
+        op: The layer or operation called (None for the weights no call owns).
+        name: Its name; `"name (call 2)"` for a later call of a shared layer.
+        class_name: Its class name ("-" for the weights no call owns).
+        output_shape: Per-sample output shape, or a tuple of them.
+        weights: The variables first met at this call (counted here only).
+        params, param_bytes, slot_bytes, trainable_bytes: Of `weights`.
+        produced: Bytes of the tensors it and its sublayers produce.
+        working: Bytes it holds at its busiest beyond its inputs.
+        cut: Bytes alive after it (consumed later).
+        flops: Forward FLOPs, or None where unknown.
+        devices: The devices its weights live on, sorted (short form).
+    """
+
+    op: Any
+    name: str
+    class_name: str
+    output_shape: tuple
+    weights: Tuple[Any, ...]
+    params: int
+    param_bytes: int
+    slot_bytes: int
+    trainable_bytes: int
+    produced: int
+    working: int
+    cut: int
+    flops: Optional[int]
+    devices: Tuple[str, ...]
+
+
+def short_device(name: str) -> str:
+    """A device name in short form ("/device:GPU:0", "/GPU:0" -> "GPU:0"); "" if unparsable."""
+    name = name.rsplit("device:", 1)[-1].strip().lstrip("/")
+    kind, _, index = name.partition(":")
+    if not kind or not kind.isalpha() or (index and not index.isdigit()):
+        return ""
+    return f"{kind.upper()}:{int(index) if index else 0}"
+
+
+def check_built(model: keras.Model) -> None:
+    """Refuse a model whose layers are not all built: tracing would build them.
+
+    Raises:
+        ValueError: Naming the unbuilt layers and how to build them.
+    """
+    unbuilt = [layer.name for layer in _keras_compat.all_layers(model) if not layer.built]
+    if unbuilt:
+        raise ValueError(
+            f"the model {model.name!r} has not been built, so its layers' shapes are "
+            f"unknown; received a model with unbuilt layers {unbuilt[:5]}. Build it "
+            "first, as `model.summary()` needs too: call it on a batch (a subclassed "
+            "model's `build(input_shape)` builds its layers only if it defines "
+            "`build`), or give a Sequential model a `keras.Input(shape)` first layer."
+        )
+
+
+def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
+    """Trace a built `model` once and analyse it.
+
+    Args:
+        model: A built Keras model.
+        policy: A `keras.DTypePolicy` to count bytes under, or None.
+
+    Returns:
+        The `ModelAnalysis`.
+
+    Raises:
+        ValueError: If the model (or one of its layers) has not been built.
+    """
+    check_built(model)
+    counter = ByteCounter(policy)
+    graph = LayerGraph(_backend.get().trace_layer_calls(model), counter.tensor)
+    return ModelAnalysis(model, counter, graph)
+
+
+class ModelAnalysis:
+    """Sizes, traced graph, rows and peak estimates of one model.
+
+    Args:
+        model: The model.
+        counter: The byte counter (dtype policy) to count with.
+        graph: Its traced `LayerGraph`, or None when it could not be traced
+            (an unbuilt model): weights and slots are then still counted.
+
+    Attributes:
+        rows: One `Row` per top-level call, then one for the weights no call
+            owns if any (empty without a graph).
+        variables: Every weight as the peak estimate sees it.
+        input_bytes_per_sample: Bytes per sample of the model's inputs.
+    """
+
+    def __init__(self, model: keras.Model, counter: ByteCounter,
+                 graph: Optional[LayerGraph] = None) -> None:
+        self.model = model
+        self.counter = counter
+        self.graph = graph
+        self.slots = slot_bytes(model, counter)
+        optimizer = getattr(model, "optimizer", None)
+        self.slots_resident = bool(optimizer is not None and getattr(optimizer, "built", False))
+        self.rows: List[Row] = []
+        self.variables: List[VariableBytes] = []
+        self.input_bytes_per_sample = 0
+        if graph is not None:
+            self._add_rows(graph)
+
+    # ------------------------------------------------------------ counting
+    def slot_bytes_of(self, variable: Any) -> int:
+        """Bytes of a variable's optimizer slots (0 for a non-trainable one)."""
+        return self.slots.get(id(variable), 0) if variable.trainable else 0
+
+    def weights_bytes(self, weights: Iterable[Any]) -> int:
+        """Bytes of `weights` plus their optimizer slots."""
+        return sum(self.counter.variable(v) + self.slot_bytes_of(v) for v in weights)
+
+    def crossing(self, layers: Iterable[Any]) -> int:
+        """Bytes per sample crossing between top-level `layers` and the rest (0 untraced)."""
+        return 0 if self.graph is None else self.graph.crossing(layers)
+
+    def first_row(self, layer: Any) -> Optional[Row]:
+        """The row of `layer`'s first top-level call, or None."""
+        return next((row for row in self.rows if row.op is layer), None)
+
+    def _add_rows(self, graph: LayerGraph) -> None:
+        variable_device = _backend.get().variable_device
+        seen: set = set()
+        calls_of: Dict[int, int] = {}
+        cuts = graph.cuts(graph.top)
+
+        def row(op, name, class_name, output_shape, weights, **per_sample) -> Row:
+            devices = set()
+            for v in weights:
+                device = (variable_device(v) or "").lstrip("/")
+                devices.add(device)
+                self.variables.append(VariableBytes(
+                    device, self.counter.variable(v), self.slot_bytes_of(v), bool(v.trainable)))
+            trainable = [v for v in weights if v.trainable]
+            return Row(
+                op=op, name=name, class_name=class_name, output_shape=output_shape,
+                weights=tuple(weights), params=sum(size(v.shape) for v in weights),
+                param_bytes=sum(self.counter.variable(v) for v in weights),
+                slot_bytes=sum(self.slots.get(id(v), 0) for v in trainable),
+                trainable_bytes=sum(self.counter.variable(v) for v in trainable),
+                devices=tuple(sorted(devices - {""})), **per_sample,
+            )
+
+        for position, index in enumerate(graph.top):
+            call = graph.calls[index]
+            op = call.op
+            count = calls_of[id(op)] = calls_of.get(id(op), 0) + 1
+            weights = [v for v in getattr(op, "weights", []) if id(v) not in seen]
+            seen.update(id(v) for v in weights)
+            outputs = [t.shape[1:] for t in call.outputs]
+            self.rows.append(row(
+                op, op.name if count == 1 else f"{op.name} (call {count})", type(op).__name__,
+                outputs[0] if len(outputs) == 1 else tuple(outputs), weights,
+                produced=sum(graph.sizes[k] for k in graph.produced(index)),
+                working=graph.working(index), cut=cuts[position],
+                flops=flops_per_sample(graph, index),
+            ))
+        # Weights no traced call owns: the model's own, or layers its call skips.
+        others = [v for v in self.model.weights if id(v) not in seen]
+        if others:
+            self.rows.append(row(None, OTHER_WEIGHTS, "-", (), others,
+                                 produced=0, working=0, cut=0, flops=0))
+        self.input_bytes_per_sample = sum(graph.sizes[k] for k in dict.fromkeys(graph.input_keys))
+
+    # ------------------------------------------------------------ estimate
+    def devices(self) -> List[str]:
+        """The devices the model's variables live on, sorted (short form)."""
+        return sorted({v.device for v in self.variables} - {""})
+
+    def peak(
+        self, *, training: bool, device: Optional[str] = None
+    ) -> Tuple[Optional[str], DeviceMemory, Dict[str, DeviceMemory]]:
+        """The peak estimate of one step, for the model or for one of its devices.
+
+        When the variables span several devices, each device gets its own
+        estimate: a weight, its slots, gradient and update temporaries count
+        on its device; each top-level call runs on the device of its weights
+        (a call without weights, or with weights on several devices, on the
+        default device: the one other than the host holding the most weight
+        bytes); a tensor counts where it is produced and where it is consumed.
+
+        Args:
+            training: Estimate a training step (else inference).
+            device: The device to estimate for (any spelling `short_device`
+                reads), or None for the default one.
+
+        Returns:
+            (the device estimated for, or None for a model without variables;
+            its estimate; the estimate of every device, empty without a
+            device).
+
+        Raises:
+            ValueError: If `device` is not one the variables live on.
+        """
+        devices = self.devices()
+        wanted = None if device is None else short_device(device)
+        if wanted is not None and devices and wanted not in devices:
+            raise ValueError(
+                "device must be one of the devices the model's variables live on "
+                f"({', '.join(devices)}); received device={device!r}"
+            )
+        steps = [Step(row.produced, row.working, row.cut) for row in self.rows]
+        if len(devices) <= 1 or self.graph is None:
+            wanted = wanted or (devices[0] if devices else None)
+            whole = estimate(steps, self.variables, self.input_bytes_per_sample,
+                             training=training, slots_resident=self.slots_resident,
+                             device=wanted)
+            return wanted, whole, ({} if wanted is None else {wanted: whole})
+        host = _backend.get().host_device().lstrip("/")
+        weight_bytes = {d: sum(v.nbytes for v in self.variables if v.device == d)
+                        for d in devices}
+        default = sorted(devices, key=lambda d: (d == host, -weight_bytes[d], d))[0]
+        top_rows = [row for row in self.rows if row.op is not None]
+        sides = [row.devices[0] if len(row.devices) == 1 else default for row in top_rows]
+        per_device = {}
+        for name in devices:
+            here_steps, inputs = device_steps(self.graph, sides, default, name)
+            mine = [v for v in self.variables if (v.device or default) == name]
+            per_device[name] = estimate(here_steps, mine, inputs, training=training,
+                                        slots_resident=self.slots_resident, device=name)
+        wanted = wanted or default
+        return wanted, per_device[wanted], per_device

@@ -1,0 +1,167 @@
+"""The one byte counter and the one optimizer-slot counter of the analysis.
+
+`ByteCounter` gives the bytes of a tensor (per sample) and of a variable,
+optionally as if the model ran under another dtype policy; `slot_bytes`
+counts the optimizer slots of every trainable variable without building the
+optimizer. `memory_report` and `place` both count through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Dict, Optional, Sequence
+
+import keras
+
+logger = logging.getLogger("keras_memfit")
+
+
+def size(shape: Sequence[Optional[int]]) -> int:
+    """Number of elements of `shape`; unknown (None) dimensions count as 1."""
+    count = 1
+    for d in shape:
+        count *= 1 if d is None else int(d)
+    return count
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype given as a string, a numpy, Keras or backend dtype."""
+    return getattr(dtype, "name", None) or str(dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of `dtype` ("bool" 1, "float16" 2, "int64" 8; 4 if unknown)."""
+    name = dtype_name(dtype)
+    if name == "bool":
+        return 1
+    bits = re.findall(r"\d+", name)
+    return max(1, int(bits[-1]) // 8) if bits else 4
+
+
+def is_floating(dtype: Any) -> bool:
+    """Whether `dtype` is a floating dtype (float16, bfloat16, float32...)."""
+    return "float" in dtype_name(dtype)
+
+
+def dtype_policy(value: Any) -> Any:
+    """`value` as a `keras.DTypePolicy` (None stays None).
+
+    Raises:
+        ValueError: If `value` names no dtype policy.
+    """
+    if value is None:
+        return None
+    try:
+        return keras.dtype_policies.get(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            "dtype_policy must be None, a dtype policy name such as 'mixed_float16' "
+            f"or a keras.DTypePolicy; received dtype_policy={value!r} ({exc})"
+        ) from None
+
+
+class ByteCounter:
+    """Bytes of tensors and variables, optionally under another dtype policy.
+
+    Under a policy, floating tensors count at its compute dtype and floating
+    variables (optimizer slots included) at its variable dtype; other dtypes
+    keep their own size.
+
+    Args:
+        policy: A `keras.DTypePolicy`, or None for the dtypes the model has.
+    """
+
+    def __init__(self, policy: Any = None) -> None:
+        self.policy = policy
+        self._compute = None if policy is None else itemsize(policy.compute_dtype)
+        self._variable = None if policy is None else itemsize(policy.variable_dtype)
+
+    def tensor(self, shape: Sequence[Optional[int]], dtype: Any) -> int:
+        """Bytes per sample of a tensor whose `shape` includes the batch dimension."""
+        item = itemsize(dtype)
+        if self._compute is not None and is_floating(dtype):
+            item = self._compute
+        return size(tuple(shape)[1:]) * item
+
+    def variable(self, variable: Any) -> int:
+        """Bytes of a variable (anything with `shape` and `dtype`)."""
+        item = itemsize(variable.dtype)
+        if self._variable is not None and is_floating(variable.dtype):
+            item = self._variable
+        return size(variable.shape) * item
+
+
+class _SlotStandIn:
+    """What the recording optimizer copy gets instead of a slot variable."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+
+def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
+    """Bytes of the optimizer slots of each trainable variable of `model`.
+
+    Counted for the compiled optimizer (a `LossScaleOptimizer` is looked
+    through) without building it: a copy made from its config builds against
+    the model's trainable variables while recording the shapes of the slots it
+    asks for, and allocates none of them. Slots not tied to one variable are
+    shared among the variables in proportion to their size. An optimizer that
+    cannot be copied this way is counted from its own variables once built
+    (0 before, with a warning).
+
+    Args:
+        model: A Keras model, compiled or not.
+        counter: The byte counter (and dtype policy) to count with.
+
+    Returns:
+        Slot bytes by `id` of each trainable variable (empty without an
+        optimizer or trainable variables).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return {}
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:  # LossScaleOptimizer: its own variables are scalars
+        optimizer = inner
+    trainable = list(model.trainable_variables)
+    if not trainable:
+        return {}
+    by_ref: Dict[int, int] = {}
+    pooled = 0
+    try:
+        clone = type(optimizer).from_config(optimizer.get_config())
+
+        def from_reference(reference_variable, name=None, initializer="zeros"):
+            stand_in = _SlotStandIn(reference_variable.shape, reference_variable.dtype)
+            by_ref[id(reference_variable)] = by_ref.get(id(reference_variable), 0) + \
+                counter.variable(stand_in)
+            return stand_in
+
+        def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
+                         layout=None, name=None, **kwargs):
+            nonlocal pooled
+            stand_in = _SlotStandIn(shape, dtype or "float32")
+            pooled += counter.variable(stand_in)
+            return stand_in
+
+        object.__setattr__(clone, "add_variable_from_reference", from_reference)
+        object.__setattr__(clone, "add_variable", add_variable)
+        clone.build(trainable)
+    except Exception as exc:  # a custom optimizer that cannot be copied this way
+        by_ref.clear()
+        if not getattr(optimizer, "built", False):
+            logger.warning(
+                "keras_memfit: could not count the slots of %s (%s: %s); they are "
+                "counted as 0 until the optimizer is built", type(optimizer).__name__,
+                type(exc).__name__, exc)
+            return {}
+        pooled = sum(
+            counter.variable(v) for v in optimizer.variables if size(v.shape) > 1
+        )
+    if pooled:  # slots not tied to one variable: shared in proportion to size
+        total = sum(counter.variable(v) for v in trainable) or 1
+        for v in trainable:
+            by_ref[id(v)] = by_ref.get(id(v), 0) + round(pooled * counter.variable(v) / total)
+    return by_ref
