@@ -130,3 +130,11 @@ def convolution_layer_classes() -> dict:
 def flatten_metrics_in_order(model: keras.Model, logs: Any) -> Any:
     """`logs` as the list `model.evaluate` returns, in Keras's metric order."""
     return model._flatten_metrics_in_order(logs)
+
+
+def built_input_shape(layer: Any) -> Any:
+    """The one input shape `layer` was built with, or None (none, or several)."""
+    shapes = getattr(layer, "_build_shapes_dict", None) or {}
+    if len(shapes) == 1:
+        return tuple(next(iter(shapes.values())))
+    return None

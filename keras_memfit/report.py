@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _validate
-from keras_memfit._units import format_bytes, format_count, format_shape, format_table
+from keras_memfit import _report_text, _validate
+from keras_memfit._units import format_bytes
 from keras_memfit.analysis import Row, analyse, short_device, sizes
 from keras_memfit.analysis.peak import DeviceMemory
 
@@ -313,63 +313,20 @@ class MemoryReport:
             ValueError: If `line_length` is not a positive int or None.
         """
         line_length = _validate.positive_int("line_length", line_length)
-        text = self._table(line_length)
+        text = _report_text.table(self, line_length)
         if print_fn is None:
             print(text)  # the user asked for the table
         else:
             print_fn(text)
 
     def __str__(self) -> str:
-        return self._table(None)
+        return _report_text.table(self, None)
 
     def __repr__(self) -> str:
         return (
             f"<MemoryReport {self.model_name!r} batch_size={self.batch_size} "
             f"training={self.training} peak={format_bytes(self.peak_bytes)}>"
         )
-
-    def _table(self, line_length: Optional[int]) -> str:
-        header = ["Layer (type)", "Output shape", "Params", "Weights", "Slots",
-                  "Activations", "FLOPs", "Device", "Cut/sample"]
-        body = [
-            [
-                f"{r.name} ({r.class_name})",
-                format_shape(r.output_shape),
-                f"{r.params:,}",
-                format_bytes(r.param_bytes),
-                format_bytes(r.slot_bytes),
-                format_bytes(r.activation_bytes),
-                format_count(r.flops),
-                r.device,
-                format_bytes(r.cut_bytes_per_sample),
-            ]
-            for r in self.rows
-        ]
-        total = ["Total", "", f"{self.params:,}", format_bytes(self.param_bytes),
-                 format_bytes(self.slot_bytes), format_bytes(self.activation_bytes),
-                 format_count(self.flops), "", ""]
-        mode = "training" if self.training else "inference"
-        policy = f", dtype policy {self.dtype_policy}" if self.dtype_policy else ""
-        title = f'Memory report: "{self.model_name}" ({mode}, batch_size={self.batch_size}{policy})'
-        lines = format_table(title, header, body, total, line_length=line_length, left=(0, 1, 7))
-        on = f" on {self.device}" if self._spans_devices else ""
-        lines.append(
-            f"Estimated peak{on} at batch_size={self.batch_size}: {format_bytes(self.peak_bytes)} "
-            f"({format_bytes(self.fixed_bytes)} fixed + {format_bytes(self.bytes_per_sample)} per sample)"
-        )
-        if self.budget is not None:
-            fit = self.max_batch_size(self.budget)
-            lines.append(f"Largest batch predicted to fit {format_bytes(self.budget)}{on}: {fit:,}")
-        if self._spans_devices:
-            lines.append(f"Per device at batch_size={self.batch_size} (memory_report(..., "
-                         "device=...) for another device's estimate):")
-            for name, d in self.per_device.items():
-                mark = " (the estimate above)" if name == self.device else ""
-                lines.append(
-                    f"  {name}: {format_bytes(d.param_bytes + d.slot_bytes)} weights + slots, "
-                    f"estimated peak {format_bytes(d.peak_bytes_at(self.batch_size))}{mark}"
-                )
-        return "\n".join(lines)
 
 
 def memory_report(

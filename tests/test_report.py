@@ -378,7 +378,7 @@ LOW, HIGH = 0.45, 2.0
 def test_peak_estimate_against_measured_peak():
     import tensorflow as tf
 
-    from keras_memfit.demo import build_cnn
+    from keras_memfit.app.demo import build_cnn
 
     def mlp():
         model = keras.Sequential([

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import keras
 
+from keras_memfit import _keras_compat
 from keras_memfit._units import format_bytes
 from keras_memfit.analysis.model import ModelAnalysis, Row
 
@@ -42,16 +43,11 @@ def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
     return False
 
 
-# TODO(lead): move the `_build_shapes_dict` read to keras_memfit._keras_compat
-# (Keras private API: the shapes a layer was built with).
 def _input_shape(layer):
     try:
         return tuple(layer.input.shape)
     except Exception:
-        shapes = getattr(layer, "_build_shapes_dict", None) or {}
-        if len(shapes) == 1:
-            return tuple(next(iter(shapes.values())))
-        return None
+        return _keras_compat.built_input_shape(layer)
 
 
 def choose(

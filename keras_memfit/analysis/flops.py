@@ -7,10 +7,11 @@ they have sublayers whose FLOPs are all known.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import keras
 
+from keras_memfit import _keras_compat
 from keras_memfit.analysis.graph import Call, LayerGraph
 from keras_memfit.analysis.sizes import size
 
@@ -23,22 +24,6 @@ _ZERO_FLOP_LAYERS = (
 )
 _MERGE_LAYERS = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
 _ELEMENTWISE_LAYERS = ("Activation", "ReLU", "LeakyReLU", "ELU", "PReLU", "Softmax")
-
-
-# TODO(lead): move to keras_memfit._keras_compat (Keras private API: the base
-# classes of the convolution and pooling layers, which have no public name).
-def _layer_bases() -> Tuple[type, ...]:
-    """(BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
-    BaseGlobalPooling, BasePooling) from `keras.src`."""
-    from keras.src.layers.convolutional.base_conv import BaseConv
-    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
-    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
-    from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
-    from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
-    from keras.src.layers.pooling.base_pooling import BasePooling
-
-    return (BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
-            BaseGlobalPooling, BasePooling)
 
 
 def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
@@ -59,8 +44,10 @@ def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
 
 def layer_flops(call: Call) -> Optional[int]:
     """Forward FLOPs per sample of one call of a layer of a known kind, or None."""
-    (BaseConv, BaseConvTranspose, BaseDepthwiseConv, BaseSeparableConv,
-     BaseGlobalPooling, BasePooling) = _layer_bases()
+    bases = _keras_compat.convolution_layer_classes()
+    BaseConv, BaseConvTranspose = bases["conv"], bases["conv_transpose"]
+    BaseDepthwiseConv, BaseSeparableConv = bases["depthwise_conv"], bases["separable_conv"]
+    BaseGlobalPooling, BasePooling = bases["global_pooling"], bases["pooling"]
     layer = call.op
     outputs = [t.shape[1:] for t in call.outputs]
     if not outputs or any(None in shape for shape in outputs):

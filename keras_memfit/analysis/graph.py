@@ -10,45 +10,15 @@ per sample crossing between any set of top-level layers and the rest.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import keras
 
-
-class Tensor(NamedTuple):
-    """A traced tensor: `key` identifies it; `shape` starts with the batch dimension."""
-
-    key: str
-    shape: Tuple[Optional[int], ...]
-    dtype: str
+from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
 
 
-class Call(NamedTuple):
-    """One layer or operation call of the traced forward pass.
-
-    Attributes:
-        op: The layer (or operation) called.
-        parent: Index of the enclosing call, None for the model's own calls.
-        inputs: The tensors it was given (arguments and keyword arguments).
-        outputs: The tensors it returned.
-    """
-
-    op: Any
-    parent: Optional[int]
-    inputs: Tuple[Tensor, ...]
-    outputs: Tuple[Tensor, ...]
-
-
-# TODO(lead): the backend seam's typed traced-call record replaces this dict
-# reading; this is the one place that knows `trace_layer_calls`'s dict layout.
-def _from_trace(trace: dict) -> Tuple[List[Tensor], List[str], List[Call]]:
-    inputs = [Tensor(*info) for info in trace["inputs"]]
-    calls = [
-        Call(call["op"], call["parent"], tuple(Tensor(*i) for i in call["inputs"]),
-             tuple(Tensor(*o) for o in call["outputs"]))
-        for call in trace["calls"]
-    ]
-    return inputs, list(trace["outputs"]), calls
+Tensor = TracedTensor
+Call = TracedCall
 
 
 class LayerGraph:
@@ -68,8 +38,8 @@ class LayerGraph:
         shapes: Shape of every tensor, by key.
     """
 
-    def __init__(self, trace: dict, tensor_bytes: Callable[[Sequence[Optional[int]], Any], int]):
-        self.inputs, self.outputs, self.calls = _from_trace(trace)
+    def __init__(self, trace: Trace, tensor_bytes: Callable[[Sequence[Optional[int]], Any], int]):
+        self.inputs, self.outputs, self.calls = list(trace.inputs), list(trace.outputs), list(trace.calls)
         self.sizes: Dict[str, int] = {}
         self.shapes: Dict[str, tuple] = {}
         every = list(self.inputs) + [t for call in self.calls for t in call.inputs + call.outputs]

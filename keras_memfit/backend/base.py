@@ -10,8 +10,9 @@ one. A new backend is a new package with the same module names
 satisfies this protocol; nothing outside `keras_memfit/backend/` changes.
 
 The values that cross the seam are typed here too: a traced output's `Spec`
-(or `NO_SPEC`), a train step's `StepOutcome`, and the `TrainStep`,
-`Accumulator` and `Guard` objects the step factories return.
+(or `NO_SPEC`), a model's symbolic `Trace` (`TracedCall`, `TracedTensor`), a
+train step's `StepOutcome`, and the `TrainStep`, `Accumulator` and `Guard`
+objects the step factories return.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import (
     ContextManager,
     Dict,
     List,
+    NamedTuple,
     Optional,
     Protocol,
     Sequence,
@@ -57,6 +59,44 @@ class _NoSpec:
 
 
 NO_SPEC = _NoSpec()
+
+
+class TracedTensor(NamedTuple):
+    """A tensor of a symbolic trace: `key` identifies it; `shape` starts with the batch dimension."""
+
+    key: str
+    shape: Tuple[Optional[int], ...]
+    dtype: str
+
+
+class TracedCall(NamedTuple):
+    """One layer or operation call of a traced forward pass.
+
+    Attributes:
+        op: The layer (or operation) called.
+        parent: Index of the enclosing call, None for the model's own calls.
+        inputs: The tensors it was given (arguments and keyword arguments).
+        outputs: The tensors it returned.
+    """
+
+    op: Any
+    parent: Optional[int]
+    inputs: Tuple[TracedTensor, ...]
+    outputs: Tuple[TracedTensor, ...]
+
+
+class Trace(NamedTuple):
+    """Every layer and operation call of one symbolic forward pass of a model.
+
+    Attributes:
+        inputs: The model's input tensors.
+        outputs: Keys of the model's output tensors.
+        calls: Every call below the model's own, in call order.
+    """
+
+    inputs: Tuple[TracedTensor, ...]
+    outputs: Tuple[str, ...]
+    calls: Tuple[TracedCall, ...]
 
 
 class StepOutcome(enum.Enum):
@@ -169,6 +209,5 @@ class Backend(Protocol):
     def call_on_device(self, device: str, call: Callable) -> Callable: ...
     def follow_variable_devices(self, optimizer: Any) -> None: ...
 
-    # tracing: the model's layer calls, symbolically (memory report).
-    def probe_inputs(self, model: Any) -> Tuple[Any, bool]: ...
-    def trace_layer_calls(self, model: Any) -> dict: ...
+    # tracing: the model's layer calls, symbolically (the model analysis).
+    def trace_layer_calls(self, model: Any) -> Trace: ...

@@ -44,7 +44,7 @@ from keras_memfit.backend.tensorflow.steps import (
     output_spec,
     prepare_test,
 )
-from keras_memfit.backend.tensorflow.tracing import probe_inputs, trace_layer_calls
+from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 
 # --------------------------------------------------------------------------
 # Training (MemFit)

@@ -3,7 +3,7 @@ pinning calls (and their gradients) and optimizer slots to a device."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf

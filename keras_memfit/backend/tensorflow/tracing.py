@@ -1,4 +1,4 @@
-"""Symbolic traces of a model: its input structure and every layer call."""
+"""Symbolic traces of a model: every layer and operation call of one forward pass."""
 
 from __future__ import annotations
 
@@ -8,27 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_memfit import _keras_compat
-
-
-def probe_inputs(model: keras.Model) -> Tuple[Any, bool]:
-    """Zeros, one sample, in the structure `model` is called with: (inputs, positional).
-
-    The structure is the one `trace_layer_calls` uses (a functional or
-    Sequential model's `Input`s, a dict or list of them included; a
-    subclassed model's build shapes, dicts and lists included). Unknown
-    dimensions are 1. Call `model(inputs)` when `positional`, else
-    `model(**inputs)`.
-
-    Raises:
-        ValueError: If the model has not been built.
-    """
-    spec, positional = _model_input_specs(model)
-
-    def zeros(s):
-        shape = (1,) + tuple(1 if d is None else int(d) for d in s.shape[1:])
-        return tf.zeros(shape, dtype=s.dtype)
-
-    return keras.tree.map_structure(zeros, spec), positional
+from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
 
 
 def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
@@ -54,7 +34,7 @@ def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], s
     return value.name, shape, value.dtype.name
 
 
-def trace_layer_calls(model: keras.Model) -> dict:
+def trace_layer_calls(model: keras.Model) -> Trace:
     """Every layer and operation call of one symbolic forward pass of `model`.
 
     Calls `model(inputs, training=False)` inside a throw-away `tf.function`
@@ -67,12 +47,10 @@ def trace_layer_calls(model: keras.Model) -> dict:
         model: A built Keras model.
 
     Returns:
-        A dict with `inputs` (list of tensor infos: `(key, shape, dtype)` where
-        `key` identifies the tensor and `shape` includes the batch dimension
-        as None), `outputs` (keys of the model's outputs) and `calls`: one dict
-        per call in call order with `op` (the layer or operation), `depth`
-        (1 for the model's direct children), `parent` (index of the enclosing
-        call, None at depth 1), `inputs` and `outputs` (tensor infos).
+        The `Trace`: the model's input tensors, its output keys and every call
+        below the model's own, in call order (a `TracedCall` each; `parent`
+        is None for the model's direct children). Tensor shapes include the
+        batch dimension as None.
 
     Raises:
         ValueError: If the model has not been built.
@@ -141,8 +119,13 @@ def trace_layer_calls(model: keras.Model) -> dict:
         if entry["depth"] == 0:
             continue
         remap[index] = len(calls)
-        entry = dict(entry)
-        entry["parent"] = remap.get(entry["parent"])
-        calls.append(entry)
-    result["calls"] = calls
-    return result
+        calls.append(TracedCall(
+            entry["op"], remap.get(entry["parent"]),
+            tuple(TracedTensor(*info) for info in entry["inputs"]),
+            tuple(TracedTensor(*info) for info in entry["outputs"]),
+        ))
+    return Trace(
+        tuple(TracedTensor(*info) for info in result["inputs"]),
+        tuple(result["outputs"]),
+        tuple(calls),
+    )
