@@ -8,6 +8,7 @@ here, so that a Keras release that moves something breaks one module, and
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import keras
@@ -33,8 +34,8 @@ def all_layers(model: keras.Model) -> Iterable[Any]:
 _warned_version = False
 
 
-def warn_if_untested_keras(logger: Any) -> None:
-    """Log a warning, once per process, when Keras is outside `TESTED_KERAS`."""
+def warn_if_untested_keras() -> None:
+    """Warn once per process (logger "keras_memfit") when Keras is outside `TESTED_KERAS`."""
     global _warned_version
     version = keras_version()
     if _warned_version or not version:
@@ -42,7 +43,7 @@ def warn_if_untested_keras(logger: Any) -> None:
     low, high = TESTED_KERAS
     if not low <= version <= high:
         _warned_version = True
-        logger.warning(
+        logging.getLogger("keras_memfit").warning(
             "keras_memfit: MemFit was tested with Keras %d.%d to %d.%d and reaches into "
             "Keras's training loop; Keras %s is outside that range.",
             *low, *high, keras.__version__,

@@ -185,7 +185,7 @@ class MemFit(keras.callbacks.Callback):
     def _check_supported(self) -> None:
         backend = _backend.get()
         model = self.model
-        _keras_compat.warn_if_untested_keras(logger)
+        _keras_compat.warn_if_untested_keras()
         if backend.uses_distribution(model):
             raise NotImplementedError(
                 "MemFit does not support tf.distribute strategies yet; received model "

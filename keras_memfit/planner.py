@@ -80,7 +80,7 @@ def forget(model: Any) -> None:
     _KNOWLEDGE.pop(model, None)
 
 
-def _located() -> Any:
+def _set_by_memfit() -> Any:
     return dataclasses.field(default=None, kw_only=True)
 
 
@@ -89,9 +89,10 @@ class Event:
     """One adaptation of the batch size, by a planner (and, in `fit`, MemFit).
 
     Attributes:
-        epoch: The epoch of `fit` it happened in; None outside `fit`'s
-            training loop bookkeeping (set by MemFit).
-        step: The batch index within the epoch (set by MemFit), or None.
+        epoch: The `fit` epoch it happened in (set by MemFit; 0 in a
+            standalone `evaluate` or `predict`), or None (`safe_predict`,
+            `safe_evaluate`).
+        step: The training batch's index in its epoch (set by MemFit), or None.
         phase: "predict", "evaluate" or "train".
         kind: "estimate", "oom" or "grow".
         batch_size: Rows of the incoming batch that was split (set by
@@ -104,15 +105,15 @@ class Event:
         reason: Why, in words (also logged).
     """
 
-    epoch: Optional[int] = _located()
-    step: Optional[int] = _located()
+    epoch: Optional[int] = _set_by_memfit()
+    step: Optional[int] = _set_by_memfit()
     phase: str
     kind: str
-    batch_size: Optional[int] = _located()
+    batch_size: Optional[int] = _set_by_memfit()
     old_size: Optional[int]
     new_size: int
-    old_split: Optional[int] = _located()
-    new_split: Optional[int] = _located()
+    old_split: Optional[int] = _set_by_memfit()
+    new_split: Optional[int] = _set_by_memfit()
     reason: str
 
     def located(self, epoch: int, step: int, batch_size: Optional[int]) -> "Event":

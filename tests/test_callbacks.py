@@ -17,7 +17,11 @@ in keras/src/callbacks/*_test.py.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import logging
 import math
+import pathlib
 import re
 
 import keras
@@ -26,7 +30,9 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit, OutOfMemoryError
+from keras_memfit.backend import base
 from keras_memfit.backend import tensorflow as tf_backend
+from keras_memfit.planner import Event
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -884,6 +890,7 @@ def test_events_and_history_entries(inject_oom):
     for event in memfit.events:
         assert required <= set(event), event
     first = memfit.events[0]
+    assert list(first) == [field.name for field in dataclasses.fields(Event)]
     assert (first["epoch"], first["step"], first["phase"], first["kind"]) == (1, 2, "train", "oom")
     assert first["old_split"] == 1 and first["new_split"] >= 2
     assert first["batch_size"] == BATCH and first["old_size"] == BATCH
@@ -927,3 +934,82 @@ def test_predict_with_memfit_equals_plain_small_batch_predict(inject_oom):
     assert result.shape == expected.shape
     np.testing.assert_allclose(result, expected, rtol=RTOL, atol=ATOL)
     _assert_keras_functions(model, keras_functions, memfit)
+
+
+# --------------------------------------------------------------------------
+# The backend seam MemFit runs on
+# --------------------------------------------------------------------------
+def test_train_steps_satisfy_the_train_step_protocol():
+    x, y, _ = _data(n=BATCH)
+    default_model, custom_model = _classifier(), _classifier(model_class=CustomStepModel)
+    for model in (default_model, custom_model):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # builds the optimizer
+    default = tf_backend.make_train_step(default_model)
+    custom = tf_backend.make_custom_train_step(custom_model)
+    assert isinstance(default, base.TrainStep) and isinstance(custom, base.TrainStep)
+    assert default.snapshots_itself and not custom.snapshots_itself
+    assert default.last_outcome is None and custom.last_outcome is None
+    assert isinstance(tf_backend.make_accumulator(default_model), base.Accumulator)
+
+
+@pytest.mark.parametrize("after, outcome", [
+    (False, base.StepOutcome.UNTOUCHED),
+    (True, base.StepOutcome.UPDATE_BEGAN),
+], ids=["before", "after"])
+def test_train_step_tells_how_far_a_failed_call_got(inject_oom, after, outcome):
+    x, y, _ = _data(n=BATCH)
+    model = _classifier()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    step = tf_backend.make_train_step(model)
+    inject_oom(THRESHOLD, after=after)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        step((x, y))
+    assert step.last_outcome is outcome
+
+
+def test_step_function_has_the_tensorflow_calling_convention():
+    model = _classifier(steps_per_execution=2)
+    seen = []
+
+    def run_batches(batches):
+        seen.append(batches)
+        return {"batches": len(batches)}
+
+    train = tf_backend.step_function(model, "train", run_batches)
+    iterator = iter(["a", "b", "c"])
+    assert train(iterator) == {"batches": 2} and seen[-1] == ["a", "b"]
+    assert train(iterator) == {"batches": 1} and seen[-1] == ["c"]
+    with pytest.raises(StopIteration) as info:
+        train(iterator)
+    assert tf_backend.is_end_of_data(info.value)
+    assert tf_backend.is_end_of_data(tf.errors.OutOfRangeError(None, None, "end of data"))
+    assert not tf_backend.is_end_of_data(ValueError("not the end"))
+    predict = tf_backend.step_function(model, "predict", run_batches)
+    assert predict(iter([("x",)])) == {"batches": 1} and seen[-1] == [("x",)]
+    with pytest.raises(ValueError, match=r"kind must be(.|\n)*received kind='fit'"):
+        tf_backend.step_function(model, "fit", run_batches)
+
+
+def test_memfit_and_its_runner_do_not_import_tensorflow():
+    package = pathlib.Path(tf_backend.__file__).parents[2]
+    for name in ("callbacks.py", "_training.py", "runner.py", "planner.py"):
+        tree = ast.parse((package / name).read_text())
+        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names]
+        imported += [node.module or "" for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom)]
+        assert not [m for m in imported if m.split(".")[0] == "tensorflow"], name
+
+
+def test_untested_keras_version_warns_once(monkeypatch, caplog):
+    from keras_memfit import _keras_compat
+
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.setattr(_keras_compat, "_warned_version", False)
+    x, y, _ = _data(n=BATCH)
+    model = _classifier()
+    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
+        for _ in range(2):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
+    warnings = [r for r in caplog.records if "outside that range" in r.getMessage()]
+    assert len(warnings) == 1 and "3.99.0" in warnings[0].getMessage()
