@@ -9,7 +9,7 @@ here, so that a Keras release that moves something breaks one module, and
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Tuple, Type
 
 import keras
 
@@ -28,6 +28,104 @@ def keras_version() -> tuple:
 def all_layers(model: keras.Model) -> Iterable[Any]:
     """The model and every layer nested in it (`Layer._flatten_layers`)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+def symbolic_build(model: keras.Model, data_batch: Any) -> None:
+    """Build the model, its compiled metrics and loss (and optimizer) from one batch."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def has_per_output_loss_trackers(model: keras.Model) -> bool:
+    """Whether the compiled loss tracks one loss per output (multi-output models).
+
+    Keras weights those trackers by the *static* batch size of the outputs.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    return bool(getattr(compile_loss, "metrics", None))
+
+
+def layer_and_operation_classes() -> Tuple[Type[Any], Type[Any]]:
+    """Keras's `Layer` and `Operation` base classes (whose `__call__` tracing wraps)."""
+    from keras.src.layers.layer import Layer
+    from keras.src.ops.operation import Operation
+
+    return Layer, Operation
+
+
+def input_structure(model: keras.Model) -> Tuple[Any, bool]:
+    """The inputs `model` is called with, as `keras.KerasTensor`s: (structure, positional).
+
+    Functional and Sequential models give their `Input`s; other models the
+    shapes they were built with (`_build_shapes_dict`, float32 or the model's
+    `input_dtype`), a dict or list of them included. Call `model(inputs)`
+    when `positional`, else `model(**inputs)`.
+
+    Raises:
+        ValueError: If the model has not been built.
+    """
+    struct = None
+    functional = getattr(model, "_functional", None)  # Sequential
+    for source in (model, functional):
+        struct = getattr(source, "_inputs_struct", None) if source is not None else None
+        if struct is not None:
+            break
+    if struct is not None:
+        return keras.tree.map_structure(
+            lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype), struct
+        ), True
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if not model.built or not shapes:
+        raise ValueError(
+            f"the model {model.name!r} has not been built, so its layers' shapes are "
+            "unknown; received an unbuilt model. Build it first, as `model.summary()` "
+            "needs too: call it on a batch, call `model.build(input_shape)`, or give a "
+            "Sequential model a `keras.Input(shape)` first layer."
+        )
+    dtype = getattr(model, "input_dtype", None) or "float32"
+
+    def tensors(shape):  # a shape, or a dict/list of them
+        if isinstance(shape, dict):
+            return {k: tensors(v) for k, v in shape.items()}
+        if isinstance(shape, (tuple, list)) and shape and not all(
+            d is None or isinstance(d, int) for d in shape
+        ):
+            return type(shape)(tensors(v) for v in shape)
+        return keras.KerasTensor((None,) + tuple(shape[1:]), dtype=dtype)
+
+    if len(shapes) == 1:
+        (shape,) = shapes.values()
+        return tensors(shape), True
+    return {k.removesuffix("_shape"): tensors(s) for k, s in shapes.items()}, False
+
+
+def data_adapter(x: Any) -> Any:
+    """Keras's own data adapter for `x` (tf.data, PyDataset, generators, ...), unshuffled.
+
+    Raises:
+        ValueError: If Keras does not accept `x` as input data.
+    """
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    return get_data_adapter(x, shuffle=False)
+
+
+def convolution_layer_classes() -> dict:
+    """Keras's base classes of convolution and pooling layers, by role, for FLOP counts."""
+    from keras.src.layers.convolutional.base_conv import BaseConv
+    from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
+    from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
+    from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
+    from keras.src.layers.pooling.base_global_pooling import BaseGlobalPooling
+    from keras.src.layers.pooling.base_pooling import BasePooling
+
+    return {
+        "conv": BaseConv,
+        "conv_transpose": BaseConvTranspose,
+        "depthwise_conv": BaseDepthwiseConv,
+        "separable_conv": BaseSeparableConv,
+        "global_pooling": BaseGlobalPooling,
+        "pooling": BasePooling,
+    }
 
 
 # ---- Training (MemFit): Keras's training loop and train step ----

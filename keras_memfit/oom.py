@@ -14,7 +14,7 @@ XLA, CUDA/cuBLAS/cuDNN allocation failures) live here.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from keras_memfit import backend as _backend
 
@@ -141,12 +141,14 @@ _ADVICE = (
 )
 
 
-class OutOfMemoryError(*_backend.get().oom_error_bases()):
+class _OutOfMemoryErrorBody:
     """Raised when even a single sample does not fit in device memory.
 
-    With the TensorFlow backend it subclasses
-    `tf.errors.ResourceExhaustedError`, so existing
+    It subclasses the active backend's own out-of-memory error (with
+    TensorFlow, `tf.errors.ResourceExhaustedError`), so existing
     `except tf.errors.ResourceExhaustedError:` code keeps catching it. The
+    class is made on first use (`from keras_memfit.oom import
+    OutOfMemoryError`), so importing this module needs no backend. The
     backend error that caused it is chained as `__cause__`.
 
     Args:
@@ -194,8 +196,33 @@ class OutOfMemoryError(*_backend.get().oom_error_bases()):
         message += f" {_ADVICE}"
         _backend.get().init_oom_error(self, message)
 
-    def __reduce__(self):  # keep it picklable despite the backend base's __init__
+    def __reduce__(self) -> Tuple[Any, ...]:  # picklable despite the backend base's __init__
         return (
             type(self),
             (self.model_name, self.phase, self.batch_shape, self.device, self.detail),
         )
+
+
+def _make_out_of_memory_error() -> type:
+    """`OutOfMemoryError`: the body above on the active backend's OOM error bases."""
+    bases = _backend.get().oom_error_bases()
+    return type(
+        "OutOfMemoryError",
+        (_OutOfMemoryErrorBody, *bases),
+        {
+            "__module__": __name__,
+            "__qualname__": "OutOfMemoryError",
+            "__doc__": _OutOfMemoryErrorBody.__doc__,
+        },
+    )
+
+
+if TYPE_CHECKING:
+    OutOfMemoryError = _OutOfMemoryErrorBody
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "OutOfMemoryError":
+            cls = globals()["OutOfMemoryError"] = _make_out_of_memory_error()
+            return cls
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

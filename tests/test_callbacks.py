@@ -17,11 +17,9 @@ in keras/src/callbacks/*_test.py.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import logging
 import math
-import pathlib
 import re
 
 import keras
@@ -988,17 +986,6 @@ def test_step_function_has_the_tensorflow_calling_convention():
     assert predict(iter([("x",)])) == {"batches": 1} and seen[-1] == [("x",)]
     with pytest.raises(ValueError, match=r"kind must be(.|\n)*received kind='fit'"):
         tf_backend.step_function(model, "fit", run_batches)
-
-
-def test_memfit_and_its_runner_do_not_import_tensorflow():
-    package = pathlib.Path(tf_backend.__file__).parents[2]
-    for name in ("callbacks.py", "_training.py", "runner.py", "planner.py"):
-        tree = ast.parse((package / name).read_text())
-        imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names]
-        imported += [node.module or "" for node in ast.walk(tree)
-                     if isinstance(node, ast.ImportFrom)]
-        assert not [m for m in imported if m.split(".")[0] == "tensorflow"], name
 
 
 def test_untested_keras_version_warns_once(monkeypatch, caplog):

@@ -1,18 +1,16 @@
-"""PLACEHOLDER for the lead's `steps` module (compiled predict and test steps).
-
-The training helper's branch needs `_compile` and `_needs_static_batch` from
-`keras_memfit.backend.tensorflow.steps`, which the lead is writing at the
-same time; these are verbatim copies of the two functions of the "Compiled
-steps" section of `__init__`. At merge, take the lead's `steps.py` whole.
-"""
+"""Compiled predict and test steps, their traced outputs, and variable guards."""
 
 from __future__ import annotations
 
-from typing import Callable
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from keras_memfit import _keras_compat
+from keras_memfit.backend.base import NO_SPEC, Spec
 
 def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
     """`fn` compiled as Keras would compile the model's own steps.
@@ -37,5 +35,102 @@ def _needs_static_batch(model: keras.Model) -> bool:
     dimension every piece would count as one sample, so pieces of different
     sizes would skew the per-output losses.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    return bool(getattr(compile_loss, "metrics", None))
+    return _keras_compat.has_per_output_loss_trackers(model)
+
+
+def make_predict_step(
+    model: keras.Model, postprocess: Optional[Callable] = None
+) -> Callable:
+    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`."""
+    model_ref = weakref.ref(model)
+
+    def predict_step(x):
+        outputs = model_ref().predict_step((x,))
+        if postprocess is not None:
+            outputs = postprocess(outputs)
+        return outputs
+
+    return _compile(model, predict_step)
+
+
+def make_test_step(model: keras.Model) -> Callable:
+    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`."""
+    model_ref = weakref.ref(model)
+
+    def test_step(data):
+        return model_ref().test_step(data)
+
+    return _compile(model, test_step, static_shapes=_needs_static_batch(model))
+
+
+class VariableGuard:
+    """Copies of some variables, taken before a step and restored if it fails.
+
+    The copies live on the variables' own devices and are taken by one small
+    compiled function, so a snapshot costs one dispatch, not a host round trip.
+    Take the snapshot *before* each attempt: a step that fails may have
+    updated some of the variables, or none.
+    """
+
+    def __init__(self, variables: Sequence[Any]) -> None:
+        self._variables = list(variables)
+        self._shadows = []
+        for v in self._variables:
+            with tf.device(v.value.device):
+                self._shadows.append(tf.Variable(v.value, trainable=False))
+        pairs = list(zip(self._shadows, self._variables))
+
+        @tf.function
+        def snapshot():
+            for shadow, v in pairs:
+                shadow.assign(v.value)
+
+        self._snapshot = snapshot if pairs else None
+
+    def snapshot(self) -> None:
+        """Record the variables' current values."""
+        if self._snapshot is not None:
+            self._snapshot()
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        for shadow, v in zip(self._shadows, self._variables):
+            v.assign(shadow)
+
+
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    """A `VariableGuard` over `variables` (see its docstring)."""
+    return VariableGuard(variables)
+
+
+def prepare_test(model: keras.Model, batch: Any) -> None:
+    """Build the model, its compiled metrics and loss before steps are traced."""
+    x, y, sample_weight = batch
+    _keras_compat.symbolic_build(model, (x, y, sample_weight))
+
+
+def output_spec(step: Callable, x: Any) -> Optional[Any]:
+    """Output structure of `step(x)` by tracing only; `NO_SPEC` for eager steps.
+
+    Each tensor leaf becomes a `keras_memfit.backend.Spec` with `None` for unknown
+    dimensions (the batch dimension is traced as unknown, so the same trace
+    then serves every batch size and the step is traced once); a leaf that is
+    not a tensor is returned as it is.
+    """
+    polymorphic = tf.types.experimental.PolymorphicFunction
+    if not isinstance(step, polymorphic):
+        step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
+        if not isinstance(step, polymorphic):
+            return NO_SPEC
+    spec = keras.tree.map_structure(
+        lambda a: tf.TensorSpec((None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)), x
+    )
+    outputs = step.get_concrete_function(spec).structured_outputs
+
+    def describe(leaf):
+        if not tf.is_tensor(leaf):
+            return leaf
+        shape = tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None
+        return Spec(shape, np.dtype(leaf.dtype.as_numpy_dtype))
+
+    return keras.tree.map_structure(describe, outputs)

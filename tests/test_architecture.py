@@ -1,0 +1,162 @@
+"""The layering ARCHITECTURE.md describes, checked on the source itself.
+
+Every `import` in the package and the benchmarks (at module level or inside a
+function) is read with `ast`; nothing is imported. The rules:
+
+- no import cycle among keras_memfit's modules, nor among the benchmarks';
+- the library never imports the applications (`keras_memfit.app`), the
+  benchmarks or the tests;
+- nothing outside `keras_memfit/backend/` imports TensorFlow, except the
+  applications' environment set-up (`keras_memfit/app/env.py`), which must
+  configure TensorFlow before it starts;
+- Keras's private modules (`keras.src`) are reached only through
+  `keras_memfit/_keras_compat.py` and the backend packages;
+- no module of the package is over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, List, Set
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "keras_memfit"
+MAX_LINES = 500
+TENSORFLOW_ALLOWED = ("keras_memfit/backend/", "keras_memfit/app/env.py")
+KERAS_SRC_ALLOWED = ("keras_memfit/backend/", "keras_memfit/_keras_compat.py")
+
+
+def _modules(top: str) -> Dict[str, str]:
+    """Module name -> path of every .py file under `top` (a folder of ROOT)."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, top)):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            rel = os.path.relpath(path, ROOT)[: -len(".py")].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            found[".".join(rel)] = path
+    return found
+
+
+def _imports(name: str, path: str, known: Set[str]) -> Set[str]:
+    """Every module `path` imports (absolute names; `from a import b` is a.b if b is a module)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = path.endswith("__init__.py")
+    package = name if is_package else name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                names.add(candidate if candidate in known else base)
+    return names
+
+
+def _graph(top: str) -> Dict[str, Set[str]]:
+    modules = _modules(top)
+    known = set(modules)
+    return {
+        name: {m for m in _imports(name, path, known) if m in known and m != name}
+        for name, path in modules.items()
+    }
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _all_imports(top: str) -> Dict[str, Set[str]]:
+    modules = _modules(top)
+    return {
+        os.path.relpath(path, ROOT).replace(os.sep, "/"): _imports(name, path, set(modules))
+        for name, path in modules.items()
+    }
+
+
+@pytest.mark.parametrize("top", [PACKAGE, "benchmarks"])
+def test_no_import_cycles(top):
+    assert _cycles(_graph(top)) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_library_does_not_import_applications_benchmarks_or_tests():
+    offenders = {
+        path: sorted(m for m in imported if m.startswith(("keras_memfit.app", "benchmarks", "tests")))
+        for path, imported in _all_imports(PACKAGE).items()
+        if not path.startswith("keras_memfit/app/")
+    }
+    assert {p: m for p, m in offenders.items() if m} == {}
+
+
+def test_only_the_backend_imports_tensorflow():
+    offenders = sorted(
+        path for path, imported in _all_imports(PACKAGE).items()
+        if any(m == "tensorflow" or m.startswith("tensorflow.") for m in imported)
+        and not path.startswith(TENSORFLOW_ALLOWED)
+    )
+    assert offenders == []
+
+
+def test_keras_private_api_is_quarantined():
+    offenders = sorted(
+        path for path, imported in _all_imports(PACKAGE).items()
+        if any(m.startswith("keras.src") for m in imported)
+        and not path.startswith(KERAS_SRC_ALLOWED)
+    )
+    assert offenders == []
+
+
+def test_no_module_over_the_size_limit():
+    sizes = {}
+    for path in _modules(PACKAGE).values():
+        with open(path, encoding="utf-8") as f:
+            sizes[os.path.relpath(path, ROOT)] = sum(1 for _ in f)
+    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
