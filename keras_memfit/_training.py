@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import keras
 import numpy as np
@@ -139,7 +139,7 @@ class Run:
             self._note_events(n)
         return logs["value"]
 
-    def _step_runner(self, step: TrainStep, planner: BatchPlanner):
+    def _step_runner(self, step: TrainStep, planner: BatchPlanner) -> Callable[[tuple], Any]:
         """`step` on a piece; an OOM after its optimizer update began is final."""
 
         def run(piece: tuple) -> Any:
@@ -152,7 +152,9 @@ class Run:
 
         return run
 
-    def _accumulation(self, parts: TrainParts, chunk: tuple, planner: BatchPlanner):
+    def _accumulation(
+        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner
+    ) -> Accumulation:
         """The batch `chunk` as micro-batches whose summed gradients make one update."""
         model = self.model
         pieces = [0]

@@ -7,6 +7,12 @@ already pulled. `step_function` builds a replacement with that convention
 around a backend-neutral `run_batches(list_of_batches)`; the end of an
 epoch's data shows as `StopIteration` or `tf.errors.OutOfRangeError`
 (`is_end_of_data`).
+
+Another backend's `trainer` module offers the same two functions in its own
+convention, and MemFit does not change: JAX's `train_function(state, data)`
+gets the batches already pulled and returns `(logs, state)`, so its
+replacement writes `state` into the model's variables, calls
+`run_batches(list(data))` and returns the logs with the variables' new values.
 """
 
 from __future__ import annotations
