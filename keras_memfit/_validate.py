@@ -33,3 +33,25 @@ def model(value: Any) -> None:
         raise TypeError(
             f"model must be a keras.Model; received {type(value).__name__}: {value!r:.80}"
         )
+
+
+def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> None:
+    """Reject a `batch_size` for input that comes batched already.
+
+    Args:
+        x: The input.
+        batch_size: The validated `batch_size` argument.
+        advice: A sentence appended to the error (e.g. what to use instead).
+
+    Raises:
+        ValueError: If `batch_size` is given and `x` is a dataset, a
+            PyDataset or a generator.
+    """
+    from keras_memfit.data import is_array_like
+
+    if batch_size is not None and not is_array_like(x):
+        raise ValueError(
+            "batch_size must be None when x is a dataset, a PyDataset or a generator "
+            f"(they are already batched); received batch_size={batch_size} with x of "
+            f"type {type(x).__name__}" + (f". {advice}" if advice else "")
+        )

@@ -6,10 +6,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
-from keras_memfit import _cache, _validate
+from keras_memfit import _cache, _loop, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
-from keras_memfit.runner import prepend, run_in_pieces
+from keras_memfit.runner import prepend
 
 
 def safe_evaluate(
@@ -72,67 +72,36 @@ def safe_evaluate(
         )
     if x is None:
         raise ValueError("x must be given; received x=None")
-    if batch_size is not None and not _data.is_array_like(x):
-        raise ValueError(
-            "batch_size must be None when x is a dataset, a PyDataset or a generator "
-            f"(they are already batched); received batch_size={batch_size} with x of "
-            f"type {type(x).__name__}"
-        )
+    _validate.batch_size_for(x, batch_size)
 
     source = _data.from_input(
         x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True
     )
-    requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
+    requested = _loop.requested_size(source, batch_size)
 
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
     step, guard = test_step_and_guard(model, first)
 
-    callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
+    loop = _loop.BatchLoop(
+        model, "evaluate", callbacks=callbacks, verbose=verbose,
+        num_samples=source.num_samples,
     )
-    progbar = (
-        keras.utils.Progbar(source.num_samples, verbose=verbose, unit_name="sample")
-        if verbose else None
-    )
-    model.stop_evaluating = False
-    callback_list.on_test_begin()
+    loop.begin()
     model.reset_metrics()
-    state = {"batch": 0, "done": 0, "begun": -1, "logs": {}}
-    # Reading logs back from the device every step would serialise the steps;
-    # only do it when something shows them.
-    show_logs = progbar is not None or bool(callbacks)
+    last_logs: Any = {}
 
-    def run(piece):
-        if state["begun"] != state["batch"]:  # once per batch, not per retry
-            callback_list.on_test_batch_begin(state["batch"])
-            state["begun"] = state["batch"]
-        return step(piece)
-
-    def on_piece(size, piece, logs):
-        if show_logs:
+    def on_result(size, logs):
+        nonlocal last_logs
+        if loop.shows_logs:
             logs = _pythonify(logs)
-        state["logs"] = logs
-        callback_list.on_test_batch_end(state["batch"], logs)
-        state["batch"] += 1
-        state["done"] += size
-        if progbar is not None:
-            progbar.update(
-                state["done"],
-                values=list(logs.items()) if isinstance(logs, dict) else None,
-                finalize=state["done"] == source.num_samples,
-            )
-        return bool(getattr(model, "stop_evaluating", False))
+        last_logs = logs
+        return logs, _bar_values(logs)
 
-    run_in_pieces(
-        model, "evaluate", prepend(first, source.chunks), run, on_piece,
-        requested=requested, guard=guard,
-    )
-    logs = _pythonify(_metrics_result(model, state["logs"]))
-    if progbar is not None and state["done"] != source.num_samples:
-        progbar.update(state["done"], values=list(logs.items()), finalize=True)
-    callback_list.on_test_end(logs)
+    loop.run(prepend(first, source.chunks), step, on_result, requested=requested, guard=guard)
+    logs = _pythonify(_metrics_result(model, last_logs))
+    loop.end(logs, values=_bar_values(logs))
     if return_dict:
         return logs
     return model._flatten_metrics_in_order(logs)
@@ -165,6 +134,11 @@ def _metrics_result(model: keras.Model, logs: Any) -> Any:
     if isinstance(logs, dict) and set(logs) == set(metric_logs):
         return metric_logs
     return logs
+
+
+def _bar_values(logs: Any) -> Optional[List[Tuple[str, Any]]]:
+    """The progress bar's (name, value) pairs: the logs' items when they are a dict."""
+    return list(logs.items()) if isinstance(logs, dict) else None
 
 
 def _pythonify(logs: Any) -> Any:

@@ -7,11 +7,11 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import keras
 import numpy as np
 
-from keras_memfit import _cache, _validate
+from keras_memfit import _cache, _loop, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.backend import Spec
-from keras_memfit.runner import prepend, run_in_pieces
+from keras_memfit.runner import prepend
 
 
 def safe_predict(
@@ -94,19 +94,12 @@ def safe_predict(
         )
     if out is not None:
         _check_out_types(out)
-    if batch_size is not None and not _data.is_array_like(x):
-        raise ValueError(
-            "batch_size must be None when x is a dataset, a PyDataset or a generator "
-            f"(they are already batched); received batch_size={batch_size} with x of "
-            f"type {type(x).__name__}. Use max_batch_size to bound the pieces run."
-        )
+    _validate.batch_size_for(x, batch_size, advice="Use max_batch_size to bound the pieces run.")
 
     source = _data.from_input(
         x, batch_size=batch_size, steps=steps, with_targets=False
     )
-    requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
-    if max_batch_size is not None:
-        requested = max_batch_size if requested is None else min(requested, max_batch_size)
+    requested = _loop.requested_size(source, batch_size, max_batch_size)
 
     backend = _backend.get()
     step = predict_step(model, postprocess)
@@ -121,21 +114,13 @@ def safe_predict(
     else:
         chunks = iter(())
 
-    callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
+    loop = _loop.BatchLoop(
+        model, "predict", callbacks=callbacks, verbose=verbose,
+        num_samples=source.num_samples,
     )
-    progbar = (
-        keras.utils.Progbar(source.num_samples, verbose=verbose, unit_name="sample")
-        if verbose else None
-    )
-    model.stop_predicting = False
-    callback_list.on_predict_begin()
-    state = {"batch": 0, "done": 0, "begun": -1}
+    loop.begin()
 
     def run(piece):
-        if state["begun"] != state["batch"]:  # once per batch, not per retry
-            callback_list.on_predict_batch_begin(state["batch"])
-            state["begun"] = state["batch"]
         outputs = step(piece[0])
         if writer.structure is not None:
             return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
@@ -148,20 +133,13 @@ def safe_predict(
                 )
         return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
 
-    def on_piece(size, piece, result):
+    def on_result(size, result):
         writer.write(result, size, postprocess)
-        callback_list.on_predict_batch_end(state["batch"], {"outputs": result})
-        state["batch"] += 1
-        state["done"] += size
-        if progbar is not None:
-            progbar.update(state["done"], finalize=state["done"] == source.num_samples)
-        return bool(getattr(model, "stop_predicting", False))
+        return {"outputs": result}, None
 
-    run_in_pieces(model, "predict", chunks, run, on_piece, requested=requested)
-    if progbar is not None and state["done"] != source.num_samples:
-        progbar.update(state["done"], finalize=True)
-    callback_list.on_predict_end()
-    if first is None or state["done"] == 0:
+    loop.run(chunks, run, on_result, requested=requested)
+    loop.end()
+    if first is None or loop.done == 0:
         return writer.empty(step, first)
     return writer.result()
 

@@ -13,7 +13,13 @@ Fault injection
     The `inject_oom` fixture makes every compiled step keras_memfit builds
     raise a real `tf.errors.ResourceExhaustedError` when its batch has more
     rows than a threshold, either before the step runs or after it ran (to
-    check that state a failed step touched is rolled back).
+    check that state a failed step touched is rolled back). It logs every
+    call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
+    raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
+    `inject_oom.rows(phase)` (all), the phase being optional. Other fault
+    fixtures swap the backend's steps with `support.wrap_factory` too.
+
+Shared models, data, callbacks and comparisons are in `support.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import List, NamedTuple, Optional
 
 import pytest
 
@@ -144,14 +151,27 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+class Call(NamedTuple):
+    """One call of an injected step: its phase, its batch's rows, whether it raised."""
+
+    phase: str
+    rows: int
+    raised: bool
+
+
 class OOMInjector:
-    """Makes keras_memfit's compiled steps raise OOM above a batch-size threshold."""
+    """Makes keras_memfit's compiled steps raise OOM above a batch-size threshold.
+
+    Attributes:
+        calls: Every call of an injected step, in order, as `Call`s
+            (`(phase, rows, raised)` tuples); tests may `calls.clear()` it.
+    """
 
     def __init__(self):
         self.threshold = None
         self.after = False
         self.phases = None
-        self.calls = []  # (phase, rows, raised)
+        self.calls: List[Call] = []
 
     def __call__(self, threshold, *, after=False, phases=None):
         """Fail batches of more than `threshold` rows (None: never).
@@ -167,24 +187,31 @@ class OOMInjector:
         self.phases = phases
         return self
 
-    @property
-    def ooms(self):
-        return [rows for _, rows, raised in self.calls if raised]
+    def rows(self, phase: Optional[str] = None) -> List[int]:
+        """Rows of every call, in order; only `phase`'s when given."""
+        return [c.rows for c in self.calls if phase in (None, c.phase)]
+
+    def ooms(self, phase: Optional[str] = None) -> List[int]:
+        """Rows of the calls that raised, in order; only `phase`'s when given."""
+        return [c.rows for c in self.calls if c.raised and phase in (None, c.phase)]
+
+    def ok_rows(self, phase: Optional[str] = None) -> List[int]:
+        """Rows of the calls that succeeded, in order; only `phase`'s when given."""
+        return [c.rows for c in self.calls if not c.raised and phase in (None, c.phase)]
 
     def wrap(self, phase, step):
-        import keras
+        """`step`, counted in `calls` and failing as configured, under `phase`."""
         import tensorflow as tf
+        from support import rows_of
 
         def wrapped(data):
-            rows = next(
-                int(leaf.shape[0]) for leaf in keras.tree.flatten(data) if leaf is not None
-            )
+            rows = rows_of(data)
             fail = (
                 self.threshold is not None
                 and rows > self.threshold
                 and (self.phases is None or phase in self.phases)
             )
-            self.calls.append((phase, rows, fail))
+            self.calls.append(Call(phase, rows, fail))
             if fail and not self.after:
                 raise tf.errors.ResourceExhaustedError(
                     None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
@@ -242,34 +269,19 @@ def inject_oom(monkeypatch):
     """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
     from keras_memfit import _cache
     from keras_memfit.backend import tensorflow as tf_backend
+    from support import wrap_factory
 
     injector = OOMInjector()
-    make_predict = tf_backend.make_predict_step
-    make_test = tf_backend.make_test_step
+    wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
+    wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))
 
-    def make_predict_step(model, postprocess=None):
-        return injector.wrap("predict", make_predict(model, postprocess))
-
-    def make_test_step(model):
-        return injector.wrap("evaluate", make_test(model))
-
-    make_train = tf_backend.make_train_step
-    make_custom_train = tf_backend.make_custom_train_step
+    for factory in ("make_train_step", "make_custom_train_step"):
+        wrap_factory(monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step))
     add = tf_backend.GradientAccumulator.add
-
-    def make_train_step(model):
-        return _InjectedTrainStep(injector, make_train(model))
-
-    def make_custom_train_step(model):
-        return _InjectedTrainStep(injector, make_custom_train(model))
 
     def add_micro_batch(self, data, weight):
         injector.wrap("train", lambda d: add(self, d, weight))(data)
 
-    monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
-    monkeypatch.setattr(tf_backend, "make_test_step", make_test_step)
-    monkeypatch.setattr(tf_backend, "make_train_step", make_train_step)
-    monkeypatch.setattr(tf_backend, "make_custom_train_step", make_custom_train_step)
     monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector

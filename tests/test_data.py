@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from keras_memfit import data
+from support import Batches
 
 
 def _arange(n, width=3, dtype="float32"):
@@ -299,22 +299,13 @@ def test_steps_stops_an_infinite_generator():
     assert [int(c[0][0, 0]) for c in chunks] == [0, 1, 2, 3]
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, n=11, batch=4):
-        super().__init__()
-        self.x, self.y, self.batch = _arange(n), np.arange(n), batch
-
-    def __len__(self):
-        return -(-len(self.x) // self.batch)
-
-    def __getitem__(self, i):
-        s = slice(i * self.batch, (i + 1) * self.batch)
-        return self.x[s], self.y[s]
-
+def _batches(n=11, batch=4):
+    """A PyDataset of `(x, y)` batches: 11 rows in batches of 4, 4 and 3."""
+    return Batches(_arange(n), np.arange(n), batch_size=batch)
 
 
 def test_pydataset_yields_one_chunk_per_batch_in_order():
-    ds = _Batches()
+    ds = _batches()
     source = data.from_input(ds, batch_size=None, steps=None, with_targets=True)
     assert source.from_arrays is False
     chunks = list(source.chunks)
@@ -324,7 +315,7 @@ def test_pydataset_yields_one_chunk_per_batch_in_order():
 
 
 def test_pydataset_steps_limit():
-    chunks = list(data.from_input(_Batches(), batch_size=None, steps=2, with_targets=True).chunks)
+    chunks = list(data.from_input(_batches(), batch_size=None, steps=2, with_targets=True).chunks)
     assert [data.num_rows(c) for c in chunks] == [4, 4]
 
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 import keras
 
 from keras_memfit import OutOfMemoryError, safe_evaluate
-from keras_memfit.backend import tensorflow as tf_backend
+from support import Batches, Recorder, wrap_factory
 
 REF_BATCH = 7
 RTOL = 1e-5
@@ -65,10 +65,6 @@ def _close(actual, expected):
     else:
         assert isinstance(actual, float)
         np.testing.assert_allclose(actual, expected, rtol=RTOL)
-
-
-def _successful(injector):
-    return [rows for _, rows, raised in injector.calls if not raised]
 
 
 # --------------------------------------------------------------------------
@@ -135,9 +131,9 @@ def test_oom_gives_the_same_results(inject_oom, after):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
     inject_oom(10, after=after)
     result = safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True)
-    assert inject_oom.ooms, "no OOM was injected"
-    assert max(_successful(inject_oom)) <= 10
-    assert sum(_successful(inject_oom)) == N  # every sample in exactly one piece
+    assert inject_oom.ooms(), "no OOM was injected"
+    assert max(inject_oom.ok_rows()) <= 10
+    assert sum(inject_oom.ok_rows()) == N  # every sample in exactly one piece
     _close(result, expected)
 
 
@@ -147,7 +143,7 @@ def test_oom_on_a_fresh_model_gives_the_same_results(inject_oom, after):
     x, y, _ = _data()
     inject_oom(10, after=after)
     result = safe_evaluate(_classifier(), x, y, batch_size=32, verbose=0, return_dict=True)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     expected = _classifier().evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
     _close(result, expected)
 
@@ -163,7 +159,7 @@ def test_first_batch_oom_does_not_bring_back_an_earlier_evaluation(inject_oom):
     model.evaluate(other_x, other_y, batch_size=REF_BATCH, verbose=0)
     inject_oom(50)
     result = safe_evaluate(model, x, y, batch_size=64, verbose=0, return_dict=True)
-    assert inject_oom.ooms == [64]
+    assert inject_oom.ooms() == [64]
     _close(result, expected)
 
 
@@ -172,14 +168,12 @@ def test_oom_after_the_step_without_rollback_would_count_twice(inject_oom, monke
     x, y, _ = _data()
     model = _classifier()
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
-    guard = tf_backend.guard_variables
 
-    def no_rollback(variables):
-        real = guard(variables)
-        real.restore = lambda: None
-        return real
+    def no_rollback(guard):
+        guard.restore = lambda: None
+        return guard
 
-    monkeypatch.setattr(tf_backend, "guard_variables", no_rollback)
+    wrap_factory(monkeypatch, "guard_variables", no_rollback)
     inject_oom(10, after=True)
     result = safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True)
     assert not np.allclose(
@@ -199,7 +193,7 @@ def test_stateful_metrics_survive_oom(inject_oom, after):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
     inject_oom(12, after=after)
     result = safe_evaluate(model, x, y, batch_size=64, verbose=0, return_dict=True)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     assert set(result) == {"loss", "accuracy", "auc", "precision", "recall"}
     _close(result, expected)
 
@@ -214,7 +208,7 @@ def test_sparse_categorical_and_top_k_metrics(inject_oom):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0)
     inject_oom(9, after=True)
     result = safe_evaluate(model, x, y, batch_size=40, verbose=0)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     assert len(result) == 4
     _close(result, expected)
 
@@ -230,7 +224,7 @@ def test_sample_weight_arrays(inject_oom, after):
     inject_oom(10, after=after)
     result = safe_evaluate(model, x, y, sample_weight=w, batch_size=32, verbose=0,
                            return_dict=True)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     _close(result, expected)
 
 
@@ -240,12 +234,12 @@ def test_second_call_pays_no_oom_and_agrees(inject_oom):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0)
     inject_oom(10, after=True)
     first = safe_evaluate(model, x, y, batch_size=32, verbose=0)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     inject_oom.calls.clear()
     second = safe_evaluate(model, x, y, batch_size=32, verbose=0)
     assert inject_oom.calls, "the second call ran no step"
-    assert inject_oom.ooms == []
-    assert max(_successful(inject_oom)) <= 10
+    assert inject_oom.ooms() == []
+    assert max(inject_oom.ok_rows()) <= 10
     _close(first, expected)
     _close(second, expected)
 
@@ -258,10 +252,10 @@ def test_same_data_as_a_tensor_pays_no_oom_again(inject_oom):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0)
     inject_oom(10, after=True)
     safe_evaluate(model, x, y, batch_size=32, verbose=0)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     inject_oom.calls.clear()
     result = safe_evaluate(model, tf.constant(x), tf.constant(y), batch_size=32, verbose=0)
-    assert inject_oom.ooms == []
+    assert inject_oom.ooms() == []
     _close(result, expected)
 
 
@@ -300,8 +294,8 @@ def test_dataset_of_x_y(inject_oom, after):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(30)
     inject_oom(10, after=after)
     result = safe_evaluate(model, ds, verbose=0, return_dict=True)
-    assert inject_oom.ooms
-    assert sum(_successful(inject_oom)) == N
+    assert inject_oom.ooms()
+    assert sum(inject_oom.ok_rows()) == N
     _close(result, expected)
 
 
@@ -314,7 +308,7 @@ def test_dataset_of_x_y_sample_weight(inject_oom, after):
     ds = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(25)
     inject_oom(10, after=after)
     result = safe_evaluate(model, ds, verbose=0, return_dict=True)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     _close(result, expected)
 
 
@@ -328,27 +322,14 @@ def test_dataset_without_oom_and_with_steps():
            model.evaluate(x[:40], y[:40], batch_size=REF_BATCH, verbose=0))
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch):
-        super().__init__()
-        self.x, self.y, self.batch = x, y, batch
-
-    def __len__(self):
-        return -(-len(self.x) // self.batch)
-
-    def __getitem__(self, i):
-        s = slice(i * self.batch, (i + 1) * self.batch)
-        return self.x[s], self.y[s]
-
-
 @pytest.mark.parametrize("after", [False, True], ids=["oom-before-step", "oom-after-step"])
 def test_pydataset(inject_oom, after):
     x, y, _ = _data()
     model = _classifier()
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0)
     inject_oom(10, after=after)
-    result = safe_evaluate(model, _Batches(x, y, 32), verbose=0)
-    assert inject_oom.ooms
+    result = safe_evaluate(model, Batches(x, y, batch_size=32), verbose=0)
+    assert inject_oom.ooms()
     _close(result, expected)
 
 
@@ -381,7 +362,7 @@ def test_dict_inputs(inject_oom, after):
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
     inject_oom(10, after=after)
     result = safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True)
-    assert inject_oom.ooms
+    assert inject_oom.ooms()
     _close(result, expected)
 
 
@@ -451,21 +432,16 @@ def test_missing_x_raises():
 def test_non_oom_errors_propagate_unchanged(monkeypatch, error):
     x, y, _ = _data()
     restores = []
-    real_guard = tf_backend.guard_variables
 
-    def guard_variables(variables):
-        guard = real_guard(variables)
+    def counting_restores(guard):
         guard.restore = lambda: restores.append(1)
         return guard
 
-    def make_test_step(model):
-        def failing(data):
-            raise error
+    def failing(data):
+        raise error
 
-        return failing
-
-    monkeypatch.setattr(tf_backend, "make_test_step", make_test_step)
-    monkeypatch.setattr(tf_backend, "guard_variables", guard_variables)
+    wrap_factory(monkeypatch, "make_test_step", lambda step: failing)
+    wrap_factory(monkeypatch, "guard_variables", counting_restores)
     with pytest.raises(type(error)) as info:
         safe_evaluate(_classifier(), x, y, verbose=0)
     assert info.value is error
@@ -484,30 +460,12 @@ def test_single_sample_oom_raises_out_of_memory_error(inject_oom):
     assert err.phase == "evaluate"
     assert err.model_name == model.name
     assert err.batch_shape[0] == (1, FEATURES)
-    assert inject_oom.ooms == [8, 4, 2, 1]
+    assert inject_oom.ooms() == [8, 4, 2, 1]
 
 
 # --------------------------------------------------------------------------
 # Callbacks
 # --------------------------------------------------------------------------
-class Recorder(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.events = []
-
-    def on_test_begin(self, logs=None):
-        self.events.append(("begin", None, logs))
-
-    def on_test_batch_begin(self, batch, logs=None):
-        self.events.append(("batch_begin", batch, logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.events.append(("batch_end", batch, dict(logs or {})))
-
-    def on_test_end(self, logs=None):
-        self.events.append(("end", None, dict(logs or {})))
-
-
 def test_callbacks_see_each_piece_and_the_final_logs(inject_oom):
     x, y, _ = _data()
     model = _classifier()
@@ -516,14 +474,14 @@ def test_callbacks_see_each_piece_and_the_final_logs(inject_oom):
     recorder = Recorder()
     result = safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True,
                            callbacks=[recorder])
-    kinds = [e[0] for e in recorder.events]
-    assert kinds[0] == "begin" and kinds[-1] == "end"
-    assert kinds.count("begin") == 1 and kinds.count("end") == 1
-    ends = [e for e in recorder.events if e[0] == "batch_end"]
-    pieces = _successful(inject_oom)
+    hooks = recorder.hooks()
+    assert hooks[0] == "test_begin" and hooks[-1] == "test_end"
+    assert hooks.count("test_begin") == 1 and hooks.count("test_end") == 1
+    ends = recorder.of("test_batch_end")
+    pieces = inject_oom.ok_rows()
     assert len(ends) == len(pieces)
-    assert [e[1] for e in ends] == list(range(len(pieces)))
-    assert all(set(e[2]) == {"loss", "accuracy"} for e in ends)
+    assert [batch for batch, _ in ends] == list(range(len(pieces)))
+    assert all(set(logs) == {"loss", "accuracy"} for _, logs in ends)
     _close(recorder.events[-1][2], expected)
     _close(result, expected)
     assert recorder.model is model
@@ -535,9 +493,9 @@ def test_callbacks_get_one_batch_begin_per_batch_end(inject_oom):
     inject_oom(10)
     recorder = Recorder()
     safe_evaluate(_classifier(), x, y, batch_size=32, verbose=0, callbacks=[recorder])
-    begins = [e[1] for e in recorder.events if e[0] == "batch_begin"]
-    ends = [e[1] for e in recorder.events if e[0] == "batch_end"]
-    assert inject_oom.ooms
+    begins = [batch for batch, _ in recorder.of("test_batch_begin")]
+    ends = [batch for batch, _ in recorder.of("test_batch_end")]
+    assert inject_oom.ooms()
     assert begins == ends
 
 
@@ -556,19 +514,10 @@ def test_callback_can_stop_evaluation():
 
 
 def test_repeated_calls_reuse_the_compiled_step(monkeypatch):
-    from keras_memfit import _cache
-
     x, y, _ = _data()
     model = _classifier()
     built = []
-    make = tf_backend.make_test_step
-
-    def counting(m):
-        built.append(1)
-        return make(m)
-
-    monkeypatch.setattr(tf_backend, "make_test_step", counting)
-    _cache.clear()
+    wrap_factory(monkeypatch, "make_test_step", lambda step: built.append(1) or step)
     expected = model.evaluate(x, y, batch_size=REF_BATCH, verbose=0, return_dict=True)
     for _ in range(3):
         _close(safe_evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True), expected)

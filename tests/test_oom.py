@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 import keras_memfit
-from keras_memfit import _cache
 from keras_memfit import OutOfMemoryError, is_oom_error
 from keras_memfit import oom as oom_module
 from keras_memfit.backend import tensorflow as tf_backend
+from support import wrap_factory
 
 XLA_MESSAGE = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12345 bytes."
 
@@ -318,19 +318,14 @@ def always_oom_step(monkeypatch):
     )
     attempts = []
 
-    def make_predict_step(model, postprocess=None):
-        real = make_predict(model, postprocess)
-
+    def always_oom(real):
         def step(x):
             attempts.append(int(x.shape[0]))
             raise original
 
-        step.__wrapped__ = real
         return step
 
-    make_predict = tf_backend.make_predict_step
-    monkeypatch.setattr(tf_backend, "make_predict_step", make_predict_step)
-    _cache.clear()  # steps compiled before the patch would bypass it
+    wrap_factory(monkeypatch, "make_predict_step", always_oom)
     return original, attempts
 
 

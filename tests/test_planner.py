@@ -105,8 +105,8 @@ class FakeDevice:
         self.attempts.append((size, ok))
         return ok
 
-    @property
     def ooms(self):
+        """Sizes of the attempts that ran out of memory, in order."""
         return [s for s, ok in self.attempts if not ok]
 
 
@@ -231,7 +231,7 @@ def test_estimate_then_runs_without_any_oom(device, model):
     dev = device(capacity=800 * MiB, current=50 * MiB, per_sample=2 * MiB, fixed=20 * MiB)
     planner = BatchPlanner(model, "predict", SIG, 10_000)
     log = drive(planner, dev, 5000)
-    assert dev.ooms == []
+    assert dev.ooms() == []
     assert max(s for s, _ in log) <= 10_000
     assert all(dev.need(s) <= dev.capacity for s, _ in log)
 
@@ -344,7 +344,7 @@ def test_oom_with_only_stats_uses_the_observed_peak_as_limit(device, model):
     assert attempt(planner, dev, 10_000) == (after, True)
     # Growth may probe once more (the limit is not known), then freezes.
     drive(planner, dev, 20_000)
-    assert len(dev.ooms) <= 2
+    assert len(dev.ooms()) <= 2
     assert all(dev.fits(s) for s, _ in dev.attempts[-20:])
 
 
@@ -352,11 +352,11 @@ def test_shrink_when_memory_is_taken_mid_call(device, model):
     dev = device(capacity=1000 * MiB, per_sample=MiB)
     planner = BatchPlanner(model, "predict", SIG, 4096)
     drive(planner, dev, 1000)
-    assert dev.ooms == []
+    assert dev.ooms() == []
     dev.current = 900 * MiB  # another model moved in
     log = drive(planner, dev, 1000)
     assert sum(s for s, ok in log if ok) == 1000
-    assert len(dev.ooms) <= 2
+    assert len(dev.ooms()) <= 2
     assert dev.need(log[-1][0]) <= dev.capacity
 
 
@@ -397,7 +397,7 @@ def test_growth_stays_within_the_request_and_the_estimate(device, model):
     log = drive(planner, dev, 20_000)
     sizes = [s for s, _ in log]
     assert max(sizes) == 300
-    assert dev.ooms == []
+    assert dev.ooms() == []
     # Sizes only ever grow here (no OOM), by at most doubling (the last piece
     # is clipped to what is left).
     for a, b in zip(sizes[2:-1], sizes[3:-1]):
@@ -453,7 +453,7 @@ def test_failed_growth_freezes_at_the_largest_size_that_worked(device, model):
     first_grow_fail = next(i for i, (s, ok) in enumerate(log) if not ok and s not in (1000, 500))
     assert log[first_grow_fail][0] == 374
     assert all(s <= 250 for s, _ in log[first_grow_fail + 1:])
-    assert len(dev.ooms) == 3  # 1000, 500 and the growth to 374; nothing after
+    assert len(dev.ooms()) == 3  # 1000, 500 and the growth to 374; nothing after
     assert [e.kind for e in events].count("oom") == 3
 
 
@@ -471,14 +471,14 @@ def test_growth_never_exceeds_the_request(device, model):
 def test_second_planner_starts_at_largest_ok_and_pays_no_oom(device, model):
     dev = device(stats=False, fail_above=300)
     drive(BatchPlanner(model, "evaluate", SIG, 1000), dev, 1000)
-    assert dev.ooms
+    assert dev.ooms()
     largest = knowledge_for(model, "evaluate", SIG).largest_ok
     dev.attempts.clear()
     events = []
     second = BatchPlanner(model, "evaluate", SIG, 1000, events)
     assert second.next_size() == largest
     log = drive(second, dev, 20 * GROW_AFTER * largest)
-    assert dev.ooms == []
+    assert dev.ooms() == []
     assert {s for s, _ in log} == {largest}  # never grows
     assert events == []
 
@@ -486,14 +486,14 @@ def test_second_planner_starts_at_largest_ok_and_pays_no_oom(device, model):
 def test_second_planner_with_stats_skips_probes_after_an_oom(device, model):
     dev = device(capacity=1000 * MiB, per_sample=MiB, fail_above=300)
     drive(BatchPlanner(model, "predict", SIG, 4096), dev, 2000)
-    assert dev.ooms
+    assert dev.ooms()
     largest = knowledge_for(model, "predict", SIG).largest_ok
     assert largest <= 300
     dev.attempts.clear()
     second = BatchPlanner(model, "predict", SIG, 4096)
     assert second.next_size() == largest
     drive(second, dev, 5000)
-    assert dev.ooms == []
+    assert dev.ooms() == []
 
 
 def test_second_planner_after_a_clean_call_starts_at_the_request(device, model):

@@ -1,0 +1,156 @@
+"""The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`.
+
+`run_in_pieces` (see `keras_memfit.runner`) decides the pieces and retries
+them; this module gives the run what `model.predict`/`model.evaluate` give
+theirs: a `keras.callbacks.CallbackList` receiving the `on_predict_*` or
+`on_test_*` calls, a `keras.utils.Progbar` counting samples, and the model's
+stop flag (`stop_predicting`/`stop_evaluating`) that a callback sets to end
+the run early. Each piece actually run is one batch for the callbacks: its
+`on_*_batch_begin` is sent once, before its first attempt (not again for a
+retry after an OOM), and its `on_*_batch_end` after it succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+
+import keras
+
+from keras_memfit import data as _data
+from keras_memfit.runner import run_in_pieces
+
+# phase (as the planner names it) -> (Keras's callback hook prefix, the model's stop flag)
+_HOOKS = {"predict": ("predict", "stop_predicting"), "evaluate": ("test", "stop_evaluating")}
+
+
+def requested_size(
+    source: _data.Chunks, batch_size: Optional[int], max_batch_size: Optional[int] = None
+) -> Optional[int]:
+    """The largest piece to run: the batch size asked for (arrays), bounded by `max_batch_size`.
+
+    Args:
+        source: The input's chunks.
+        batch_size: The validated `batch_size` argument.
+        max_batch_size: The validated `max_batch_size` argument (predict only).
+
+    Returns:
+        `batch_size` (default `data.DEFAULT_BATCH_SIZE`) for array input, None
+        for batched input (its own batches bound the pieces), either bounded
+        by `max_batch_size` when given.
+    """
+    requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
+    if max_batch_size is not None:
+        requested = max_batch_size if requested is None else min(requested, max_batch_size)
+    return requested
+
+
+class BatchLoop:
+    """Callbacks, progress bar and stop flag around one `run_in_pieces` run.
+
+    Use: `begin()`, then `run(...)` once, then `end(...)`.
+
+    Attributes:
+        batch: Number of batches (pieces) finished so far.
+        done: Number of samples finished so far.
+        shows_logs: Whether anything displays the per-batch logs (a progress
+            bar or a callback); reading them back from the device every step
+            would serialise the steps, so callers skip it otherwise.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        phase: str,
+        *,
+        callbacks: Optional[Sequence[keras.callbacks.Callback]],
+        verbose: int,
+        num_samples: Optional[int],
+    ) -> None:
+        """Create the callback list and the progress bar (nothing is called yet).
+
+        Args:
+            model: The model the callbacks see.
+            phase: "predict" or "evaluate".
+            callbacks: The user's Keras callbacks, or None.
+            verbose: 0, 1 or 2 (already validated).
+            num_samples: Total number of samples when known (the bar's target).
+        """
+        self.model = model
+        self.phase = phase
+        prefix, self._stop_flag = _HOOKS[phase]
+        self.num_samples = num_samples
+        self.callbacks = keras.callbacks.CallbackList(
+            callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
+        )
+        self.progbar = (
+            keras.utils.Progbar(num_samples, verbose=verbose, unit_name="sample")
+            if verbose else None
+        )
+        self.shows_logs = self.progbar is not None or bool(callbacks)
+        self._on_begin = getattr(self.callbacks, f"on_{prefix}_begin")
+        self._on_batch_begin = getattr(self.callbacks, f"on_{prefix}_batch_begin")
+        self._on_batch_end = getattr(self.callbacks, f"on_{prefix}_batch_end")
+        self._on_end = getattr(self.callbacks, f"on_{prefix}_end")
+        self.batch = 0
+        self.done = 0
+        self._begun = -1
+
+    def begin(self) -> None:
+        """Clear the model's stop flag and send `on_{predict,test}_begin`."""
+        setattr(self.model, self._stop_flag, False)
+        self._on_begin()
+
+    def run(
+        self,
+        chunks: Iterable[Any],
+        step: Callable[[Any], Any],
+        on_result: Callable[[int, Any], Tuple[Any, Optional[list]]],
+        *,
+        requested: Optional[int],
+        guard: Any = None,
+    ) -> None:
+        """Run `step` over `chunks` with `run_in_pieces`, one callback batch per piece.
+
+        Args:
+            chunks: The input's chunks (see `keras_memfit.data`).
+            step: Runs one piece and returns its result.
+            on_result: Called as `on_result(size, result)` after each
+                successful piece, before its `on_*_batch_end`; returns the
+                logs for `on_*_batch_end` and the values for the progress
+                bar (a list of (name, value), or None).
+            requested: Largest piece size (see `requested_size`).
+            guard: State guard passed to `run_in_pieces`.
+        """
+
+        def attempt(piece: Any) -> Any:
+            if self._begun != self.batch:  # once per batch, not per retry
+                self._on_batch_begin(self.batch)
+                self._begun = self.batch
+            return step(piece)
+
+        def on_piece(size: int, piece: Any, result: Any) -> bool:
+            logs, values = on_result(size, result)
+            self._on_batch_end(self.batch, logs)
+            self.batch += 1
+            self.done += size
+            if self.progbar is not None:
+                self.progbar.update(
+                    self.done, values=values, finalize=self.done == self.num_samples
+                )
+            return bool(getattr(self.model, self._stop_flag, False))
+
+        run_in_pieces(
+            self.model, self.phase, chunks, attempt, on_piece,
+            requested=requested, guard=guard,
+        )
+
+    def end(self, logs: Any = None, values: Optional[list] = None) -> None:
+        """Finish the progress bar (stopped early, or of unknown length) and send `on_*_end`.
+
+        Args:
+            logs: The logs for `on_{predict,test}_end`.
+            values: The progress bar's final values, as in `run`'s `on_result`.
+        """
+        if self.progbar is not None and self.done != self.num_samples:
+            self.progbar.update(self.done, values=values, finalize=True)
+        self._on_end(logs)
