@@ -80,15 +80,54 @@ def forget(model: Any) -> None:
     _KNOWLEDGE.pop(model, None)
 
 
+def _set_by_memfit() -> Any:
+    return dataclasses.field(default=None, kw_only=True)
+
+
 @dataclasses.dataclass
 class Event:
-    """One adaptation: `kind` is "estimate", "oom" or "grow"."""
+    """One adaptation of the batch size, by a planner (and, in `fit`, MemFit).
 
+    Attributes:
+        epoch: The `fit` epoch it happened in (set by MemFit; 0 in a
+            standalone `evaluate` or `predict`), or None (`safe_predict`,
+            `safe_evaluate`).
+        step: The training batch's index in its epoch (set by MemFit), or None.
+        phase: "predict", "evaluate" or "train".
+        kind: "estimate", "oom" or "grow".
+        batch_size: Rows of the incoming batch that was split (set by
+            MemFit), or None.
+        old_size: The piece size before (None when there was none).
+        new_size: The piece size from now on.
+        old_split: Pieces per batch of `batch_size` rows at `old_size`
+            (set by MemFit), or None.
+        new_split: The same at `new_size`, or None.
+        reason: Why, in words (also logged).
+    """
+
+    epoch: Optional[int] = _set_by_memfit()
+    step: Optional[int] = _set_by_memfit()
     phase: str
     kind: str
+    batch_size: Optional[int] = _set_by_memfit()
     old_size: Optional[int]
     new_size: int
+    old_split: Optional[int] = _set_by_memfit()
+    new_split: Optional[int] = _set_by_memfit()
     reason: str
+
+    def located(self, epoch: int, step: int, batch_size: Optional[int]) -> "Event":
+        """A copy placed at `epoch` and `step` of `fit`, on a batch of `batch_size` rows."""
+
+        def split(size: Optional[float]) -> Optional[int]:
+            if size is None or batch_size is None or math.isinf(size):
+                return None
+            return math.ceil(batch_size / max(int(size), 1))
+
+        return dataclasses.replace(
+            self, epoch=epoch, step=step, batch_size=batch_size,
+            old_split=split(self.old_size), new_split=split(self.new_size),
+        )
 
 
 class BatchPlanner:
@@ -327,7 +366,7 @@ class BatchPlanner:
 
     def _record(self, kind: str, old: Optional[int], new: int, reason: str,
                 level: int = logging.INFO) -> None:
-        event = Event(self.phase, kind, old, new, reason)
+        event = Event(phase=self.phase, kind=kind, old_size=old, new_size=new, reason=reason)
         self.events.append(event)
         if kind == "estimate":
             instead = f" instead of {old}" if old is not None else ""

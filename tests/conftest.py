@@ -228,15 +228,17 @@ class OOMInjector:
 class _InjectedTrainStep:
     """A backend `TrainStep` whose calls go through the injector.
 
-    An OOM injected *before* the step leaves it untouched, as a real OOM at
-    allocation time would; one injected *after* it ran is settled by the step
-    as a real late OOM would be (small state restored, `last_outcome` set).
+    It satisfies the same protocol as the step it wraps (`snapshots_itself`,
+    `last_outcome`). An OOM injected *before* the step leaves it untouched, as
+    a real OOM at allocation time would; one injected *after* a step that
+    snapshots itself ran is settled by the step as a real late OOM would be
+    (small state restored, `last_outcome` set). A custom step cannot tell
+    (`last_outcome` stays None).
     """
 
     def __init__(self, injector, step):
         self._step = step
-        self.UNTOUCHED, self.RESTORED, self.UPDATE_BEGAN = (
-            step.UNTOUCHED, step.RESTORED, step.UPDATE_BEGAN)
+        self.snapshots_itself = step.snapshots_itself
         self.last_outcome = None
         self._call = injector.wrap("train", self._run)
 
@@ -245,16 +247,18 @@ class _InjectedTrainStep:
         return self._step(data)
 
     def __call__(self, data):
+        from keras_memfit.backend.base import StepOutcome
+
         self._ran = False
         try:
             return self._call(data)
         except Exception:
-            if self._ran:  # failed after the real step completed
+            if self.snapshots_itself and self._ran:  # failed after the real step ran
                 self._step._completed -= 1
                 self.last_outcome = self._step._settle()
-            else:
-                self.last_outcome = self._step.UNTOUCHED
-            raise
+            elif self.snapshots_itself:
+                self.last_outcome = StepOutcome.UNTOUCHED
+            raise  # a custom step cannot tell how far it got: last_outcome stays None
 
 
 @pytest.fixture
@@ -268,21 +272,13 @@ def inject_oom(monkeypatch):
     wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
     wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))
 
-    make_train = tf_backend.make_train_step
-    make_custom_train = tf_backend.make_custom_train_step
+    for factory in ("make_train_step", "make_custom_train_step"):
+        wrap_factory(monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step))
     add = tf_backend.GradientAccumulator.add
-
-    def make_train_step(model):
-        return _InjectedTrainStep(injector, make_train(model))
-
-    def make_custom_train_step(model):
-        return injector.wrap("train", make_custom_train(model))
 
     def add_micro_batch(self, data, weight):
         injector.wrap("train", lambda d: add(self, d, weight))(data)
 
-    monkeypatch.setattr(tf_backend, "make_train_step", make_train_step)
-    monkeypatch.setattr(tf_backend, "make_custom_train_step", make_custom_train_step)
     monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector

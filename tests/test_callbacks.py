@@ -17,6 +17,8 @@ in keras/src/callbacks/*_test.py.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import re
 
@@ -26,7 +28,10 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit, OutOfMemoryError
+from keras_memfit.backend import base
 from keras_memfit.backend import tensorflow as tf_backend
+from keras_memfit.planner import Event
+from support import Batches
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -97,19 +102,6 @@ def _two_output_model():
     return model
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size):
-        super().__init__()
-        self.x, self.y, self.batch_size = x, y, batch_size
-
-    def __len__(self):
-        return math.ceil(len(self.x) / self.batch_size)
-
-    def __getitem__(self, index):
-        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
-        return self.x[rows], self.y[rows]
-
-
 class CustomStepModel(keras.Sequential):
     """Overrides train_step (same computation): not splittable into micro-batches."""
 
@@ -161,14 +153,6 @@ def _assert_same_training(reference, ref_history, model, history, keys=None):
     for key in ref_history.history if keys is None else keys:
         np.testing.assert_allclose(history.history[key], ref_history.history[key],
                                    rtol=RTOL, atol=ATOL, err_msg=key)
-
-
-def _train_ooms(injector):
-    return [rows for phase, rows, raised in injector.calls if phase == "train" and raised]
-
-
-def _eval_ooms(injector):
-    return [rows for phase, rows, raised in injector.calls if phase == "evaluate" and raised]
 
 
 def _keras_functions(model):
@@ -224,7 +208,7 @@ def test_accumulate_numpy_equals_uncapped_run(inject_oom):
     x, y, _ = _data()
     pair = _fit_pair(_classifier, inject_oom,
                      dict(x=x, y=y, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom), "no OOM was injected in training"
+    assert inject_oom.ooms("train"), "no OOM was injected in training"
     _assert_same_training(*pair[:4])
     # One optimizer update per batch: 3 batches x 2 epochs.
     assert int(pair[2].optimizer.iterations) == 6
@@ -233,7 +217,7 @@ def test_accumulate_numpy_equals_uncapped_run(inject_oom):
 def test_accumulate_micro_batches_respect_the_threshold(inject_oom):
     x, y, _ = _data()
     _fit_pair(_classifier, inject_oom, dict(x=x, y=y, batch_size=BATCH, epochs=1))
-    ok = [rows for phase, rows, raised in inject_oom.calls if phase == "train" and not raised]
+    ok = inject_oom.ok_rows("train")
     assert ok and max(ok) <= THRESHOLD
     assert sum(ok) == N  # every sample in exactly one successful micro-batch
 
@@ -245,7 +229,7 @@ def test_accumulate_dict_inputs_of_multi_input_model(inject_oom):
     y = rng.integers(0, CLASSES, size=N)
     pair = _fit_pair(_dict_input_model, inject_oom,
                      dict(x=x, y=y, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -254,7 +238,7 @@ def test_accumulate_multi_output_model_with_two_losses(inject_oom):
     y_reg = np.random.default_rng(2).normal(size=(N, 1)).astype("float32")
     pair = _fit_pair(_two_output_model, inject_oom,
                      dict(x=x, y={"reg": y_reg, "cls": y_cls}, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     assert {"loss", "reg_loss", "cls_loss", "reg_mae", "cls_accuracy"} == set(pair[1].history)
     # Weights, slots, iterations, total loss and the compiled metrics.
     _assert_same_training(*pair[:4], keys=["loss", "reg_mae", "cls_accuracy"])
@@ -271,7 +255,7 @@ def test_accumulate_multi_output_per_output_losses(inject_oom):
     y_reg = np.random.default_rng(2).normal(size=(N, 1)).astype("float32")
     pair = _fit_pair(_two_output_model, inject_oom,
                      dict(x=x, y={"reg": y_reg, "cls": y_cls}, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4], keys=["reg_loss", "cls_loss"])
 
 
@@ -288,7 +272,7 @@ def test_multi_output_per_output_val_losses_under_validation_oom(inject_oom):
                           validation_data=(xv, {"reg": yv_reg, "cls": yv_cls}),
                           validation_batch_size=14),
                      phases=("evaluate",))
-    assert _eval_ooms(inject_oom) and not _train_ooms(inject_oom)
+    assert inject_oom.ooms("evaluate") and not inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -296,14 +280,14 @@ def test_accumulate_tf_data_dataset(inject_oom):
     x, y, _ = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     pair = _fit_pair(_classifier, inject_oom, dict(x=dataset, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
 def test_accumulate_py_dataset(inject_oom):
     x, y, _ = _data(n=40)  # last batch of 8 rows
-    pair = _fit_pair(_classifier, inject_oom, dict(x=_Batches(x, y, BATCH), epochs=2))
-    assert _train_ooms(inject_oom)
+    pair = _fit_pair(_classifier, inject_oom, dict(x=Batches(x, y, BATCH), epochs=2))
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -312,7 +296,7 @@ def test_accumulate_sample_weight(inject_oom):
     build = lambda: _classifier(weighted_metrics=["accuracy"])  # noqa: E731
     pair = _fit_pair(build, inject_oom,
                      dict(x=x, y=y, sample_weight=w, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -321,7 +305,7 @@ def test_accumulate_class_weight(inject_oom):
     pair = _fit_pair(_classifier, inject_oom,
                      dict(x=x, y=y, class_weight={0: 1.0, 1: 3.0, 2: 0.5},
                           batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -329,8 +313,8 @@ def test_accumulate_validation_split(inject_oom):
     x, y, _ = _data(n=64)  # 48 train rows, 16 validation rows
     pair = _fit_pair(_classifier, inject_oom,
                      dict(x=x, y=y, validation_split=0.25, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
-    assert _eval_ooms(inject_oom), "validation batches should run out of memory too"
+    assert inject_oom.ooms("train")
+    assert inject_oom.ooms("evaluate"), "validation batches should run out of memory too"
     assert {"val_loss", "val_accuracy"} <= set(pair[1].history)
     _assert_same_training(*pair[:4])
 
@@ -340,8 +324,8 @@ def test_accumulate_validation_data(inject_oom):
     xv, yv, _ = _data(n=24, seed=5)
     pair = _fit_pair(_classifier, inject_oom,
                      dict(x=x, y=y, validation_data=(xv, yv), batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
-    assert _eval_ooms(inject_oom)
+    assert inject_oom.ooms("train")
+    assert inject_oom.ooms("evaluate")
     _assert_same_training(*pair[:4])
 
 
@@ -349,7 +333,7 @@ def test_accumulate_steps_per_execution(inject_oom):
     x, y, _ = _data(n=80)  # 5 batches: one execution of 3, one of 2
     build = lambda: _classifier(steps_per_execution=3)  # noqa: E731
     pair = _fit_pair(build, inject_oom, dict(x=x, y=y, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
     assert int(pair[2].optimizer.iterations) == 10
 
@@ -358,7 +342,7 @@ def test_accumulate_initial_epoch(inject_oom):
     x, y, _ = _data()
     pair = _fit_pair(_classifier, inject_oom,
                      dict(x=x, y=y, batch_size=BATCH, epochs=3, initial_epoch=1))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     assert len(pair[3].history["loss"]) == 2
     assert len(pair[3].history["memfit_ooms"]) == 2
     _assert_same_training(*pair[:4])
@@ -375,7 +359,7 @@ def test_accumulate_learning_rate_schedule_with_adam(inject_oom):
     x, y, _ = _data()
     pair = _fit_pair(lambda: _classifier(optimizer=adam), inject_oom,
                      dict(x=x, y=y, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -384,7 +368,7 @@ def test_accumulate_sgd_with_momentum(inject_oom):
     x, y, _ = _data()
     pair = _fit_pair(lambda: _classifier(optimizer=momentum), inject_oom,
                      dict(x=x, y=y, batch_size=BATCH, epochs=2))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -394,7 +378,7 @@ def test_accumulate_kernel_regularizer(inject_oom):
     x, y, _ = _data()
     pair = _fit_pair(build, inject_oom, dict(x=x, y=y, batch_size=BATCH, epochs=2))
     assert pair[0].losses, "the model should have regularization losses"
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     _assert_same_training(*pair[:4])
 
 
@@ -405,7 +389,7 @@ def test_exactness_check_can_fail(inject_oom):
     reference, ref_history, model, history, _ = _fit_pair(
         _classifier, inject_oom, dict(x=x, y=y, batch_size=BATCH, epochs=1),
         memfit=MemFit(mode="shrink"))
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     with pytest.raises(AssertionError):
         _assert_same_training(reference, ref_history, model, history)
 
@@ -420,9 +404,9 @@ def test_oom_only_in_validation(inject_oom):
                      dict(x=x, y=y, validation_data=(xv, yv), batch_size=BATCH, epochs=2),
                      phases=("evaluate",))
     memfit = pair[4]
-    assert _eval_ooms(inject_oom)
-    assert _train_ooms(inject_oom) == []
-    train_rows = [rows for phase, rows, _ in inject_oom.calls if phase == "train"]
+    assert inject_oom.ooms("evaluate")
+    assert inject_oom.ooms("train") == []
+    train_rows = inject_oom.rows("train")
     assert train_rows == [BATCH] * 6  # full batches only: training untouched
     assert memfit.events and {e["phase"] for e in memfit.events} == {"evaluate"}
     assert pair[3].history["memfit_split"] == [1, 1]  # training batches never split
@@ -445,7 +429,7 @@ def test_oom_after_full_train_step_refuses_to_retry_and_restores_small_state(inj
     assert int(model.optimizer.iterations) == 0
     counts = [float(np.array(v)) for v in model.metrics_variables if "count" in v.name]
     assert counts and all(c == 0 for c in counts)
-    assert len(_train_ooms(inject_oom)) == 1  # no retry
+    assert len(inject_oom.ooms("train")) == 1  # no retry
 
 
 def test_oom_after_full_train_step_does_not_update_weights_twice(inject_oom):
@@ -469,7 +453,7 @@ def test_oom_after_full_train_step_does_not_update_weights_twice(inject_oom):
     except OutOfMemoryError as err:
         assert "optimizer update" in str(err)
         return
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     for i, (a, e) in enumerate(zip(model.get_weights(), reference.get_weights())):
         np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")
 
@@ -483,9 +467,8 @@ def test_shrink_counts_one_iteration_per_piece(inject_oom):
     inject_oom(THRESHOLD)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         callbacks=[MemFit(mode="shrink")])
-    assert _train_ooms(inject_oom)
-    pieces = [rows for phase, rows, raised in inject_oom.calls
-              if phase == "train" and not raised]
+    assert inject_oom.ooms("train")
+    pieces = inject_oom.ok_rows("train")
     assert max(pieces) <= THRESHOLD and sum(pieces) == 2 * N
     assert int(model.optimizer.iterations) == len(pieces)
     assert len(history.history["loss"]) == 2
@@ -503,9 +486,8 @@ def test_shrink_with_custom_train_step_equals_smaller_batch_size(inject_oom):
     inject_oom(8)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         callbacks=[MemFit(mode="shrink")])
-    assert _train_ooms(inject_oom)
-    pieces = [rows for phase, rows, raised in inject_oom.calls
-              if phase == "train" and not raised]
+    assert inject_oom.ooms("train")
+    pieces = inject_oom.ok_rows("train")
     assert set(pieces) == {8}
     assert int(model.optimizer.iterations) == len(pieces) == 16
     _assert_same_training(reference, ref_history, model, history)
@@ -549,7 +531,7 @@ def test_sum_reduction_error_trains_nothing_and_shrink_accepts_it(inject_oom):
     assert inject_oom.calls == []
     inject_oom(THRESHOLD)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit(mode="shrink")])
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
 
 
 def test_invalid_mode():
@@ -575,7 +557,7 @@ def test_functions_restored_after_fit_returns(inject_oom):
     inject_oom(THRESHOLD)
     model.fit(x, y, validation_data=(x[:24], y[:24]), batch_size=BATCH, epochs=1,
               verbose=0, callbacks=[memfit])
-    assert _train_ooms(inject_oom) and _eval_ooms(inject_oom)
+    assert inject_oom.ooms("train") and inject_oom.ooms("evaluate")
     _assert_keras_functions(model, keras_functions, memfit)
 
 
@@ -622,7 +604,7 @@ def _fit_that_raises_in_on_epoch_end(model, injector):
     with pytest.raises(RuntimeError, match="callback failed"):
         model.fit(x, y, validation_data=(x[:24], y[:24]), batch_size=BATCH, epochs=2,
                   verbose=0, shuffle=False, callbacks=[MemFit(), _RaiseAtEpochEnd()])
-    assert _train_ooms(injector)
+    assert injector.ooms("train")
     injector(None)
     injector.calls.clear()
 
@@ -758,7 +740,7 @@ def test_single_sample_oom_raises_out_of_memory_error(inject_oom):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
     assert isinstance(info.value, OutOfMemoryError)
     assert info.value.phase == "train"
-    assert 1 in inject_oom.ooms  # a batch of one sample was tried
+    assert 1 in inject_oom.ooms()  # a batch of one sample was tried
 
 
 def test_single_sample_oom_leaves_state_as_before_the_step(inject_oom):
@@ -798,14 +780,14 @@ def test_reused_instance_second_fit_pays_no_oom(inject_oom):
     val = (x[:24], y[:24])
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               validation_data=val, callbacks=[memfit])
-    assert _train_ooms(inject_oom) and _eval_ooms(inject_oom) and memfit.events
+    assert inject_oom.ooms("train") and inject_oom.ooms("evaluate") and memfit.events
     inject_oom.calls.clear()
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
                         validation_data=val, callbacks=[memfit])
-    assert inject_oom.ooms == [], "the second fit paid an OOM for a learned signature"
+    assert inject_oom.ooms() == [], "the second fit paid an OOM for a learned signature"
     assert not [e for e in memfit.events if e["kind"] == "oom"]
     assert history.history["memfit_ooms"] == [0]
-    ok = [rows for phase, rows, raised in inject_oom.calls if phase == "train"]
+    ok = inject_oom.rows("train")
     assert ok and max(ok) <= THRESHOLD  # still split: it remembers what failed
     _assert_same_training(reference, ref_history, model, history)
 
@@ -832,11 +814,11 @@ def test_reused_instance_works_for_a_second_model(inject_oom):
     other = _classifier()
     inject_oom(THRESHOLD)
     other.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[memfit])
-    assert _train_ooms(inject_oom)
+    assert inject_oom.ooms("train")
     inject_oom.calls.clear()
     pair = _fit_pair(_classifier, inject_oom, dict(x=x, y=y, batch_size=BATCH, epochs=1),
                      memfit=memfit)
-    assert _train_ooms(inject_oom), "a new model must be planned afresh"
+    assert inject_oom.ooms("train"), "a new model must be planned afresh"
     assert memfit.events and all(e["epoch"] == 0 for e in memfit.events)
     _assert_same_training(*pair[:4])
 
@@ -884,11 +866,12 @@ def test_events_and_history_entries(inject_oom):
     for event in memfit.events:
         assert required <= set(event), event
     first = memfit.events[0]
+    assert list(first) == [field.name for field in dataclasses.fields(Event)]
     assert (first["epoch"], first["step"], first["phase"], first["kind"]) == (1, 2, "train", "oom")
     assert first["old_split"] == 1 and first["new_split"] >= 2
     assert first["batch_size"] == BATCH and first["old_size"] == BATCH
     ooms = [e for e in memfit.events if e["kind"] == "oom"]
-    assert len(ooms) == len(inject_oom.ooms)
+    assert len(ooms) == len(inject_oom.ooms())
     assert history.history["memfit_ooms"] == [0, len(ooms)]
     assert history.history["memfit_split"] == [max(pieces.per_epoch[0]), max(pieces.per_epoch[1])]
     assert history.history["memfit_split"][0] == 1
@@ -907,7 +890,7 @@ def test_evaluate_with_memfit_equals_plain_small_batch_evaluate(inject_oom):
     inject_oom(THRESHOLD)
     result = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
                             callbacks=[memfit])
-    assert _eval_ooms(inject_oom)
+    assert inject_oom.ooms("evaluate")
     assert memfit.events and {e["phase"] for e in memfit.events} == {"evaluate"}
     assert set(result) == set(expected)
     for key in expected:
@@ -923,7 +906,75 @@ def test_predict_with_memfit_equals_plain_small_batch_predict(inject_oom):
     memfit = MemFit()
     inject_oom(THRESHOLD)
     result = model.predict(x, batch_size=BATCH, verbose=0, callbacks=[memfit])
-    assert [r for p, r, raised in inject_oom.calls if p == "predict" and raised]
+    assert inject_oom.ooms("predict")
     assert result.shape == expected.shape
     np.testing.assert_allclose(result, expected, rtol=RTOL, atol=ATOL)
     _assert_keras_functions(model, keras_functions, memfit)
+
+
+# --------------------------------------------------------------------------
+# The backend seam MemFit runs on
+# --------------------------------------------------------------------------
+def test_train_steps_satisfy_the_train_step_protocol():
+    x, y, _ = _data(n=BATCH)
+    default_model, custom_model = _classifier(), _classifier(model_class=CustomStepModel)
+    for model in (default_model, custom_model):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # builds the optimizer
+    default = tf_backend.make_train_step(default_model)
+    custom = tf_backend.make_custom_train_step(custom_model)
+    assert isinstance(default, base.TrainStep) and isinstance(custom, base.TrainStep)
+    assert default.snapshots_itself and not custom.snapshots_itself
+    assert default.last_outcome is None and custom.last_outcome is None
+    assert isinstance(tf_backend.make_accumulator(default_model), base.Accumulator)
+
+
+@pytest.mark.parametrize("after, outcome", [
+    (False, base.StepOutcome.UNTOUCHED),
+    (True, base.StepOutcome.UPDATE_BEGAN),
+], ids=["before", "after"])
+def test_train_step_tells_how_far_a_failed_call_got(inject_oom, after, outcome):
+    x, y, _ = _data(n=BATCH)
+    model = _classifier()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    step = tf_backend.make_train_step(model)
+    inject_oom(THRESHOLD, after=after)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        step((x, y))
+    assert step.last_outcome is outcome
+
+
+def test_step_function_has_the_tensorflow_calling_convention():
+    model = _classifier(steps_per_execution=2)
+    seen = []
+
+    def run_batches(batches):
+        seen.append(batches)
+        return {"batches": len(batches)}
+
+    train = tf_backend.step_function(model, "train", run_batches)
+    iterator = iter(["a", "b", "c"])
+    assert train(iterator) == {"batches": 2} and seen[-1] == ["a", "b"]
+    assert train(iterator) == {"batches": 1} and seen[-1] == ["c"]
+    with pytest.raises(StopIteration) as info:
+        train(iterator)
+    assert tf_backend.is_end_of_data(info.value)
+    assert tf_backend.is_end_of_data(tf.errors.OutOfRangeError(None, None, "end of data"))
+    assert not tf_backend.is_end_of_data(ValueError("not the end"))
+    predict = tf_backend.step_function(model, "predict", run_batches)
+    assert predict(iter([("x",)])) == {"batches": 1} and seen[-1] == [("x",)]
+    with pytest.raises(ValueError, match=r"kind must be(.|\n)*received kind='fit'"):
+        tf_backend.step_function(model, "fit", run_batches)
+
+
+def test_untested_keras_version_warns_once(monkeypatch, caplog):
+    from keras_memfit import _keras_compat
+
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.setattr(_keras_compat, "_warned_version", False)
+    x, y, _ = _data(n=BATCH)
+    model = _classifier()
+    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
+        for _ in range(2):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
+    warnings = [r for r in caplog.records if "outside that range" in r.getMessage()]
+    assert len(warnings) == 1 and "3.99.0" in warnings[0].getMessage()

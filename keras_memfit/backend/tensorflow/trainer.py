@@ -1,0 +1,80 @@
+"""Keras's step functions in the TensorFlow trainer's calling convention.
+
+Keras's TensorFlow trainer calls `model.train_function(iterator)` and
+`model.test_function(iterator)`, each pulling up to `steps_per_execution`
+batches itself, and `model.predict_function(batches)` with the batches it
+already pulled. `step_function` builds a replacement with that convention
+around a backend-neutral `run_batches(list_of_batches)`; the end of an
+epoch's data shows as `StopIteration` or `tf.errors.OutOfRangeError`
+(`is_end_of_data`).
+
+Another backend's `trainer` module offers the same two functions in its own
+convention, and MemFit does not change: JAX's `train_function(state, data)`
+gets the batches already pulled and returns `(logs, state)`, so its
+replacement writes `state` into the model's variables, calls
+`run_batches(list(data))` and returns the logs with the variables' new values.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator, List
+
+import keras
+import tensorflow as tf
+
+_KINDS = ("train", "test", "predict")
+
+
+def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
+    """Up to `count` batches from a Keras epoch iterator (StopIteration at the end)."""
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if batches:
+                break
+            raise
+    return batches
+
+
+def step_function(
+    model: keras.Model, kind: str, run_batches: Callable[[List[Any]], Any]
+) -> Callable[[Any], Any]:
+    """A replacement for `model.<kind>_function` that runs `run_batches`.
+
+    Args:
+        model: The model whose function is replaced.
+        kind: "train", "test" or "predict".
+        run_batches: Runs a list of Keras batches; returns what Keras expects
+            of the function (the logs; for "predict", the batches' outputs).
+
+    Returns:
+        `function(iterator)` for "train" and "test" (pulls up to
+        `model.steps_per_execution` batches, raising `StopIteration` or
+        `OutOfRangeError` when none is left), `function(batches)` for
+        "predict".
+
+    Raises:
+        ValueError: If `kind` is not one of the three.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
+    if kind == "predict":
+
+        def predict_function(batches):
+            return run_batches(list(batches))
+
+        return predict_function
+    model_ref = weakref.ref(model)
+
+    def function(iterator):
+        return run_batches(next_batches(iterator, model_ref().steps_per_execution))
+
+    return function
+
+
+def is_end_of_data(exc: BaseException) -> bool:
+    """Whether `exc` is how an epoch's iterator says it has no batch left."""
+    return isinstance(exc, (StopIteration, tf.errors.OutOfRangeError))
