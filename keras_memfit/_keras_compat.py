@@ -13,8 +13,10 @@ from typing import Any, Iterable, Tuple, Type
 
 import keras
 
-# MemFit reaches into Keras's training loop; CI tests both ends of this range.
-TESTED_KERAS = ((3, 12), (3, 15))
+# MemFit reaches into Keras's training loop. CI (.ci/run) tests Keras 3.8 with
+# TensorFlow 2.18 (the floor, Kaggle and Colab through 2025), 3.13 with
+# TensorFlow 2.20 (Kaggle and Colab now) and the newest release (3.15).
+TESTED_KERAS = ((3, 8), (3, 15))
 
 
 def keras_version() -> tuple:
@@ -191,7 +193,37 @@ def loss_tracker(model: keras.Model) -> Any:
 
 
 def unscale_loss_for_distribution(loss: Any) -> Any:
-    """The loss without the distribution strategy's scaling (as Keras's train step)."""
+    """The loss without the distribution strategy's scaling (as Keras's train step).
+
+    Keras 3.8 began scaling the loss by the number of replicas (and added
+    this function); before it the loss was never scaled, so it is returned
+    as it is.
+    """
     from keras.src.losses import loss as loss_module
 
-    return loss_module.unscale_loss_for_distribution(loss)
+    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
+    return loss if unscale is None else unscale(loss)
+
+
+# ---- Nested structures ----
+
+
+def assert_same_structure(a: Any, b: Any) -> None:
+    """Raise unless `a` and `b` are nested alike (`keras.tree.assert_same_structure`).
+
+    Keras 3.8 and later compare the nesting only; before 3.8 the function
+    also compared the types of the leaves by default (`check_types=True`),
+    which refuses arrays against traced specs, so the check is turned off
+    there. From 3.8 on `check_types` is deprecated and not passed.
+
+    Raises:
+        ValueError: If the nesting differs (TypeError on some Keras releases).
+
+    Example:
+        >>> assert_same_structure([1, (2, 3)], ["a", ("b", "c")])
+    """
+    version = keras_version()
+    if version and version < (3, 8):
+        keras.tree.assert_same_structure(a, b, check_types=False)
+    else:
+        keras.tree.assert_same_structure(a, b)

@@ -3,7 +3,8 @@ pinning calls (and their gradients) and optimizer slots to a device."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import keras
 import tensorflow as tf
@@ -142,6 +143,39 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
     return add_weight_on_device
 
 
+@contextlib.contextmanager
+def _pinning_new_ops(device: str) -> Iterator[None]:
+    """Give the graph ops created inside, that no device scope reached, a device.
+
+    Some gradient functions build part of their ops under
+    `ops.colocate_with(...)`, which sets the `tf.device` scope aside: the
+    gather gradient of TensorFlow 2.18 casts the table's shape there (a `Cast`
+    with no device, left to the placer). Each such op gets the device of the
+    op it is colocated with, when that one has a device, else `device`. In
+    eager mode nothing is built, and nothing is done.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    before = {id(op) for op in graph.get_operations()}
+    yield
+    for op in graph.get_operations():
+        if id(op) in before or op.device:
+            continue
+        target = tf.DeviceSpec.from_string(device).to_string()  # as tf.device writes it
+        for group in op.colocation_groups():
+            name = group.decode().split("@", 1)[-1]
+            try:
+                colocated = graph.get_operation_by_name(name)
+            except (KeyError, ValueError):
+                continue
+            if colocated.device:
+                target = colocated.device
+                break
+        op._set_device(target)  # what a tf.device scope does to new ops
+
+
 def call_on_device(device: str, call: Callable) -> Callable:
     """`call` whose ops run on `device`, its gradients included.
 
@@ -171,7 +205,7 @@ def call_on_device(device: str, call: Callable) -> Callable:
 
             def backward(*upstream, variables=None):
                 variables = list(variables or [])
-                with tf.device(device):
+                with tf.device(device), _pinning_new_ops(device):
                     grads = tape.gradient(
                         out, list(xs) + variables,
                         output_gradients=tf.nest.pack_sequence_as(out, list(upstream)),
