@@ -34,6 +34,23 @@ import pytest
 CAPPED_ENV = "KERAS_MEMFIT_TEST_CAPPED"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The compatibility subset (`pytest -m compat`), run by .ci/run on the older
+# TensorFlow + Keras pairs: the modules that exercise what moves between Keras
+# releases (MemFit's train steps and Keras's training loop, safe_predict's
+# outputs and out=, evaluate's metrics, data adapters, the symbolic trace of
+# memory_report, placement and its gradients) and real OOMs under a capped
+# allocator. Every test of these modules gets the `compat` marker.
+COMPAT_MODULES = (
+    "test_callbacks.py",
+    "test_data.py",
+    "test_evaluate.py",
+    "test_placement.py",
+    "test_predict_outputs.py",
+    "test_real_oom.py",
+    "test_real_oom_fit.py",
+    "test_report.py",
+)
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -49,6 +66,17 @@ def pytest_configure(config):
         "two_devices: run in a subprocess whose CPU is split into two logical devices "
         "(/CPU:1 stands in for an accelerator); one subprocess per test module",
     )
+    config.addinivalue_line(
+        "markers",
+        "compat: the compatibility subset that CI runs on older TensorFlow + Keras "
+        "(every test of the modules in conftest.COMPAT_MODULES)",
+    )
+    missing = [m for m in COMPAT_MODULES if not os.path.exists(os.path.join(ROOT, "tests", m))]
+    if missing:
+        raise pytest.UsageError(
+            f"conftest.COMPAT_MODULES names test modules that do not exist: {missing}; "
+            "update the list"
+        )
     if in_two_device_subprocess():
         import tensorflow as tf
 
@@ -58,7 +86,11 @@ def pytest_configure(config):
         )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in COMPAT_MODULES:
+            item.add_marker(pytest.mark.compat)
     gpu_marked = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_marked:
         return
