@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # memory_report, placement and its gradients) and real OOMs under a capped
 # allocator. Every test of these modules gets the `compat` marker.
 COMPAT_MODULES = (
+    "test_call_on_device.py",
     "test_callbacks.py",
     "test_data.py",
     "test_evaluate.py",
