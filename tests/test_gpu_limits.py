@@ -105,7 +105,13 @@ def gpu(monkeypatch):
             assert device in devices
             return {"device_name": name, "compute_capability": (7, 5)}
 
+        real_visible = tf.config.get_visible_devices
+
+        def visible(kind=None):
+            return list(devices) if kind == "GPU" else real_visible(kind)
+
         monkeypatch.setattr(tf.config, "list_physical_devices", list_physical)
+        monkeypatch.setattr(tf.config, "get_visible_devices", visible)
         monkeypatch.setattr(tf.config, "get_logical_device_configuration", logical_config)
         monkeypatch.setattr(tf.config.experimental, "get_device_details", details)
         return devices

@@ -46,7 +46,10 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
         limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
         return (int(limit) * mib, True) if limit.isdigit() else None
     index = int(device.rsplit(":", 1)[-1]) if ":" in device else 0
-    physical = tf.config.list_physical_devices("GPU")
+    # The GPUs TensorFlow uses, one per logical device in order. (A GPU split
+    # into logical devices: GPU:0 reads the first part's limit; the other
+    # parts stay unknown, as before.)
+    physical = tf.config.get_visible_devices("GPU")
     if index >= len(physical):
         return None  # no such GPU: nothing to ask NVML about
     try:
