@@ -16,7 +16,10 @@ trial:
    or less where the estimate (with the peak memory observed so far as a
    lower bound on the limit) says so, and the estimate is corrected so that
    it no longer predicts the failed size to fit. A batch of one that fails
-   is final.
+   is final. Where the limit is unknown, that first OOM also proves a budget
+   (the peak memory at the failure over what was held before the piece):
+   the pieces after it start within `MARGIN` of it and never grow past it,
+   so the call pays no second OOM.
 3. **Remember.** What fitted and what failed is kept per model, phase and
    input signature (shapes and dtypes without the batch dimension), so a
    second call on the same model pays no OOM.
@@ -62,6 +65,9 @@ class Knowledge:
     bytes_per_sample: Optional[float] = None
     limit_floor: int = 0
     growth_frozen: bool = False
+    # Where the limit is unknown: bytes a piece proved it may use (the peak
+    # memory at an OOM over the memory held before that piece); 0 until an OOM.
+    learned_budget: int = 0
 
 
 _KNOWLEDGE: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Knowledge]]" = (
@@ -169,6 +175,7 @@ class BatchPlanner:
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
         self._before: Optional[int] = None
+        self._baseline: Optional[int] = None
         self._streak = 0
         self._growing = False
         k = self._k
@@ -211,6 +218,7 @@ class BatchPlanner:
             estimate = self.estimate()
             if estimate is not None:
                 cap = min(cap, estimate)
+        cap = min(cap, self._learned_estimate(1.0) or math.inf)
         return max(1, cap)
 
     def _exact_limit(self) -> bool:
@@ -242,6 +250,7 @@ class BatchPlanner:
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
         """Call right before running a piece of `size` samples."""
+        self._note_baseline()
         if self._probes:
             self._note_floor()
             self._backend.reset_peak(self._device)
@@ -286,6 +295,7 @@ class BatchPlanner:
         """
         k = self._k
         self._note_floor()
+        self._learn_budget()
         k.smallest_failed = size if k.smallest_failed is None else min(k.smallest_failed, size)
         self._streak = 0
         if size <= 1:
@@ -310,7 +320,7 @@ class BatchPlanner:
             new = min(k.largest_ok, size - 1)
         else:
             new = size // 2
-            estimate = self.estimate(limit)
+            estimate = self._learned_estimate(MARGIN) or self.estimate(limit)
             if estimate is not None:
                 new = min(new, estimate)
             if k.largest_ok and k.growth_frozen:
@@ -358,6 +368,33 @@ class BatchPlanner:
         free = limit - stats[0]
         if free > 0:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
+
+    # ------------------------------------------------- unknown-limit learning
+    # Where the limit is unknown, the first OOM proves a memory budget: the
+    # peak memory when it failed (a lower bound on the limit) over what was
+    # held before that piece started. The pieces after it are sized within
+    # MARGIN of that budget and never grow past it, so the rest of the call
+    # and later calls pay no further OOM. (The memory held at the failure
+    # itself still counts the failed piece's buffers: estimating from it
+    # would shrink to a single sample.)
+    def _note_baseline(self) -> None:
+        if self._exact_limit() or not self._stats_ok:
+            return
+        stats = self._backend.memory_stats(self._device)
+        self._baseline = stats[0] if stats is not None else None
+
+    def _learn_budget(self) -> None:
+        if self._exact_limit() or self._baseline is None:
+            return
+        k = self._k
+        k.learned_budget = max(k.learned_budget, k.limit_floor - self._baseline)
+
+    def _learned_estimate(self, margin: float) -> Optional[int]:
+        """Largest batch within `margin` of the learned budget, or None."""
+        k = self._k
+        if self._exact_limit() or not k.learned_budget or not k.bytes_per_sample:
+            return None
+        return max(1, int(k.learned_budget * margin // k.bytes_per_sample))
 
     def _note_floor(self) -> None:
         stats = self._backend.memory_stats(self._device)
