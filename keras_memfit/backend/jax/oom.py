@@ -6,12 +6,14 @@ as `jax.errors.JaxRuntimeError` (a `RuntimeError`; before jax 0.4.36 it was
 `jaxlib.xla_extension.XlaRuntimeError`), so the class alone says nothing:
 each predicate also needs XLA's status prefix and its allocation message.
 
-Not an OOM here: `INTERNAL: YNNPACK operation failed: error`, which XLA's
-CPU convolution kernels raise when their scratch allocation fails, but also
-for any other failure of the kernel. The allocation failure itself is written
-only to stderr, so the exception cannot tell the two apart; treating it as an
-OOM would retry genuine kernel errors down to one sample and then misreport
-them as out-of-memory. It propagates untouched.
+`INTERNAL: YNNPACK operation failed: error` is what XLA's CPU kernels (dots,
+convolutions, reductions) raise when their scratch allocation fails, but also
+for any other failure of the kernel; the allocation failure itself is written
+only to stderr ("allocate of <N> failed."), so the exception cannot tell the
+two apart. keras_memfit counts it as an OOM only where the process runs under
+an address-space limit (`RLIMIT_AS`, the one way to make JAX's CPU client
+run out of memory, measured: under it, every such error came with the
+allocation failure on stderr); everywhere else it propagates untouched.
 """
 
 from __future__ import annotations
@@ -104,9 +106,46 @@ def is_tpu_allocation_oom(exc: BaseException) -> bool:
     return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(_message(exc)))
 
 
+_YNNPACK = "YNNPACK operation failed"
+
+
+def _address_space_limited() -> bool:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return False
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft != resource.RLIM_INFINITY
+
+
+def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
+    """`INTERNAL: YNNPACK operation failed`, counted only under an `RLIMIT_AS` limit.
+
+    See the module docstring: the message does not say why the kernel failed;
+    under an address-space limit its scratch allocation is the known cause.
+
+    Example:
+        >>> import jax
+        >>> is_ynnpack_oom_under_address_limit(
+        ...     jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error"))
+        False
+    """
+    return (
+        is_jax_runtime_error(exc)
+        and _YNNPACK in _message(exc)
+        and _address_space_limited()
+    )
+
+
 def is_oom_error(exc: BaseException) -> bool:
-    """JAX's own OOM forms: allocation, dispatch-after-OOM and TPU allocation failures."""
-    return is_allocation_oom(exc) or is_dispatch_oom(exc) or is_tpu_allocation_oom(exc)
+    """JAX's own OOM forms: allocation, dispatch-after-OOM, TPU allocation
+    failures, and YNNPACK kernel failures under an address-space limit."""
+    return (
+        is_allocation_oom(exc)
+        or is_dispatch_oom(exc)
+        or is_tpu_allocation_oom(exc)
+        or is_ynnpack_oom_under_address_limit(exc)
+    )
 
 
 def oom_error_bases() -> Tuple[type, ...]:
