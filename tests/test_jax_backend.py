@@ -237,6 +237,31 @@ def child_memfit_shrink_and_validation():
     np.testing.assert_allclose(history["val_loss"][0], reference["loss"], rtol=1e-5)
 
 
+def child_data_parallel_two_devices():
+    """Under keras.distribution.DataParallel on two host devices: results equal
+    plain Keras; MemFit refuses the distribution with NotImplementedError."""
+    import jax
+    import keras
+    import pytest
+
+    import keras_memfit
+
+    assert len(jax.devices()) == 2
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = _model()
+    x, y, _ = _data(256)
+    expected = model.predict(x, batch_size=64, verbose=0)
+    np.testing.assert_allclose(
+        keras_memfit.safe_predict(model, x, batch_size=64, verbose=0), expected, rtol=1e-6
+    )
+    ref = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    got = keras_memfit.safe_evaluate(model, x, y, batch_size=64, verbose=0, return_dict=True)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-6)
+    with pytest.raises(NotImplementedError):
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[keras_memfit.MemFit()])
+
+
 # --------------------------------------------------------------------- tests
 def test_a_real_allocation_failure_is_an_oom_and_the_process_recovers():
     run_in_jax(__file__, "child_oom_forms_real", address_space_gb=3)
@@ -260,3 +285,7 @@ def test_memfit_accumulate_equals_the_unsplit_fit_on_jax():
 
 def test_memfit_shrink_and_validation_on_jax():
     run_in_jax(__file__, "child_memfit_shrink_and_validation")
+
+
+def test_data_parallel_on_two_host_devices_equals_keras_and_memfit_refuses():
+    run_in_jax(__file__, "child_data_parallel_two_devices", devices=2)
