@@ -170,6 +170,23 @@ class BatchLoop:
         if self._pending:  # a last, shorter execution
             self._end_execution(merge_logs)
 
+    def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
+        """Send the `on_*_batch_begin` Keras sends when batched input ends early.
+
+        Keras calls `on_*_batch_begin` before it fetches a batch, so when the
+        input runs out before the number of batches it expected (`steps`, or
+        the input's announced length; always for a generator, whose length
+        is unknown) it has called it once more, for a batch that never came.
+        Call after `run`, unless the run was stopped.
+        """
+        if self._stopped() or source.from_arrays:
+            return
+        expected = steps or source.num_batches
+        if expected is not None and self.batch >= expected:
+            return
+        spe = self._per_execution
+        self._on_batch_begin(-(-self.batch // spe) * spe)
+
     def _end_execution(self, merge_logs: Optional[Callable[[list], Any]]) -> None:
         spe = self._per_execution
         begin = (self.batch - 1) // spe * spe

@@ -52,11 +52,22 @@ class SplitBatches:
         self.done = 0
         self.before: Optional[List[Tuple[Any, Any]]] = None
 
-    def tag(self, chunks: Iterable[Any]) -> Iterator[Any]:
-        """The chunks (batches), noting each one's rows as it starts."""
+    def tag(self, chunks: Iterable[Any], batch_size: Optional[int]) -> Iterator[Any]:
+        """The batches Keras would run, noting each one's rows as it starts.
+
+        Args:
+            chunks: The input's chunks.
+            batch_size: For array input (a single chunk), Keras's batch size:
+                when there are losses to settle, the chunk is yielded as
+                batches of it, so that no piece spans two of Keras's batches.
+        """
         for chunk in chunks:
-            self.rows, self.done, self.before = _data.num_rows(chunk), 0, None
-            yield chunk
+            n = _data.num_rows(chunk)
+            step = batch_size if self.trackers and batch_size else n
+            for start in range(0, n, step or 1):
+                batch = _data.rows(chunk, start, start + step)
+                self.rows, self.done, self.before = _data.num_rows(batch), 0, None
+                yield batch
 
     def step(
         self, keras_step: Callable[[Any], Any], make_exact: Callable[[Any], Callable]

@@ -32,6 +32,9 @@ class Chunks:
         batched_arrays: Whether array-like input was batched by Keras
             instead (sparse arrays, whose rows cannot be taken), one chunk
             per batch of `batch_size`.
+        num_batches: For batched input, the number of batches Keras's data
+            adapter announces (None when unknown, as for generators); set
+            once the chunks are first iterated.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Chunks:
         self.num_samples = num_samples
         self.from_arrays = from_arrays
         self.batched_arrays = batched_arrays
+        self.num_batches: Optional[int] = None  # Keras's count, once iteration began
 
 
 def _is_array_leaf(value: Any) -> bool:
@@ -211,9 +215,11 @@ def from_input(
             batches = _iterate_adapter(adapter)
             if steps is not None:
                 batches = itertools.islice(batches, steps)
-            return Chunks(
+            source = Chunks(
                 (_unpack(b, with_targets) for b in batches), n, False, batched_arrays=True
             )
+            source.num_batches = adapter.num_batches
+            return source
         if steps is not None:
             chunk = rows(chunk, 0, n)
         return Chunks(iter([chunk]), n, True)
@@ -224,10 +230,17 @@ def from_input(
                 f"`{name}` is only accepted with array inputs; received {name} with "
                 f"x of type {type(x).__name__}. Include it in the batches that x yields."
             )
-    iterator = _iterate_batches(x)
-    if steps is not None:
-        iterator = itertools.islice(iterator, steps)
-    return Chunks((_unpack(b, with_targets) for b in iterator), None, False)
+    source = Chunks(iter(()), None, False)
+
+    def chunks() -> Iterator[Tuple]:
+        iterator = _iterate_batches(x, source)
+        if steps is not None:
+            iterator = itertools.islice(iterator, steps)
+        for batch in iterator:
+            yield _unpack(batch, with_targets)
+
+    source.chunks = chunks()
+    return source
 
 
 def _unpack(batch: Any, with_targets: bool) -> Tuple:
@@ -235,7 +248,7 @@ def _unpack(batch: Any, with_targets: bool) -> Tuple:
     return (bx, by, bw) if with_targets else (bx,)
 
 
-def _iterate_batches(x: Any) -> Iterable[Any]:
+def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
     # Keras's own data adapters know every input kind predict/evaluate take
     # (tf.data, PyDataset with its workers, generators, torch DataLoader, ...).
     try:
@@ -245,6 +258,7 @@ def _iterate_batches(x: Any) -> Iterable[Any]:
             "x must be an array, a tensor, a list/dict of them, a tf.data.Dataset, "
             f"a keras.utils.PyDataset or a generator; received {type(x).__name__}: {err}"
         ) from err
+    source.num_batches = getattr(adapter, "num_batches", None)
     yield from _iterate_adapter(adapter)
 
 

@@ -124,11 +124,12 @@ def safe_evaluate(
         return logs, _bar_values(logs)
 
     loop.run(
-        batches.tag(prepend(first, source.chunks)),
+        batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
         batches.step(step, lambda piece: test_step_and_guard(model, piece, exact=True)[0]),
         on_result,
         requested=requested, guard=guard,
     )
+    loop.data_ended(source, steps)
     logs = _pythonify(_metrics_result(model, last_logs))
     loop.end(logs, values=_bar_values(logs))
     if return_dict:

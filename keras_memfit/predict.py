@@ -156,6 +156,7 @@ def safe_predict(
         chunks, run, on_result, requested=requested,
         merge_logs=_merge_outputs if callbacks else None,
     )
+    loop.data_ended(source, steps)
     loop.end()
     if first is None or loop.done == 0:
         return writer.empty(step, first)
