@@ -44,7 +44,10 @@ class SplitBatches:
                 (nothing to settle then).
         """
         self.model = model
-        counts_once = getattr(_backend.get(), "KERAS_COUNTS_EACH_BATCH_ONCE", False)
+        # Run eagerly, Keras's batches have static shapes: it weights them by rows.
+        counts_once = getattr(
+            _backend.get(), "KERAS_COUNTS_EACH_BATCH_ONCE", False
+        ) and not getattr(model, "run_eagerly", False)
         self.trackers = (
             [] if exact or not counts_once else _keras_compat.per_output_loss_trackers(model)
         )

@@ -7,6 +7,14 @@ copy; tf.data datasets, `keras.utils.PyDataset` objects and generators yield
 one chunk per batch they produce, and each can still be split into smaller
 pieces. Either way samples come out in input order, and every sample is in
 exactly one piece.
+
+Batches keep the form `model.predict` gives its step: on the TensorFlow
+backend a `tf.data.Dataset`'s batches are TensorFlow tensors (strings,
+ragged and sparse tensors as they are), other batched kinds numpy arrays
+(strings as object arrays) or None for optional inputs. Sparse input
+(`tf.SparseTensor`, scipy sparse matrices) cannot be split into rows here:
+sparse arrays are batched by Keras's own adapter, and a batch holding a
+sparse leaf runs whole (`rows` raises a clear error when asked for part of it).
 """
 
 from __future__ import annotations

@@ -144,6 +144,17 @@ def test_multi_output_split_after_oom_counts_each_batch_once_as_keras(inject_oom
     assert inject_oom.ooms("evaluate") and max(inject_oom.ok_rows("evaluate")) <= 5
 
 
+def test_multi_output_run_eagerly_as_keras(inject_oom):
+    # Run eagerly, Keras weights each batch by its rows: the exact mean.
+    model = _two_outputs()
+    model.run_eagerly = True
+    x, y = _data()
+    want = model.evaluate(x, y, 16, 0, return_dict=True)
+    assert_same_logs(safe_evaluate(model, x, y, 16, 0, return_dict=True), want)
+    inject_oom(5)
+    assert_same_logs(safe_evaluate(model, x, y, 16, 0, return_dict=True), want)
+
+
 def _exact_losses(model):
     x, y = _data()
     predicted = model.predict(x, batch_size=40, verbose=0)

@@ -34,8 +34,11 @@ def _strings(n=7):
 
 def _ragged_input_model():
     i = keras.Input((None,), dtype="int32", ragged=True)
-    total = keras.layers.Lambda(lambda r: tf.reduce_sum(r, axis=1, keepdims=True))(i)
-    return keras.Model(i, total)
+    # The mean over each row tells a ragged row from a zero-padded one.
+    mean = keras.layers.Lambda(
+        lambda r: tf.reduce_mean(tf.cast(r, "float32"), axis=1, keepdims=True)
+    )(i)
+    return keras.Model(i, mean)
 
 
 def _ragged():
