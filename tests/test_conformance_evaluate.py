@@ -144,6 +144,17 @@ def test_multi_output_split_after_oom_counts_each_batch_once_as_keras(inject_oom
     assert inject_oom.ooms("evaluate") and max(inject_oom.ok_rows("evaluate")) <= 5
 
 
+def test_multi_output_with_sample_weights_split_after_oom_as_keras(inject_oom):
+    x, y = _data()
+    weights = np.linspace(0.1, 2.0, 40).astype("float32")
+    model = _two_outputs()
+    want = model.evaluate(x, y, 16, 0, weights, return_dict=True)
+    inject_oom(6)
+    got = safe_evaluate(model, x, y, 16, 0, weights, return_dict=True)
+    assert_same_logs(got, want)
+    assert inject_oom.ooms("evaluate")
+
+
 def test_multi_output_run_eagerly_as_keras(inject_oom):
     # Run eagerly, Keras weights each batch by its rows: the exact mean.
     model = _two_outputs()
@@ -230,6 +241,17 @@ def _sparse_xy(n=7):
 def test_sparse_input_as_keras():
     got, want, safe_rec, keras_rec = both(
         _sparse_regressor(), lambda: (_sparse_xy(), {"batch_size": 2}), return_dict=True
+    )
+    assert_same_logs(got, want)
+    assert _calls(safe_rec) == _calls(keras_rec)
+
+
+def test_scipy_sparse_input_as_keras():
+    sparse = pytest.importorskip("scipy.sparse")
+    x, y = _sparse_xy()
+    matrix = sparse.csr_matrix(tf.sparse.to_dense(x).numpy())
+    got, want, safe_rec, keras_rec = both(
+        _sparse_regressor(), lambda: ((matrix, y), {"batch_size": 3}), return_dict=True
     )
     assert_same_logs(got, want)
     assert _calls(safe_rec) == _calls(keras_rec)
