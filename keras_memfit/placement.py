@@ -192,7 +192,10 @@ def place(
             _said_no_accelerator = True
         plan = _plan(ModelAnalysis(model, ByteCounter()), host, None, [], False,
                      "no accelerator: TensorFlow sees no GPU; nothing changed")
-        _show(plan, verbose)
+        if verbose:
+            plan.summary()
+        else:  # the warning above said so, once per process
+            logger.debug("%s", plan)
         return plan
 
     analysis = _analyse(model)
