@@ -45,9 +45,9 @@ class SplitBatches:
         """
         self.model = model
         # Run eagerly, Keras's batches have static shapes: it weights them by rows.
-        counts_once = getattr(
-            _backend.get(), "KERAS_COUNTS_EACH_BATCH_ONCE", False
-        ) and not getattr(model, "run_eagerly", False)
+        counts_once = _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE and not getattr(
+            model, "run_eagerly", False
+        )
         self.trackers = (
             [] if exact or not counts_once else _keras_compat.per_output_loss_trackers(model)
         )
