@@ -300,8 +300,10 @@ class BatchPlanner:
         """Call after every row of the batch given to `start_batch` ran.
 
         After `GROW_AFTER` batches in a row that were split and fitted, the
-        size grows, but only when that lowers the number of pieces per batch:
-        to the smallest size that gives the new split.
+        size grows to the smallest size that runs the batch as fewer pieces
+        (at least one fewer; as many fewer as the usual growth step allows),
+        if that size is within the ceiling; a growth that would keep the
+        split is no growth.
         """
         n = self._batch_rows
         if not n or self._probes or self._size >= n:
@@ -315,10 +317,11 @@ class BatchPlanner:
         if ceiling <= size:
             return
         old_split = math.ceil(n / size)
-        new_split = math.ceil(n / min(self._grown(ceiling), n))
-        if new_split >= old_split:
-            return  # the same number of pieces: nothing to gain
+        # At least one piece fewer (a size that keeps the split gains nothing).
+        new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
         new = math.ceil(n / new_split)
+        if new > ceiling:
+            return  # one piece fewer is already above what may fit
         self._record(
             "grow", size, new,
             f"{GROW_AFTER} batches in a row fitted as {old_split} pieces of up to "
