@@ -67,3 +67,20 @@ def legacy_keras_error(obj: Any) -> Optional[str]:
         "with Keras 3: `import keras` and use `keras.Model`/`keras.Sequential`, and "
         "unset TF_USE_LEGACY_KERAS (or set it to 0) before TensorFlow is imported."
     )
+
+
+def refuse(obj: Any) -> None:
+    """Raise `TypeError` with `legacy_keras_error`'s message for a Keras 2 object.
+
+    Args:
+        obj: The object received (usually the model).
+
+    Raises:
+        TypeError: If `obj` is a tf_keras (Keras 2) object.
+
+    Example:
+        >>> refuse(keras.Sequential())  # a Keras 3 model: nothing happens
+    """
+    message = legacy_keras_error(obj)
+    if message is not None:
+        raise TypeError(message)

@@ -49,6 +49,7 @@ from keras_memfit.runner import Accumulation, run_in_pieces
 logger = logging.getLogger("keras_memfit")
 
 MODES = ("accumulate", "shrink")
+_PHASE_OF_KIND = {"train": "fit", "test": "evaluate"}  # Keras's function kinds, in words
 # Details for the `OutOfMemoryError` MemFit raises: no size fits, or the
 # optimizer update (which splitting cannot shrink) ran out of memory.
 STATE_KEPT = (
@@ -376,9 +377,10 @@ class Run:
 def _cannot_split_error(model: keras.Model, phase: str, received: Optional[str]) -> Exception:
     """The backend's OOM error, saying that MemFit could not split what it received."""
     message = (
-        f"Model '{model.name}' ran out of memory in {phase} on a batch that MemFit "
-        f"cannot split to retry it smaller. Received: {received}. MemFit splits numpy "
-        "arrays and dense tensors (and None inputs); this batch ran as Keras runs it, "
+        f"Model '{model.name}' ran out of memory in {_PHASE_OF_KIND.get(phase, phase)} "
+        f"on a batch that MemFit cannot split to retry it smaller. Received: {received}. "
+        "MemFit splits numpy arrays and dense tensors (and None inputs); this batch "
+        "ran as Keras runs it, "
         "without MemFit. Use a smaller batch_size, or make the input dense (e.g. "
         "tf.sparse.to_dense, RaggedTensor.to_tensor) before it reaches the model."
     )

@@ -52,7 +52,7 @@ import keras
 from keras_memfit import _keras_compat, _model_state
 from keras_memfit import backend as _backend
 from keras_memfit._keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
-from keras_memfit._legacy import legacy_keras_error
+from keras_memfit import _legacy
 from keras_memfit._training import MODES, Run
 from keras_memfit._summary import pad_history, summary
 
@@ -171,7 +171,7 @@ class MemFit(keras.callbacks.Callback):
         self._placed = weakref.WeakSet()
 
     def set_model(self, model: Any) -> None:
-        _refuse_keras2(model)
+        _legacy.refuse(model)
         super().set_model(model)
 
     # Keras 2's CallbackList calls these; Keras 3 never does.
@@ -352,18 +352,11 @@ _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
 
 
 def _keras2_message(model: Any) -> str:
-    return legacy_keras_error(model) or (
+    return _legacy.legacy_keras_error(model) or (
         "MemFit is a Keras 3 callback and was called by tf_keras (Keras 2), which "
         "keras_memfit does not support. Build the model with Keras 3 (`import keras`) "
         "and unset TF_USE_LEGACY_KERAS."
     )
-
-
-def _refuse_keras2(model: Any) -> None:
-    """Raise TypeError for a tf_keras (Keras 2) model (see `keras_memfit._legacy`)."""
-    message = legacy_keras_error(model)
-    if message is not None:
-        raise TypeError(message)
 
 
 def _place_options(place: Any) -> Optional[Dict[str, Any]]:

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from keras_memfit._legacy import is_legacy_keras, legacy_keras_error
+from keras_memfit._legacy import is_legacy_keras, legacy_keras_error, refuse
 
 THRESHOLD = 5
 
@@ -90,6 +90,10 @@ def test_legacy_keras_error_names_tf_keras_and_the_fix():
     for part in ("tf_keras", "Keras 2", "not supported", "Sequential", "import keras",
                  "TF_USE_LEGACY_KERAS"):
         assert part in message, part
+    refuse(_classifier())
+    with pytest.raises(TypeError) as info:
+        refuse(_keras2_model())
+    assert str(info.value) == message
 
 
 def test_memfit_with_a_tf_keras_model_says_keras_2_is_not_supported():
@@ -102,6 +106,21 @@ def test_memfit_with_a_tf_keras_model_says_keras_2_is_not_supported():
                   "_implements_predict_batch_hooks"):
         with pytest.raises(TypeError, match="TF_USE_LEGACY_KERAS"):
             getattr(MemFit(), hooks)()
+
+
+def test_memfit_in_keras_2s_own_callback_list_says_keras_2_is_not_supported():
+    # TensorFlow still ships Keras 2's code (tf_keras is a copy of it); its
+    # fit no longer runs on TF 2.21, but its CallbackList, which fit builds
+    # first, does: without the check it fails with AttributeError:
+    # 'MemFit' object has no attribute '_implements_train_batch_hooks'.
+    keras2 = pytest.importorskip("tensorflow.python.keras")
+    from tensorflow.python.keras.callbacks import CallbackList
+
+    model = keras2.models.Sequential([keras2.layers.Dense(3, input_shape=(4,))])
+    assert is_legacy_keras(model) and not isinstance(model, keras.Model)
+    with pytest.raises(TypeError, match=r"tf_keras \(Keras 2\) is not supported"):
+        CallbackList([MemFit()], add_history=True, model=model, epochs=1, steps=1,
+                     verbose=0)
 
 
 def test_memfit_still_accepts_keras_3_models():
