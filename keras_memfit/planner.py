@@ -34,6 +34,11 @@ trial:
 
 Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
 caught, INFO for estimates and growth.
+
+In `fit`, MemFit tells the planner where each Keras batch begins and ends
+(`start_batch`, `finish_batch`): growth then counts batches (not pieces), and
+happens only when it lowers the number of pieces a batch is run as (the size
+goes to the smallest one giving that split, so the pieces are even).
 """
 
 from __future__ import annotations
@@ -178,6 +183,7 @@ class BatchPlanner:
         self._baseline: Optional[int] = None
         self._streak = 0
         self._growing = False
+        self._batch_rows: Optional[int] = None  # set by start_batch (MemFit)
         k = self._k
         if k.smallest_failed is not None and k.largest_ok:
             # An earlier call already found the boundary: stay below it.
@@ -265,6 +271,8 @@ class BatchPlanner:
             self._take_probe(size)
             return
         self._growing = False
+        if self._batch_rows is not None:  # MemFit: growth counts batches (finish_batch)
+            return
         if not full or self._size >= self.requested_or_inf():
             return
         self._streak += 1
@@ -273,9 +281,7 @@ class BatchPlanner:
         self._streak = 0
         ceiling = self.ceiling()
         if ceiling > self._size:
-            new = min(ceiling, self._size * 2)
-            if self._k.smallest_failed is not None:  # bisect towards the failure
-                new = min(new, self._size + max(1, (ceiling - self._size) // 2))
+            new = self._grown(ceiling)
             self._record(
                 "grow", int(self._size), int(new),
                 f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}",
@@ -283,6 +289,56 @@ class BatchPlanner:
             )
             self._size = new
             self._growing = True
+
+    def _grown(self, ceiling: float) -> float:
+        """The size to grow to from the current one, below `ceiling`."""
+        new = min(ceiling, self._size * 2)
+        if self._k.smallest_failed is not None:  # bisect towards the failure
+            new = min(new, self._size + max(1, (ceiling - self._size) // 2))
+        return new
+
+    # ---------------------------------------------------------- MemFit batches
+    def start_batch(self, rows: int) -> None:
+        """Call before the pieces of one Keras batch of `rows` rows (MemFit).
+
+        From then on growth counts whole batches (`finish_batch`), not pieces.
+        """
+        self._batch_rows = rows
+
+    def finish_batch(self) -> None:
+        """Call after every row of the batch given to `start_batch` ran.
+
+        After `GROW_AFTER` batches in a row that were split and fitted, the
+        size grows to the smallest size that runs the batch as fewer pieces
+        (at least one fewer; as many fewer as the usual growth step allows),
+        if that size is within the ceiling; a growth that would keep the
+        split is no growth.
+        """
+        n = self._batch_rows
+        if not n or self._probes or self._size >= n:
+            return
+        self._streak += 1
+        if self._streak < GROW_AFTER:
+            return
+        self._streak = 0
+        size = int(self._size)
+        ceiling = self.ceiling()
+        if ceiling <= size:
+            return
+        old_split = math.ceil(n / size)
+        # At least one piece fewer (a size that keeps the split gains nothing).
+        new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
+        new = math.ceil(n / new_split)
+        if new > ceiling:
+            return  # one piece fewer is already above what may fit
+        self._record(
+            "grow", size, new,
+            f"{GROW_AFTER} batches in a row fitted as {old_split} pieces of up to "
+            f"{size} samples; trying {new_split} pieces of up to {new}",
+            level=logging.INFO,
+        )
+        self._size = new
+        self._growing = True
 
     def requested_or_inf(self) -> float:
         return math.inf if self.requested is None else self.requested
@@ -408,4 +464,4 @@ class BatchPlanner:
         if kind == "estimate":
             instead = f" instead of {old}" if old is not None else ""
             reason = f"using batch_size={new}{instead} ({reason})"
-        logger.log(level, "keras_memfit: %s: %s", self._label, reason)
+        logger.log(level, "%s: %s", self._label, reason)
