@@ -6,6 +6,8 @@ import logging
 import numbers
 from typing import Any, Optional
 
+from keras_memfit import _legacy
+
 
 def positive_int(name: str, value: Any, allow_none: bool = True) -> Optional[int]:
     """Return `value` if it is a positive int (or None when allowed)."""
@@ -27,9 +29,10 @@ def verbosity(value: Any) -> int:
 
 
 def model(value: Any) -> None:
-    """Check that `value` looks like a Keras model."""
+    """Check that `value` looks like a Keras model (and not a Keras 2 / tf_keras one)."""
     import keras
 
+    _legacy.refuse(value)
     if not isinstance(value, keras.Model):
         raise TypeError(
             f"model must be a keras.Model; received {type(value).__name__}: {value!r:.80}"
