@@ -9,7 +9,7 @@ here, so that a Keras release that moves something breaks one module, and
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Tuple, Type
+from typing import Any, Iterable, Optional, Tuple, Type
 
 import keras
 
@@ -44,6 +44,16 @@ def has_per_output_loss_trackers(model: keras.Model) -> bool:
     """
     compile_loss = getattr(model, "_compile_loss", None)
     return bool(getattr(compile_loss, "metrics", None))
+
+
+def per_output_loss_trackers(model: keras.Model) -> list:
+    """The compiled loss's per-output loss trackers (`keras.metrics.Mean`s), or [].
+
+    Keras updates each with the output's batch loss, weighted by the *static*
+    batch size of the output (one per batch when it is unknown).
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    return [m for m in (getattr(compile_loss, "metrics", None) or []) if m is not None]
 
 
 def layer_and_operation_classes() -> Tuple[Type[Any], Type[Any]]:
@@ -100,15 +110,19 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
     return {k.removesuffix("_shape"): tensors(s) for k, s in shapes.items()}, False
 
 
-def data_adapter(x: Any) -> Any:
-    """Keras's own data adapter for `x` (tf.data, PyDataset, generators, ...), unshuffled.
+def data_adapter(
+    x: Any, y: Any = None, sample_weight: Any = None, batch_size: Optional[int] = None
+) -> Any:
+    """Keras's own data adapter for `x` (tf.data, PyDataset, generators, arrays), unshuffled.
 
     Raises:
         ValueError: If Keras does not accept `x` as input data.
     """
     from keras.src.trainers.data_adapters import get_data_adapter
 
-    return get_data_adapter(x, shuffle=False)
+    return get_data_adapter(
+        x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False
+    )
 
 
 def convolution_layer_classes() -> dict:

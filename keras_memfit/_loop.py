@@ -8,6 +8,16 @@ stop flag (`stop_predicting`/`stop_evaluating`) that a callback sets to end
 the run early. Each piece actually run is one batch for the callbacks: its
 `on_*_batch_begin` is sent once, before its first attempt (not again for a
 retry after an OOM), and its `on_*_batch_end` after it succeeded.
+
+With the model's `steps_per_execution` (`spe`) above 1 the callbacks see
+executions of `spe` batches, as in Keras: `on_*_batch_begin(i)` before batch
+`i` when `i` is a multiple of `spe`, `on_*_batch_end(i + spe - 1, logs)` after
+the execution's last batch (also for a last, shorter execution, as Keras
+does), the logs merged over the execution (`merge_logs`), and the stop flag is
+read after each execution. When nothing runs out of memory the batches are
+the ones Keras runs, so the calls are Keras's. After an OOM splits a batch,
+its pieces are batches for the callbacks (the indices count pieces), so an
+execution then covers `spe` pieces: fewer samples than Keras's would.
 """
 
 from __future__ import annotations
@@ -94,6 +104,8 @@ class BatchLoop:
         self.batch = 0
         self.done = 0
         self._begun = -1
+        self._per_execution = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        self._pending: list = []  # logs of the open execution's batches
 
     def begin(self) -> None:
         """Clear the model's stop flag and send `on_{predict,test}_begin`."""
@@ -108,6 +120,7 @@ class BatchLoop:
         *,
         requested: Optional[int],
         guard: Any = None,
+        merge_logs: Optional[Callable[[list], Any]] = None,
     ) -> None:
         """Run `step` over `chunks` with `run_in_pieces`, one callback batch per piece.
 
@@ -120,29 +133,69 @@ class BatchLoop:
                 bar (a list of (name, value), or None).
             requested: Largest piece size (see `requested_size`).
             guard: State guard passed to `run_in_pieces`.
+            merge_logs: With `steps_per_execution` > 1, makes one execution's
+                logs from the list of its batches' logs; the last batch's by
+                default.
         """
+        spe = self._per_execution
 
         def attempt(piece: Any) -> Any:
             if self._begun != self.batch:  # once per batch, not per retry
-                self._on_batch_begin(self.batch)
+                if self.batch % spe == 0:
+                    self._on_batch_begin(self.batch)
                 self._begun = self.batch
             return step(piece)
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:
             logs, values = on_result(size, result)
-            self._on_batch_end(self.batch, logs)
             self.batch += 1
             self.done += size
             if self.progbar is not None:
                 self.progbar.update(
                     self.done, values=values, finalize=self.done == self.num_samples
                 )
-            return bool(getattr(self.model, self._stop_flag, False))
+            if spe == 1:
+                self._on_batch_end(self.batch - 1, logs)
+                return self._stopped()
+            self._pending.append(logs)
+            if self.batch % spe:
+                return False
+            self._end_execution(merge_logs)
+            return self._stopped()
 
         run_in_pieces(
             self.model, self.phase, chunks, attempt, on_piece,
             requested=requested, guard=guard,
         )
+        if self._pending:  # a last, shorter execution
+            self._end_execution(merge_logs)
+
+    def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
+        """Send the `on_*_batch_begin` Keras sends when batched input ends early.
+
+        Keras calls `on_*_batch_begin` before it fetches a batch, so when the
+        input runs out before the number of batches it expected (`steps`, or
+        the input's announced length; always for a generator, whose length
+        is unknown) it has called it once more, for a batch that never came.
+        Call after `run`, unless the run was stopped.
+        """
+        if self._stopped() or source.from_arrays:
+            return
+        expected = steps or source.num_batches
+        if expected is not None and self.batch >= expected:
+            return
+        spe = self._per_execution
+        self._on_batch_begin(-(-self.batch // spe) * spe)
+
+    def _end_execution(self, merge_logs: Optional[Callable[[list], Any]]) -> None:
+        spe = self._per_execution
+        begin = (self.batch - 1) // spe * spe
+        logs = merge_logs(self._pending) if merge_logs else self._pending[-1]
+        self._pending = []
+        self._on_batch_end(begin + spe - 1, logs)  # Keras's end index, also when short
+
+    def _stopped(self) -> bool:
+        return bool(getattr(self.model, self._stop_flag, False))
 
     def end(self, logs: Any = None, values: Optional[list] = None) -> None:
         """Finish the progress bar (stopped early, or of unknown length) and send `on_*_end`.

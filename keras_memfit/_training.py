@@ -17,19 +17,27 @@ A train step that snapshots its own small state (`TrainStep.snapshots_itself`)
 runs unguarded; one that does not (a custom `train_step`) runs inside a
 `Guard`. A step whose optimizer update had begun when it ran out of memory
 (`StepOutcome.UPDATE_BEGAN`) is not retried.
+
+Every phase runs the whole batch first and splits only after an OOM, so a
+call that never runs out of memory computes what Keras computes; `predict`
+then returns the step's own tensors, as Keras's `predict_function` does.
+Batches MemFit cannot split (sparse or ragged tensors, optional inputs that
+arrive as `tf.experimental.Optional`, anything but arrays and dense tensors)
+go to Keras's own step function (`Run.keras_function`), untouched; only when
+one of those runs out of memory does MemFit raise, naming what it received.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import logging
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import keras
-import numpy as np
 
 from keras_memfit import _cache, _model_state
 from keras_memfit import backend as _backend
+from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
 from keras_memfit.evaluate import test_step_and_guard
@@ -38,7 +46,10 @@ from keras_memfit.planner import BatchPlanner, Event
 from keras_memfit.predict import predict_step
 from keras_memfit.runner import Accumulation, run_in_pieces
 
+logger = logging.getLogger("keras_memfit")
+
 MODES = ("accumulate", "shrink")
+_PHASE_OF_KIND = {"train": "fit", "test": "evaluate"}  # Keras's function kinds, in words
 # Details for the `OutOfMemoryError` MemFit raises: no size fits, or the
 # optimizer update (which splitting cannot shrink) ran out of memory.
 STATE_KEPT = (
@@ -75,6 +86,12 @@ class Run:
     Args:
         model: The model being run.
         mode: "accumulate" or "shrink" (see `MemFit`).
+        keras_function: `keras_function(kind, batches)` runs Keras's own
+            `model.<kind>_function` on the batches already pulled (for the
+            batches MemFit cannot split).
+        fallback: Why `mode="accumulate"` was asked for but "shrink" is used,
+            logged as a warning when that first matters (the first OOM in
+            training); None when the mode is the one asked for.
 
     Attributes:
         events: One `Event` per adaptation, located at `epoch` and `step`.
@@ -83,11 +100,21 @@ class Run:
         epoch_ooms: OOMs caught in this epoch (training and validation).
         epoch_split: The most pieces one training batch was run as in this
             epoch (1 when none was split).
+        most_pieces: Per phase that split a batch, the most pieces one batch
+            was run as during the call, and that batch's rows.
     """
 
-    def __init__(self, model: keras.Model, mode: str) -> None:
+    def __init__(
+        self,
+        model: keras.Model,
+        mode: str,
+        keras_function: Callable[[str, List[Any]], Any],
+        fallback: Optional[str] = None,
+    ) -> None:
         self.model = model
         self.mode = mode
+        self.keras_function = keras_function
+        self.fallback = fallback
         self.events: List[Event] = []
         self.epoch = 0
         self.step = 0
@@ -98,6 +125,9 @@ class Run:
         self._train_parts: Optional[TrainParts] = None
         self._test_parts: Optional[Tuple[Any, Guard]] = None
         self._predict_step: Any = None
+        self._unsplittable: Optional[str] = None
+        # phase -> (the most pieces one batch was run as, that batch's rows)
+        self.most_pieces: Dict[str, Tuple[int, int]] = {}
 
     def start_epoch(self, epoch: int) -> None:
         """Start counting the OOMs and the split of `epoch`."""
@@ -108,26 +138,28 @@ class Run:
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
         """Train on each Keras batch; returns the last one's logs."""
+        if self._passed_through("train", batches):
+            return self._keras("train", batches)
         logs = None
         for batch in batches:
-            logs = self._train_batch(_as_chunk(batch))
+            logs = self._train_batch(as_chunk(batch))
         return logs
 
     def _train_batch(self, chunk: tuple) -> Any:
         parts = self._train_parts_for(chunk)
         n = _data.num_rows(chunk)
-        planner = self._planner("train", _data.signature(chunk[0]), probe="after_oom")
+        planner = self._planner("train", _data.signature(chunk[0]), n)
         logs: Dict[str, Any] = {}
+        pieces = [0]  # pieces of this batch: train steps, or accumulated micro-batches
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:
             logs["value"] = result
-            if self.mode == "shrink":
-                self.epoch_split = max(self.epoch_split, math.ceil(n / max(size, 1)))
+            pieces[0] += 1
             return False
 
         accumulation = None
         if self.mode == "accumulate":
-            accumulation = self._accumulation(parts, chunk, planner)
+            accumulation = self._accumulation(parts, chunk, planner, pieces)
         try:
             run_in_pieces(
                 self.model, "train", [chunk], self._step_runner(parts.step, planner), on_piece,
@@ -135,6 +167,9 @@ class Run:
                 guard=None if parts.step.snapshots_itself else parts.guard,
                 accumulation=accumulation, detail=STATE_KEPT,
             )
+            planner.finish_batch()
+            self.epoch_split = max(self.epoch_split, pieces[0])
+            self._note_pieces("train", pieces[0], n)
         finally:
             self._note_events(n)
         return logs["value"]
@@ -144,7 +179,7 @@ class Run:
 
         def run(piece: tuple) -> Any:
             try:
-                return step(_as_batch(piece))
+                return step(as_batch(piece))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
                     raise self._oom_error(piece, planner, UPDATE_OOM) from exc
@@ -153,20 +188,23 @@ class Run:
         return run
 
     def _accumulation(
-        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner
+        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner, pieces: List[int]
     ) -> Accumulation:
-        """The batch `chunk` as micro-batches whose summed gradients make one update."""
+        """The batch `chunk` as micro-batches whose summed gradients make one update.
+
+        `pieces[0]` ends as the number of micro-batches (the chunk's
+        `on_piece` then adds one: the apply).
+        """
         model = self.model
-        pieces = [0]
 
         def begin() -> None:
             if parts.accumulator is None:
                 parts.accumulator = _backend.get().make_accumulator(model)
             parts.accumulator.reset()
-            pieces[0] = 0
+            pieces[0] = -1  # on_piece counts the chunk once more
 
         def add(piece: tuple, share: float) -> None:
-            parts.accumulator.add(_as_batch(piece), share)
+            parts.accumulator.add(as_batch(piece), share)
             pieces[0] += 1
 
         def finish() -> Any:
@@ -176,7 +214,6 @@ class Run:
                 if not is_oom_error(exc):
                     raise
                 raise self._oom_error(chunk, planner, UPDATE_OOM) from exc
-            self.epoch_split = max(self.epoch_split, pieces[0])
             return model.get_metrics_result()
 
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
@@ -217,31 +254,45 @@ class Run:
     # ------------------------------------------------------------- evaluate
     def test(self, batches: List[Any]) -> Any:
         """Evaluate each Keras batch; returns the last one's logs."""
+        if self._passed_through("test", batches):
+            return self._keras("test", batches)
         model = self.model
         logs: Dict[str, Any] = {}
+        pieces = [0]
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:
             logs["value"] = result
+            pieces[0] += 1
             return False
 
         for batch in batches:
-            chunk = _as_chunk(batch)
+            chunk = as_chunk(batch)
             if self._test_parts is None:
                 self._test_parts = test_step_and_guard(model, chunk)
             step, guard = self._test_parts
+            n = _data.num_rows(chunk)
+            planner = self._planner("evaluate", _data.signature(chunk[0]), n)
+            pieces[0] = 0
             try:
                 run_in_pieces(
-                    model, "evaluate", [chunk], lambda piece: step(_as_batch(piece)),
-                    on_piece, requested=None, guard=guard,
-                    planner=self._planner("evaluate", _data.signature(chunk[0])),
+                    model, "evaluate", [chunk], lambda piece: step(as_batch(piece)),
+                    on_piece, requested=None, guard=guard, planner=planner,
                 )
+                planner.finish_batch()
+                self._note_pieces("evaluate", pieces[0], n)
             finally:
-                self._note_events(_data.num_rows(chunk))
+                self._note_events(n)
         return logs.get("value", {})
 
     # -------------------------------------------------------------- predict
     def predict(self, batches: List[Any]) -> Any:
-        """Predict each Keras batch; returns the outputs, concatenated."""
+        """Predict each Keras batch; returns the outputs, concatenated.
+
+        A batch run whole gives the step's own tensors, as Keras's
+        `predict_function` does; pieces are gathered on the host.
+        """
+        if self._passed_through("predict", batches):
+            return self._keras("predict", batches)
         if self._predict_step is None:
             self._predict_step = predict_step(self.model)
         step = self._predict_step
@@ -253,55 +304,88 @@ class Run:
 
         for batch in batches:
             x = keras.utils.unpack_x_y_sample_weight(batch)[0]
+            n = _data.num_rows(x)
+            planner = self._planner("predict", _data.signature(x), n)
+            before = len(outputs)
             try:
                 run_in_pieces(
-                    self.model, "predict", [(x,)],
-                    lambda piece: keras.tree.map_structure(
-                        keras.ops.convert_to_numpy, step(piece[0])
-                    ),
-                    on_piece, requested=None,
-                    planner=self._planner("predict", _data.signature(x)),
+                    self.model, "predict", [(x,)], lambda piece: step(piece[0]),
+                    on_piece, requested=None, planner=planner,
                 )
+                planner.finish_batch()
+                self._note_pieces("predict", len(outputs) - before, n)
             finally:
-                self._note_events(_data.num_rows(x))
-        return _concatenate(outputs)
+                self._note_events(n)
+        return concatenate(outputs)
+
+    # ------------------------------------------------- batches MemFit passes on
+    def _passed_through(self, kind: str, batches: List[Any]) -> bool:
+        """Whether `batches` go to Keras's own function (some input cannot be split)."""
+        self._unsplittable = None
+        for batch in batches:
+            found = unsplittable(as_chunk(batch))
+            if found is not None:
+                self._unsplittable = found
+                return True
+        return False
+
+    def _keras(self, kind: str, batches: List[Any]) -> Any:
+        """Keras's own `<kind>_function` on `batches`; an OOM names what MemFit received."""
+        try:
+            return self.keras_function(kind, batches)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            raise _cannot_split_error(self.model, kind, self._unsplittable) from exc
 
     # --------------------------------------------------------------- shared
-    def _planner(self, phase: str, signature: Hashable, probe: str = "first") -> BatchPlanner:
+    def _planner(self, phase: str, signature: Hashable, rows: int) -> BatchPlanner:
+        """The planner of `phase` at `signature`, told that a batch of `rows` begins.
+
+        Every phase tries the whole batch first (`probe="after_oom"`): a
+        batch that fits runs as Keras would run it.
+        """
         key = (phase, signature)
         planner = self._planners.get(key)
         if planner is None:
             planner = self._planners[key] = BatchPlanner(
-                self.model, phase, signature, None, self._pending, probe=probe
+                self.model, phase, signature, None, self._pending, probe="after_oom"
             )
+        planner.start_batch(rows)
         return planner
+
+    @property
+    def adapted(self) -> bool:
+        """Whether anything was adapted: an event, or a batch run as pieces."""
+        return bool(self.events or self.most_pieces)
+
+    def _note_pieces(self, phase: str, pieces: int, rows: int) -> None:
+        if pieces > 1 and pieces >= self.most_pieces.get(phase, (0, 0))[0]:
+            self.most_pieces[phase] = (pieces, rows)
 
     def _note_events(self, batch_rows: Optional[int]) -> None:
         for event in self._pending:
             if event.kind == "oom":
                 self.epoch_ooms += 1
+                if event.phase == "train" and self.fallback:
+                    logger.warning("%s", self.fallback)
+                    self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._pending.clear()
 
 
-def _as_chunk(batch: Any) -> tuple:
-    """A Keras batch as an `(x, y, sample_weight)` chunk of rows."""
-    return tuple(keras.utils.unpack_x_y_sample_weight(batch))
-
-
-def _as_batch(chunk: tuple) -> tuple:
-    """An `(x, y, sample_weight)` chunk back as a Keras batch."""
-    x, y, sample_weight = chunk
-    if sample_weight is not None:
-        return (x, y, sample_weight)
-    if y is not None:
-        return (x, y)
-    return (x,)
-
-
-def _concatenate(parts: List[Any]) -> Any:
-    if len(parts) == 1:
-        return parts[0]
-    leaves = [keras.tree.flatten(p) for p in parts]
-    joined = [np.concatenate(column, axis=0) for column in zip(*leaves)]
-    return keras.tree.pack_sequence_as(parts[0], joined)
+def _cannot_split_error(model: keras.Model, phase: str, received: Optional[str]) -> Exception:
+    """The backend's OOM error, saying that MemFit could not split what it received."""
+    message = (
+        f"Model '{model.name}' ran out of memory in {_PHASE_OF_KIND.get(phase, phase)} "
+        f"on a batch that MemFit cannot split to retry it smaller. Received: {received}. "
+        "MemFit splits numpy arrays and dense tensors (and None inputs); this batch "
+        "ran as Keras runs it, "
+        "without MemFit. Use a smaller batch_size, or make the input dense (e.g. "
+        "tf.sparse.to_dense, RaggedTensor.to_tensor) before it reaches the model."
+    )
+    backend = _backend.get()
+    cls = backend.oom_error_bases()[0]
+    error = cls.__new__(cls)
+    backend.init_oom_error(error, message)
+    return error

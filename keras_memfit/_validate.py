@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 from typing import Any, Optional
+
+from keras_memfit import _legacy
 
 
 def positive_int(name: str, value: Any, allow_none: bool = True) -> Optional[int]:
@@ -26,32 +29,51 @@ def verbosity(value: Any) -> int:
 
 
 def model(value: Any) -> None:
-    """Check that `value` looks like a Keras model."""
+    """Check that `value` looks like a Keras model (and not a Keras 2 / tf_keras one)."""
     import keras
 
+    _legacy.refuse(value)
     if not isinstance(value, keras.Model):
         raise TypeError(
             f"model must be a keras.Model; received {type(value).__name__}: {value!r:.80}"
         )
 
 
-def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> None:
-    """Reject a `batch_size` for input that comes batched already.
+def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> Optional[int]:
+    """`batch_size` for array input; None for input that comes batched already.
+
+    `model.predict`/`evaluate` ignore `batch_size` for a dataset, a PyDataset
+    or a generator, so the drop-ins do too: it bounds nothing, which is
+    logged at INFO.
 
     Args:
         x: The input.
         batch_size: The validated `batch_size` argument.
-        advice: A sentence appended to the error (e.g. what to use instead).
+        advice: What to use instead, appended to the log message.
 
-    Raises:
-        ValueError: If `batch_size` is given and `x` is a dataset, a
-            PyDataset or a generator.
+    Returns:
+        `batch_size` for array input (and sparse arrays), else None.
     """
     from keras_memfit.data import is_array_like
 
-    if batch_size is not None and not is_array_like(x):
+    if batch_size is None or is_array_like(x):
+        return batch_size
+    logging.getLogger("keras_memfit").info(
+        "batch_size=%d is ignored: x of type %s is already batched, as in Keras%s",
+        batch_size, type(x).__name__, f"; {advice}" if advice else "",
+    )
+    return None
+
+
+def unknown_kwargs(function: str, kwargs: dict) -> None:
+    """Raise Keras's error for keyword arguments a function does not take.
+
+    Raises:
+        ValueError: `Arguments not recognized: {...}`, as `model.evaluate` raises.
+    """
+    if kwargs:
         raise ValueError(
-            "batch_size must be None when x is a dataset, a PyDataset or a generator "
-            f"(they are already batched); received batch_size={batch_size} with x of "
-            f"type {type(x).__name__}" + (f". {advice}" if advice else "")
+            f"Arguments not recognized: {kwargs}. {function} takes the arguments of "
+            "model.evaluate (x, y, batch_size, verbose, sample_weight, steps, "
+            "callbacks, return_dict) and exact_output_losses."
         )

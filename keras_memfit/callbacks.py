@@ -31,6 +31,13 @@ in training) see each micro-batch on its own, and their moving statistics are
 updated once per micro-batch; dropout masks are drawn per micro-batch. An OOM
 inside the optimizer update itself (whose memory does not depend on the
 batch size) cannot be split and raises `OutOfMemoryError`.
+
+When nothing runs out of memory, nothing changes: every batch runs whole, as
+Keras runs it, and what `fit`, `evaluate` and `predict` return, log and pass
+to other callbacks is Keras's own. The record of what MemFit did is
+`MemFit.events`, the `keras_memfit` logger (one line per adaptation, and one
+summary line at the end of a call that adapted anything), and, once something
+was adapted during a `fit`, two entries in its epoch logs.
 """
 
 from __future__ import annotations
@@ -38,14 +45,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
 
 from keras_memfit import _keras_compat, _model_state
 from keras_memfit import backend as _backend
 from keras_memfit._keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
+from keras_memfit import _legacy
 from keras_memfit._training import MODES, Run
+from keras_memfit._summary import pad_history, summary
 
 logger = logging.getLogger("keras_memfit")
 
@@ -80,17 +89,35 @@ class MemFit(keras.callbacks.Callback):
             `step`, `phase` ("train", "evaluate", "predict"), `kind` ("oom",
             "estimate", "grow"), `batch_size`, `old_size`, `new_size`,
             `old_split`, `new_split` (micro-batches per batch) and `reason`.
-            Epoch logs also get `memfit_ooms` (OOMs caught that epoch, in
-            training and validation) and `memfit_split` (the most pieces one
-            training batch was run as that epoch; 1 when none was split).
+            Empty when nothing was adapted.
         plan: The `PlacementPlan` of the last placement made for `place=`,
             or None.
 
+    What appears where:
+
+    - Nothing, while nothing runs out of memory: Keras's own logs, progress
+      bar, History and callbacks, unchanged.
+    - The `keras_memfit` logger: a WARNING per OOM caught, an INFO per
+      estimate and growth, and at the end of a call that adapted anything
+      one INFO summary line (`MemFit: fit on model 'm' adapted: ...`).
+    - Epoch logs (progress bar, History, TensorBoard), from the first epoch
+      in which something was adapted: `memfit_ooms` (OOMs caught that epoch,
+      in training and validation) and `memfit_split` (the most pieces one
+      training batch was run as that epoch; 1 when none was split). History
+      gets them for the earlier epochs of that `fit` too (0 and 1), so its
+      lists stay one entry per epoch.
+
+    A custom `train_step`, or a loss not reduced with "sum_over_batch_size",
+    cannot be accumulated exactly: `mode="accumulate"` then trains as
+    `mode="shrink"` for that model, with a warning at its first OOM. Batches
+    MemFit cannot split (sparse or ragged tensors, optional inputs) run
+    through Keras's own step untouched; only an OOM on one of them raises,
+    naming what was received.
+
     Raises:
         ValueError: If `place` is not None, a bool or a dict of `place`'s
-            keyword arguments. At the start of `fit`, if `mode="accumulate"` cannot be
-            exact for this model (a custom `train_step`, or a loss reduction
-            other than "sum_over_batch_size"); use `mode="shrink"` there.
+            keyword arguments.
+        TypeError: When used with a tf_keras (Keras 2) model.
         NotImplementedError: At the start of `fit`, for a backend other than
             TensorFlow or a model under a `tf.distribute` strategy.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
@@ -117,42 +144,84 @@ class MemFit(keras.callbacks.Callback):
         self._originals: Dict[str, Any] = {}
         self._wrappers: Dict[str, Any] = {}
         self._run: Optional[Run] = None
+        self._kept_events: List[Any] = []  # the last call's, across pickling
         self._in_fit = False
+        self._epochs = 0  # epochs ended in the current fit
 
     @property
     def events(self) -> List[Dict[str, Any]]:
         """One dict per adaptation during the last call (see the class docstring)."""
-        if self._run is None:
-            return []
-        return [dataclasses.asdict(event) for event in self._run.events]
+        events = self._kept_events if self._run is None else self._run.events
+        return [dataclasses.asdict(event) for event in events]
+
+    # -------------------------------------------------- pickling, Keras 2
+    def __getstate__(self) -> Dict[str, Any]:
+        """What pickling and `copy.deepcopy` keep: the settings and the last events.
+
+        The state of a call in progress (the installed functions, the run,
+        the models already placed) is not kept: a copy starts fresh.
+        """
+        state = dict(self.__dict__)
+        state["_kept_events"] = list(self._run.events) if self._run else self._kept_events
+        state.update(_run=None, _originals={}, _wrappers={}, _placed=None, _in_fit=False)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._placed = weakref.WeakSet()
+
+    def set_model(self, model: Any) -> None:
+        _legacy.refuse(model)
+        super().set_model(model)
+
+    # Keras 2's CallbackList calls these; Keras 3 never does.
+    def _implements_train_batch_hooks(self) -> bool:
+        raise TypeError(_keras2_message(self._model))
+
+    _implements_test_batch_hooks = _implements_train_batch_hooks
+    _implements_predict_batch_hooks = _implements_train_batch_hooks
 
     # ------------------------------------------------------------ lifecycle
-    def _start(self) -> None:
+    def _start(self, mode: Optional[str] = None, fallback: Optional[str] = None) -> None:
         """Start a new call: Keras's own functions back, nothing remembered."""
         self._uninstall_all()
-        self._run = Run(self.model, self.mode)
+        self._kept_events = []
+        self._run = Run(self.model, mode or self.mode, self._keras_function, fallback)
+
+    def _keras_function(self, kind: str, batches: List[Any]) -> Any:
+        """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`)."""
+        function = self._originals.get(f"{kind}_function")
+        if function is None:  # not made yet: Keras makes it as its loop would
+            function = getattr(self.model, f"make_{kind}_function")(force=True)
+        return function(batches if kind == "predict" else iter(batches))
 
     # Keras looks the step functions up right after the `on_*_batch_begin`
     # calls, so MemFit installs its own there and removes them as soon as they
     # return or raise: whatever else fails during fit, Keras's own functions
     # are back in place.
     def on_train_begin(self, logs=None):
-        self._check_supported()
+        mode, fallback = self._check_supported()
         self._place_model()
-        self._start()
+        self._start(mode, fallback)
         self._in_fit = True
+        self._epochs = 0
 
     def on_train_end(self, logs=None):
         self._uninstall_all()
         self._in_fit = False
+        self._summarize("fit")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._run.start_epoch(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["memfit_ooms"] = self._run.epoch_ooms
-            logs["memfit_split"] = self._run.epoch_split
+        self._epochs += 1
+        if logs is None or not self._run.adapted:
+            return  # nothing adapted yet: Keras's logs as they are
+        if self._epochs > 1:  # History of this fit is model.history by now
+            pad_history(getattr(self.model, "history", None))
+        logs["memfit_ooms"] = self._run.epoch_ooms
+        logs["memfit_split"] = self._run.epoch_split
 
     def on_train_batch_begin(self, batch, logs=None):
         self._run.step = batch
@@ -167,6 +236,8 @@ class MemFit(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         self._uninstall("test_function")
+        if not self._in_fit:
+            self._summarize("evaluate")
 
     def on_predict_begin(self, logs=None):
         if not self._in_fit:
@@ -177,12 +248,22 @@ class MemFit(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._uninstall("predict_function")
+        if not self._in_fit:
+            self._summarize("predict")
 
     def _start_standalone(self) -> None:
         _backend.get()  # raises NotImplementedError for unsupported backends
         self._start()
 
-    def _check_supported(self) -> None:
+    def _summarize(self, call: str) -> None:
+        """One INFO line at the end of a call that adapted anything."""
+        if self._run is not None and self._run.adapted:
+            logger.info(
+                "%s", summary(call, self.model.name, self.events, self._run.most_pieces)
+            )
+
+    def _check_supported(self) -> Tuple[str, Optional[str]]:
+        """The mode to train in, and why it is not the one asked for (or None)."""
         backend = _backend.get()
         model = self.model
         _keras_compat.warn_if_untested_keras()
@@ -193,22 +274,24 @@ class MemFit(keras.callbacks.Callback):
                 "the strategy, or without MemFit."
             )
         if self.mode != "accumulate":
-            return
+            return self.mode, None
         if not backend.has_default_train_step(model):
-            raise ValueError(
+            return "shrink", (
                 f"MemFit(mode='accumulate') cannot split the custom train_step of "
-                f"{type(model).__name__} into accumulated micro-batches. Use "
-                "MemFit(mode='shrink'), which runs your train_step on smaller batches "
-                "(one optimizer step each)."
+                f"{type(model).__name__} into accumulated micro-batches, so it trains as "
+                "MemFit(mode='shrink'): a batch that does not fit runs as smaller "
+                "batches, one optimizer step each. Pass MemFit(mode='shrink') to say so."
             )
         reductions = sorted(set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
         if reductions:
-            raise ValueError(
+            return "shrink", (
                 "MemFit(mode='accumulate') keeps the update exact for losses reduced with "
                 f"'sum_over_batch_size' (Keras's default); model '{model.name}' has "
-                f"losses reduced with {reductions}. Use MemFit(mode='shrink') or the "
-                "default reduction."
+                f"losses reduced with {reductions}, so it trains as MemFit(mode='shrink'): "
+                "a batch that does not fit runs as smaller batches, one optimizer step "
+                "each. Pass MemFit(mode='shrink') to say so, or use the default reduction."
             )
+        return self.mode, None
 
     def _place_model(self) -> None:
         model = self.model
@@ -266,6 +349,14 @@ class MemFit(keras.callbacks.Callback):
 
 
 _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
+
+
+def _keras2_message(model: Any) -> str:
+    return _legacy.legacy_keras_error(model) or (
+        "MemFit is a Keras 3 callback and was called by tf_keras (Keras 2), which "
+        "keras_memfit does not support. Build the model with Keras 3 (`import keras`) "
+        "and unset TF_USE_LEGACY_KERAS."
+    )
 
 
 def _place_options(place: Any) -> Optional[Dict[str, Any]]:

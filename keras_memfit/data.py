@@ -7,6 +7,14 @@ copy; tf.data datasets, `keras.utils.PyDataset` objects and generators yield
 one chunk per batch they produce, and each can still be split into smaller
 pieces. Either way samples come out in input order, and every sample is in
 exactly one piece.
+
+Batches keep the form `model.predict` gives its step: on the TensorFlow
+backend a `tf.data.Dataset`'s batches are TensorFlow tensors (strings,
+ragged and sparse tensors as they are), other batched kinds numpy arrays
+(strings as object arrays) or None for optional inputs. Sparse input
+(`tf.SparseTensor`, scipy sparse matrices) cannot be split into rows here:
+sparse arrays are batched by Keras's own adapter, and a batch holding a
+sparse leaf runs whole (`rows` raises a clear error when asked for part of it).
 """
 
 from __future__ import annotations
@@ -29,20 +37,45 @@ class Chunks:
         chunks: Iterator over chunk structures.
         num_samples: Total number of samples when known in advance (arrays).
         from_arrays: Whether the input was array-like (a single chunk).
+        batched_arrays: Whether array-like input was batched by Keras
+            instead (sparse arrays, whose rows cannot be taken), one chunk
+            per batch of `batch_size`.
+        num_batches: For batched input, the number of batches Keras's data
+            adapter announces (None when unknown, as for generators); set
+            once the chunks are first iterated.
     """
 
-    def __init__(self, chunks: Iterator[Any], num_samples: Optional[int], from_arrays: bool):
+    def __init__(
+        self,
+        chunks: Iterator[Any],
+        num_samples: Optional[int],
+        from_arrays: bool,
+        batched_arrays: bool = False,
+    ):
         self.chunks = chunks
         self.num_samples = num_samples
         self.from_arrays = from_arrays
+        self.batched_arrays = batched_arrays
+        self.num_batches: Optional[int] = None  # Keras's count, once iteration began
 
 
 def _is_array_leaf(value: Any) -> bool:
     if value is None:
         return True
-    if isinstance(value, np.ndarray) or keras.ops.is_tensor(value):
+    if isinstance(value, np.ndarray) or keras.ops.is_tensor(value) or is_sparse(value):
         return True
     return hasattr(value, "to_numpy") and hasattr(value, "shape")  # pandas
+
+
+def is_sparse(value: Any) -> bool:
+    """Whether `value` is a sparse tensor or matrix (`tf.SparseTensor`, scipy, JAX BCOO).
+
+    keras_memfit cannot take rows of these: they go through Keras's own
+    batching, and a batch of them is run whole (see `rows`).
+    """
+    if type(value).__name__ in ("SparseTensor", "BCOO"):
+        return True
+    return hasattr(value, "tocsr") and hasattr(value, "nnz")  # scipy.sparse
 
 
 def is_array_like(x: Any) -> bool:
@@ -55,6 +88,8 @@ def is_array_like(x: Any) -> bool:
 
 def _to_array(value: Any) -> Any:
     if value is None or isinstance(value, np.ndarray) or keras.ops.is_tensor(value):
+        return value
+    if is_sparse(value):
         return value
     return value.to_numpy()
 
@@ -74,16 +109,52 @@ def num_rows(chunk: Any) -> int:
 
 
 def rows(chunk: Any, start: int, stop: int) -> Any:
-    """Rows `start:stop` of every leaf of `chunk` (views for numpy arrays)."""
+    """Rows `start:stop` of every leaf of `chunk` (views for numpy arrays).
+
+    All the rows of a chunk are the chunk itself, untouched, whatever its
+    leaves are; that is how a batch of sparse tensors, which cannot be
+    split, passes through.
+
+    Raises:
+        TypeError: If `start:stop` is a proper part of a chunk holding a
+            sparse leaf (see `is_sparse`); the message names what was received.
+    """
+    n = num_rows(chunk)
+    if start <= 0 and stop >= n:
+        return chunk
     return keras.tree.map_structure(
-        lambda leaf: None if leaf is None else leaf[start:stop], chunk
+        lambda leaf: None if leaf is None else _leaf_rows(leaf, start, stop, n), chunk
     )
+
+
+def splittable(chunk: Any) -> bool:
+    """Whether rows of `chunk` can be taken (it holds no sparse leaf)."""
+    return not any(is_sparse(leaf) for leaf in keras.tree.flatten(chunk))
+
+
+def _leaf_rows(leaf: Any, start: int, stop: int, n: int) -> Any:
+    if is_sparse(leaf):
+        raise TypeError(
+            f"keras_memfit must run a batch of {n} samples in smaller pieces (it ran out "
+            f"of memory, or the memory statistics say it would), but cannot split "
+            f"sparse input; received a {type(leaf).__name__} of shape "
+            f"{tuple(leaf.shape)}. Pass a smaller batch_size (or batch the dataset "
+            "smaller), or densify the input."
+        )
+    return leaf[start:stop]
+
+
+def dtype_name(dtype: Any) -> str:
+    """Keras's name of `dtype`; numpy object arrays (strings from a numpy iterator) are "string"."""
+    if dtype == np.dtype(object):
+        return "string"
+    return keras.backend.standardize_dtype(dtype)
 
 
 def signature(x: Any) -> Tuple:
     """Shapes (without the batch dimension) and dtypes of the leaves of `x`."""
     return tuple(
-        (tuple(leaf.shape[1:]), keras.backend.standardize_dtype(leaf.dtype))
+        (tuple(leaf.shape[1:]), dtype_name(leaf.dtype))
         for leaf in keras.tree.flatten(x)
         if leaf is not None
     )
@@ -143,6 +214,21 @@ def from_input(
         n = _check_cardinality(chunk)
         if steps is not None:
             n = min(n, steps * (batch_size or DEFAULT_BATCH_SIZE))
+        if not splittable(chunk):
+            # Rows of sparse input cannot be taken here: Keras batches it, as
+            # model.predict does, and each batch runs whole.
+            adapter = _keras_compat.data_adapter(
+                x, y, sample_weight, batch_size=batch_size or DEFAULT_BATCH_SIZE
+            )
+            batches = _iterate_adapter(adapter)
+            if steps is not None:
+                batches = itertools.islice(batches, steps)
+            source = Chunks(
+                (_unpack(b, with_targets) for b in batches), n, False, batched_arrays=True
+            )
+            source.num_batches = adapter.num_batches
+            return source
+        if steps is not None:
             chunk = rows(chunk, 0, n)
         return Chunks(iter([chunk]), n, True)
 
@@ -152,18 +238,25 @@ def from_input(
                 f"`{name}` is only accepted with array inputs; received {name} with "
                 f"x of type {type(x).__name__}. Include it in the batches that x yields."
             )
-    iterator = _iterate_batches(x)
-    if steps is not None:
-        iterator = itertools.islice(iterator, steps)
+    source = Chunks(iter(()), None, False)
 
-    def unpack(batch: Any) -> Tuple:
-        bx, by, bw = keras.utils.unpack_x_y_sample_weight(batch)
-        return (bx, by, bw) if with_targets else (bx,)
+    def chunks() -> Iterator[Tuple]:
+        iterator = _iterate_batches(x, source)
+        if steps is not None:
+            iterator = itertools.islice(iterator, steps)
+        for batch in iterator:
+            yield _unpack(batch, with_targets)
 
-    return Chunks((unpack(b) for b in iterator), None, False)
+    source.chunks = chunks()
+    return source
 
 
-def _iterate_batches(x: Any) -> Iterable[Any]:
+def _unpack(batch: Any, with_targets: bool) -> Tuple:
+    bx, by, bw = keras.utils.unpack_x_y_sample_weight(batch)
+    return (bx, by, bw) if with_targets else (bx,)
+
+
+def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
     # Keras's own data adapters know every input kind predict/evaluate take
     # (tf.data, PyDataset with its workers, generators, torch DataLoader, ...).
     try:
@@ -173,11 +266,26 @@ def _iterate_batches(x: Any) -> Iterable[Any]:
             "x must be an array, a tensor, a list/dict of them, a tf.data.Dataset, "
             f"a keras.utils.PyDataset or a generator; received {type(x).__name__}: {err}"
         ) from err
+    source.num_batches = getattr(adapter, "num_batches", None)
+    yield from _iterate_adapter(adapter)
+
+
+def _iterate_adapter(adapter: Any) -> Iterator[Any]:
+    """The adapter's batches, between its `on_epoch_begin` and `on_epoch_end`.
+
+    Batches that are tf.data's (a `tf.data.Dataset`, sparse arrays) come as
+    TensorFlow's own tensors on the TensorFlow backend, as in `model.predict`:
+    Keras's numpy iterator would pad ragged tensors, densify sparse ones and
+    turn strings into object arrays. Other kinds come as numpy arrays.
+    """
     on_begin = getattr(adapter, "on_epoch_begin", None)
     if on_begin:
         on_begin()
+    native = keras.backend.backend() == "tensorflow" and type(adapter).__name__ in (
+        "TFDatasetAdapter", "ArrayDataAdapter",
+    )
     try:
-        yield from adapter.get_numpy_iterator()
+        yield from (iter(adapter.get_tf_dataset()) if native else adapter.get_numpy_iterator())
     finally:
         on_end = getattr(adapter, "on_epoch_end", None)
         if on_end:

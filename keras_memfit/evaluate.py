@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
-from keras_memfit import _cache, _keras_compat, _loop, _validate
+from keras_memfit import _cache, _keras_compat, _loop, _output_losses, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.runner import prepend
@@ -17,22 +17,33 @@ def safe_evaluate(
     x: Any = None,
     y: Any = None,
     batch_size: Optional[int] = None,
-    *,
-    sample_weight: Any = None,
-    return_dict: bool = False,
     verbose: Union[str, int] = "auto",
+    sample_weight: Any = None,
     steps: Optional[int] = None,
     callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+    return_dict: bool = False,
+    *,
+    exact_output_losses: bool = False,
+    **kwargs: Any,
 ) -> Union[float, List[float], Dict[str, float]]:
     """Drop-in for `model.evaluate` that never dies of out-of-memory.
 
-    Returns what `model.evaluate` returns, with the same values up to float
-    rounding. A batch that runs out of memory is retried in smaller pieces
-    from the same offset; the metric and loss state the failed attempt may
-    have touched is rolled back first, so no sample is counted twice in any
-    metric (loss trackers weight each piece by its size, so the mean loss is
-    the same whatever the split). The batch size is planned as in
-    `safe_predict`.
+    Takes `model.evaluate`'s arguments in its order and returns what it
+    returns: the same values up to float rounding, the same `return_dict`
+    keys in the same (sorted) order. A batch that runs out of memory is
+    retried in smaller pieces from the same offset; the metric and loss state
+    the failed attempt may have touched is rolled back first, so no sample is
+    counted twice in any metric, and the pieces of a batch count as that one
+    batch: the result is the one Keras gives for the unsplit batches. The
+    batch size is planned as in `safe_predict`.
+
+    Per-output losses of a multi-output model (`"<output>_loss"`): Keras on
+    TensorFlow averages them over batches, each batch's mean counting once
+    whatever its size, so with a shorter last batch they differ from the
+    mean over samples (the total `"loss"` and the metrics are per-sample
+    means). `safe_evaluate` returns Keras's values by default, also when a
+    batch is split after an OOM; `exact_output_losses=True` gives the mean
+    over samples instead.
 
     Args:
         model: A compiled Keras model.
@@ -42,19 +53,28 @@ def safe_evaluate(
         y: Targets, for array input.
         batch_size: Samples per batch for array input (default 32, as in
             `model.evaluate`); an upper bound lowered when it does not fit.
-        sample_weight: Per-sample weights, for array input.
-        return_dict: Return `{metric name: value}` instead of a list.
+            Ignored (logged at INFO) for input that is batched already, as
+            `model.evaluate` ignores it.
         verbose: "auto" (same as 1), 0, 1 (progress bar) or 2.
+        sample_weight: Per-sample weights, for array input.
         steps: Number of batches to evaluate, as in `model.evaluate`.
-        callbacks: Keras callbacks; they receive the `on_test_*` calls, one
-            batch per piece actually run.
+        callbacks: Keras callbacks; they receive the `on_test_*` calls as
+            from `model.evaluate` (with `steps_per_execution`, one begin/end
+            pair per execution) while nothing runs out of memory; after an
+            OOM each piece actually run is one batch for them.
+        return_dict: Return `{metric name: value}` instead of a list.
+        exact_output_losses: Per-output losses as means over samples
+            instead of Keras's mean of batch means (keyword only).
+        **kwargs: Anything else raises `ValueError: Arguments not
+            recognized`, as in `model.evaluate`.
 
     Returns:
         The scalar loss (no metrics), a list of loss and metric values in
         `model.metrics_names` order, or a dict when `return_dict=True`.
 
     Raises:
-        ValueError: If the model is not compiled, or an argument is invalid.
+        ValueError: If the model is not compiled, or an argument is invalid
+            or unknown.
         TypeError: If `model` is not a Keras model or `x` of an unsupported type.
         keras_memfit.OutOfMemoryError: If even one sample does not fit.
 
@@ -62,6 +82,7 @@ def safe_evaluate(
         >>> loss, accuracy = safe_evaluate(model, x_test, y_test, batch_size=4096)
     """
     _validate.model(model)
+    _validate.unknown_kwargs("safe_evaluate", kwargs)
     batch_size = _validate.positive_int("batch_size", batch_size)
     steps = _validate.positive_int("steps", steps)
     verbose = _validate.verbosity(verbose)
@@ -72,7 +93,7 @@ def safe_evaluate(
         )
     if x is None:
         raise ValueError("x must be given; received x=None")
-    _validate.batch_size_for(x, batch_size)
+    batch_size = _validate.batch_size_for(x, batch_size)
 
     source = _data.from_input(
         x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True
@@ -82,7 +103,8 @@ def safe_evaluate(
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
-    step, guard = test_step_and_guard(model, first)
+    step, guard = test_step_and_guard(model, first, exact=exact_output_losses)
+    batches = _output_losses.SplitBatches(model, exact_output_losses)
 
     loop = _loop.BatchLoop(
         model, "evaluate", callbacks=callbacks, verbose=verbose,
@@ -94,12 +116,20 @@ def safe_evaluate(
 
     def on_result(size, logs):
         nonlocal last_logs
+        if batches.finished(size):  # a split batch was counted as one: current values
+            logs = _metrics_result(model, logs)
         if loop.shows_logs:
             logs = _pythonify(logs)
         last_logs = logs
         return logs, _bar_values(logs)
 
-    loop.run(prepend(first, source.chunks), step, on_result, requested=requested, guard=guard)
+    loop.run(
+        batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
+        batches.step(step, lambda piece: test_step_and_guard(model, piece, exact=True)[0]),
+        on_result,
+        requested=requested, guard=guard,
+    )
+    loop.data_ended(source, steps)
     logs = _pythonify(_metrics_result(model, last_logs))
     loop.end(logs, values=_bar_values(logs))
     if return_dict:
@@ -107,24 +137,31 @@ def safe_evaluate(
     return _keras_compat.flatten_metrics_in_order(model, logs)
 
 
-def test_step_and_guard(model: keras.Model, batch: Any) -> Tuple[Any, Any]:
+def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> Tuple[Any, Any]:
     """The compiled test step for `model` and a guard over its metric state.
 
     Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
     chunk) first; both are cached per model, so repeated calls (and MemFit's
-    validation) trace once.
+    validation) trace once. `exact` is the backend's `make_test_step`'s:
+    per-output loss trackers weighted by rows (True), or as Keras's own
+    `evaluate` weights them (False).
     """
     backend = _backend.get()
-    backend.prepare_test(model, _data.rows(batch, 0, 1))
+    sample = _data.rows(batch, 0, 1) if _data.splittable(batch) else batch
+    backend.prepare_test(model, sample)
     key = (
         "evaluate",
+        exact,
         tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
         bool(getattr(model, "run_eagerly", False)),
         model.jit_compile,
     )
     return _cache.per_model(
         model, key,
-        lambda: (backend.make_test_step(model), backend.guard_variables(model.metrics_variables)),
+        lambda: (
+            backend.make_test_step(model, exact=exact),
+            backend.guard_variables(model.metrics_variables),
+        ),
     )
 
 
@@ -142,10 +179,11 @@ def _bar_values(logs: Any) -> Optional[List[Tuple[str, Any]]]:
 
 
 def _pythonify(logs: Any) -> Any:
+    """Python numbers, keys sorted: what Keras's `evaluate` returns and logs."""
     if not isinstance(logs, dict):
         return logs
     result = {}
-    for key, value in logs.items():
+    for key, value in sorted(logs.items()):
         value = keras.ops.convert_to_numpy(value) if not isinstance(value, (int, float)) else value
         result[key] = value.item() if getattr(value, "size", 0) == 1 else value
     return result

@@ -6,8 +6,8 @@ recognises one way a backend or a library reports running out of memory, and
 is re-raised by keras_memfit untouched: same object, same type, same traceback.
 
 The backend-specific forms (TensorFlow's `ResourceExhaustedError` and its
-`InternalError` variants) live behind the backend seam in
-`keras_memfit.backend`; the forms shared across backends (host `MemoryError`,
+`InternalError` variants; JAX's `JaxRuntimeError` allocation, dispatch, TPU
+and YNNPACK forms) live behind the backend seam in `keras_memfit.backend`; the forms shared across backends (host `MemoryError`,
 XLA, CUDA/cuBLAS/cuDNN allocation failures) live here.
 """
 
@@ -91,7 +91,12 @@ def is_oom_error(exc: BaseException) -> bool:
     True for every form the active backend and XLA use to report running out
     of device or host memory: with TensorFlow, `tf.errors.ResourceExhaustedError`
     and the `InternalError` forms "Dst tensor is not initialized" and "failed
-    to allocate memory"; XLA's "RESOURCE_EXHAUSTED: Out of memory"; cuBLAS and
+    to allocate memory"; with JAX, `jax.errors.JaxRuntimeError` (or the older
+    `XlaRuntimeError`) reporting "RESOURCE_EXHAUSTED: Out of memory
+    allocating/while trying to allocate N bytes", "INTERNAL: Error
+    dispatching computation: Out of memory ...", the TPU's "Allocation
+    (size=N) would exceed memory", and "YNNPACK operation failed" only under
+    an address-space limit (see `keras_memfit.backend.jax.oom`); XLA's "RESOURCE_EXHAUSTED: Out of memory"; cuBLAS and
     cuDNN allocation failures; and `MemoryError`. False for everything else,
     including `KeyboardInterrupt` and errors that merely mention memory.
 
@@ -145,8 +150,10 @@ class _OutOfMemoryErrorBody:
     """Raised when even a single sample does not fit in device memory.
 
     It subclasses the active backend's own out-of-memory error (with
-    TensorFlow, `tf.errors.ResourceExhaustedError`), so existing
-    `except tf.errors.ResourceExhaustedError:` code keeps catching it. The
+    TensorFlow, `tf.errors.ResourceExhaustedError`; with JAX,
+    `jax.errors.JaxRuntimeError`, a `RuntimeError`), so existing
+    `except tf.errors.ResourceExhaustedError:` (or `except
+    jax.errors.JaxRuntimeError:`) code keeps catching it. The
     class is made on first use (`from keras_memfit.oom import
     OutOfMemoryError`), so importing this module needs no backend. The
     backend error that caused it is chained as `__cause__`.

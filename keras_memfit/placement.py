@@ -186,13 +186,16 @@ def place(
         global _said_no_accelerator
         if not _said_no_accelerator:
             logger.warning(
-                "keras_memfit.place: no GPU is visible, so nothing changes: the whole "
+                "place(): no GPU is visible, so nothing changes: the whole "
                 "model already runs on the CPU. Pass accelerator= to name another device."
             )
             _said_no_accelerator = True
         plan = _plan(ModelAnalysis(model, ByteCounter()), host, None, [], False,
                      "no accelerator: TensorFlow sees no GPU; nothing changed")
-        _show(plan, verbose)
+        if verbose:
+            plan.summary()
+        else:  # the warning above said so, once per process
+            logger.debug("%s", plan)
         return plan
 
     analysis = _analyse(model)
@@ -229,7 +232,7 @@ def _analyse(model: keras.Model) -> ModelAnalysis:
         try:
             return analyse(model)
         except Exception as exc:  # the trace is advisory here
-            logger.debug("keras_memfit.place: no traced graph for %r (%s)", model.name, exc)
+            logger.debug("place(): no traced graph for %r (%s)", model.name, exc)
     return ModelAnalysis(model, ByteCounter())
 
 
@@ -398,7 +401,7 @@ def _apply(model, be, host, accelerator, pinned) -> None:
         _no_xla(model)
     _reset_functions(model)
     logger.info(
-        "keras_memfit.place: %d layer(s) on the host, %d variable(s) moved",
+        "place(): %d layer(s) on the host, %d variable(s) moved",
         len(pinned), moved,
     )
 
@@ -410,7 +413,7 @@ def _no_xla(model) -> None:
         was_on = False
     if was_on:
         logger.info(
-            "keras_memfit.place: jit_compile turned off for %r: an XLA cluster runs on one "
+            "place(): jit_compile turned off for %r: an XLA cluster runs on one "
             "device and cannot span the host and the accelerator", model.name,
         )
     model.jit_compile = False

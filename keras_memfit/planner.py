@@ -16,7 +16,10 @@ trial:
    or less where the estimate (with the peak memory observed so far as a
    lower bound on the limit) says so, and the estimate is corrected so that
    it no longer predicts the failed size to fit. A batch of one that fails
-   is final.
+   is final. Where the limit is unknown, that first OOM also proves a budget
+   (the peak memory at the failure over what was held before the piece):
+   the pieces after it start within `MARGIN` of it and never grow past it,
+   so the call pays no second OOM.
 3. **Remember.** What fitted and what failed is kept per model, phase and
    input signature (shapes and dtypes without the batch dimension), so a
    second call on the same model pays no OOM.
@@ -31,6 +34,11 @@ trial:
 
 Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
 caught, INFO for estimates and growth.
+
+In `fit`, MemFit tells the planner where each Keras batch begins and ends
+(`start_batch`, `finish_batch`): growth then counts batches (not pieces), and
+happens only when it lowers the number of pieces a batch is run as (the size
+goes to the smallest one giving that split, so the pieces are even).
 """
 
 from __future__ import annotations
@@ -62,6 +70,9 @@ class Knowledge:
     bytes_per_sample: Optional[float] = None
     limit_floor: int = 0
     growth_frozen: bool = False
+    # Where the limit is unknown: bytes a piece proved it may use (the peak
+    # memory at an OOM over the memory held before that piece); 0 until an OOM.
+    learned_budget: int = 0
 
 
 _KNOWLEDGE: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Knowledge]]" = (
@@ -169,8 +180,10 @@ class BatchPlanner:
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
         self._before: Optional[int] = None
+        self._baseline: Optional[int] = None
         self._streak = 0
         self._growing = False
+        self._batch_rows: Optional[int] = None  # set by start_batch (MemFit)
         k = self._k
         if k.smallest_failed is not None and k.largest_ok:
             # An earlier call already found the boundary: stay below it.
@@ -211,6 +224,7 @@ class BatchPlanner:
             estimate = self.estimate()
             if estimate is not None:
                 cap = min(cap, estimate)
+        cap = min(cap, self._learned_estimate(1.0) or math.inf)
         return max(1, cap)
 
     def _exact_limit(self) -> bool:
@@ -242,6 +256,7 @@ class BatchPlanner:
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
         """Call right before running a piece of `size` samples."""
+        self._note_baseline()
         if self._probes:
             self._note_floor()
             self._backend.reset_peak(self._device)
@@ -256,6 +271,8 @@ class BatchPlanner:
             self._take_probe(size)
             return
         self._growing = False
+        if self._batch_rows is not None:  # MemFit: growth counts batches (finish_batch)
+            return
         if not full or self._size >= self.requested_or_inf():
             return
         self._streak += 1
@@ -264,9 +281,7 @@ class BatchPlanner:
         self._streak = 0
         ceiling = self.ceiling()
         if ceiling > self._size:
-            new = min(ceiling, self._size * 2)
-            if self._k.smallest_failed is not None:  # bisect towards the failure
-                new = min(new, self._size + max(1, (ceiling - self._size) // 2))
+            new = self._grown(ceiling)
             self._record(
                 "grow", int(self._size), int(new),
                 f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}",
@@ -274,6 +289,56 @@ class BatchPlanner:
             )
             self._size = new
             self._growing = True
+
+    def _grown(self, ceiling: float) -> float:
+        """The size to grow to from the current one, below `ceiling`."""
+        new = min(ceiling, self._size * 2)
+        if self._k.smallest_failed is not None:  # bisect towards the failure
+            new = min(new, self._size + max(1, (ceiling - self._size) // 2))
+        return new
+
+    # ---------------------------------------------------------- MemFit batches
+    def start_batch(self, rows: int) -> None:
+        """Call before the pieces of one Keras batch of `rows` rows (MemFit).
+
+        From then on growth counts whole batches (`finish_batch`), not pieces.
+        """
+        self._batch_rows = rows
+
+    def finish_batch(self) -> None:
+        """Call after every row of the batch given to `start_batch` ran.
+
+        After `GROW_AFTER` batches in a row that were split and fitted, the
+        size grows to the smallest size that runs the batch as fewer pieces
+        (at least one fewer; as many fewer as the usual growth step allows),
+        if that size is within the ceiling; a growth that would keep the
+        split is no growth.
+        """
+        n = self._batch_rows
+        if not n or self._probes or self._size >= n:
+            return
+        self._streak += 1
+        if self._streak < GROW_AFTER:
+            return
+        self._streak = 0
+        size = int(self._size)
+        ceiling = self.ceiling()
+        if ceiling <= size:
+            return
+        old_split = math.ceil(n / size)
+        # At least one piece fewer (a size that keeps the split gains nothing).
+        new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
+        new = math.ceil(n / new_split)
+        if new > ceiling:
+            return  # one piece fewer is already above what may fit
+        self._record(
+            "grow", size, new,
+            f"{GROW_AFTER} batches in a row fitted as {old_split} pieces of up to "
+            f"{size} samples; trying {new_split} pieces of up to {new}",
+            level=logging.INFO,
+        )
+        self._size = new
+        self._growing = True
 
     def requested_or_inf(self) -> float:
         return math.inf if self.requested is None else self.requested
@@ -286,6 +351,7 @@ class BatchPlanner:
         """
         k = self._k
         self._note_floor()
+        self._learn_budget()
         k.smallest_failed = size if k.smallest_failed is None else min(k.smallest_failed, size)
         self._streak = 0
         if size <= 1:
@@ -310,7 +376,7 @@ class BatchPlanner:
             new = min(k.largest_ok, size - 1)
         else:
             new = size // 2
-            estimate = self.estimate(limit)
+            estimate = self._learned_estimate(MARGIN) or self.estimate(limit)
             if estimate is not None:
                 new = min(new, estimate)
             if k.largest_ok and k.growth_frozen:
@@ -359,6 +425,33 @@ class BatchPlanner:
         if free > 0:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
 
+    # ------------------------------------------------- unknown-limit learning
+    # Where the limit is unknown, the first OOM proves a memory budget: the
+    # peak memory when it failed (a lower bound on the limit) over what was
+    # held before that piece started. The pieces after it are sized within
+    # MARGIN of that budget and never grow past it, so the rest of the call
+    # and later calls pay no further OOM. (The memory held at the failure
+    # itself still counts the failed piece's buffers: estimating from it
+    # would shrink to a single sample.)
+    def _note_baseline(self) -> None:
+        if self._exact_limit() or not self._stats_ok:
+            return
+        stats = self._backend.memory_stats(self._device)
+        self._baseline = stats[0] if stats is not None else None
+
+    def _learn_budget(self) -> None:
+        if self._exact_limit() or self._baseline is None:
+            return
+        k = self._k
+        k.learned_budget = max(k.learned_budget, k.limit_floor - self._baseline)
+
+    def _learned_estimate(self, margin: float) -> Optional[int]:
+        """Largest batch within `margin` of the learned budget, or None."""
+        k = self._k
+        if self._exact_limit() or not k.learned_budget or not k.bytes_per_sample:
+            return None
+        return max(1, int(k.learned_budget * margin // k.bytes_per_sample))
+
     def _note_floor(self) -> None:
         stats = self._backend.memory_stats(self._device)
         if stats is not None:
@@ -371,4 +464,4 @@ class BatchPlanner:
         if kind == "estimate":
             instead = f" instead of {old}" if old is not None else ""
             reason = f"using batch_size={new}{instead} ({reason})"
-        logger.log(level, "keras_memfit: %s: %s", self._label, reason)
+        logger.log(level, "%s: %s", self._label, reason)

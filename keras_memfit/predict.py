@@ -18,18 +18,25 @@ def safe_predict(
     model: keras.Model,
     x: Any,
     batch_size: Optional[int] = None,
-    *,
-    postprocess: Optional[Callable[[Any], Any]] = None,
-    out: Any = None,
     verbose: Union[str, int] = "auto",
     steps: Optional[int] = None,
     callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+    *,
+    postprocess: Optional[Callable[[Any], Any]] = None,
+    out: Any = None,
     max_batch_size: Optional[int] = None,
 ) -> Any:
     """Drop-in for `model.predict` that never dies of out-of-memory.
 
-    Accepts what `model.predict` accepts and returns the same structure,
-    dtypes and row order, with values equal up to float rounding. On an OOM
+    Accepts what `model.predict` accepts, with the same positional
+    parameters (`safe_predict(model, x, 4, 0)` is `model.predict(x, 4, 0)`),
+    and returns the same structure, dtypes and row order, with values equal
+    up to float rounding; ragged outputs come back as a `tf.RaggedTensor`, as
+    from `model.predict`. Inputs of any dtype Keras takes pass through
+    (strings from `tf.data`, bool, int64, ragged tensors). Sparse inputs
+    (`tf.SparseTensor`, scipy sparse matrices) are batched by Keras and each
+    batch runs whole: if one runs out of memory, a `TypeError` says that
+    sparse input cannot be split (use a smaller batch size). On an OOM
     it splits the batch it holds and carries on from the failed offset, so no
     sample is lost, duplicated or reordered, whatever the input kind (a
     pre-batched dataset's batches are split too). Each finished batch's
@@ -45,7 +52,9 @@ def safe_predict(
             `keras.utils.PyDataset`, or a generator yielding batches.
         batch_size: Samples per batch for array input (default 32, as in
             `model.predict`); an upper bound that is lowered when it does not
-            fit. Must be None for datasets, PyDatasets and generators.
+            fit. Ignored for datasets, PyDatasets and generators, which are
+            batched already, as `model.predict` ignores it (logged at INFO;
+            use `max_batch_size` to bound their pieces).
         postprocess: Function applied to the model's outputs inside the
             compiled predict step, on the device, e.g.
             `lambda y: keras.ops.argmax(y, axis=-1)`; only its (smaller)
@@ -59,14 +68,18 @@ def safe_predict(
         verbose: "auto" (same as 1), 0 (silent), 1 (progress bar) or 2 (one
             line at the end), as in `model.predict`.
         steps: Number of batches to predict, as in `model.predict`.
-        callbacks: Keras callbacks; they receive the `on_predict_*` calls,
-            one batch per piece actually run.
+        callbacks: Keras callbacks; they receive the `on_predict_*` calls as
+            from `model.predict` (with `steps_per_execution`, one
+            begin/end pair per execution) while nothing runs out of memory;
+            after an OOM, each piece actually run is one batch (see
+            `keras_memfit._loop`).
         max_batch_size: Upper bound on any batch run, including pieces of a
             dataset's batches.
 
     Returns:
         A numpy array, or a list/dict of them for multi-output models (the
-        structure `model.predict` returns); `out` when it was given.
+        structure `model.predict` returns; ragged outputs as
+        `tf.RaggedTensor`); `out` when it was given.
 
     Raises:
         ValueError: If `batch_size`, `max_batch_size`, `steps`, `verbose` or
@@ -94,7 +107,9 @@ def safe_predict(
         )
     if out is not None:
         _check_out_types(out)
-    _validate.batch_size_for(x, batch_size, advice="Use max_batch_size to bound the pieces run.")
+    batch_size = _validate.batch_size_for(
+        x, batch_size, advice="use max_batch_size to bound the pieces run"
+    )
 
     source = _data.from_input(
         x, batch_size=batch_size, steps=steps, with_targets=False
@@ -123,7 +138,7 @@ def safe_predict(
     def run(piece):
         outputs = step(piece[0])
         if writer.structure is not None:
-            return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
+            return keras.tree.map_structure(_to_host, outputs)
         for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
             if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
                 origin = "postprocess" if postprocess is not None else "the model's predict_step"
@@ -131,17 +146,45 @@ def safe_predict(
                     f"{origin} must return a tensor or a structure of tensors; "
                     f"received {type(leaf).__name__}: {leaf!r:.80}"
                 )
-        return keras.tree.map_structure(keras.ops.convert_to_numpy, outputs)
+        return keras.tree.map_structure(_to_host, outputs)
 
     def on_result(size, result):
         writer.write(result, size, postprocess)
         return {"outputs": result}, None
 
-    loop.run(chunks, run, on_result, requested=requested)
+    loop.run(
+        chunks, run, on_result, requested=requested,
+        merge_logs=_merge_outputs if callbacks else None,
+    )
+    loop.data_ended(source, steps)
     loop.end()
     if first is None or loop.done == 0:
         return writer.empty(step, first)
     return writer.result()
+
+
+def _is_native(leaf: Any) -> bool:
+    """Whether an output is ragged or sparse: `model.predict` returns those as they are."""
+    return type(leaf).__name__ == "RaggedTensor" or _data.is_sparse(leaf)
+
+
+def _to_host(leaf: Any) -> Any:
+    return leaf if _is_native(leaf) else keras.ops.convert_to_numpy(leaf)
+
+
+def _concatenate(parts: List[Any]) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    if _is_native(parts[0]):
+        return keras.ops.concatenate(parts, axis=0)
+    return np.concatenate(parts, axis=0)
+
+
+def _merge_outputs(logs: List[Any]) -> Any:
+    """One execution's `{"outputs": ...}`: its batches' outputs concatenated, as Keras's."""
+    outputs = [entry["outputs"] for entry in logs]
+    return {"outputs": keras.tree.map_structure(lambda *parts: _concatenate(list(parts)),
+                                                *outputs)}
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
@@ -240,8 +283,15 @@ class _OutputWriter:
 
     def _start(self, result, leaves, size, postprocess) -> None:
         self.structure = result
+        native = any(_is_native(leaf) for leaf in leaves)
+        if native and self.out is not None:
+            raise ValueError(
+                "out cannot hold ragged or sparse outputs; received out="
+                f"{_describe(self.out)} for outputs of types "
+                f"{[type(leaf).__name__ for leaf in leaves]}; pass out=None"
+            )
         for leaf in leaves:
-            if leaf.ndim == 0 or leaf.shape[0] != size:
+            if len(leaf.shape) == 0 or leaf.shape[0] != size:
                 source = "postprocess" if postprocess is not None else "the model"
                 raise ValueError(
                     f"{source} must return one row per sample; a batch of {size} "
@@ -250,7 +300,7 @@ class _OutputWriter:
         if self.out is not None:
             self._check_out_against(result, lambda a: (a.shape[1:], a.dtype))
             self.buffers = keras.tree.flatten(self.out)
-        elif self.num_samples is not None:
+        elif self.num_samples is not None and not native:
             self.buffers = [
                 np.empty((self.num_samples,) + leaf.shape[1:], leaf.dtype) for leaf in leaves
             ]
@@ -266,7 +316,7 @@ class _OutputWriter:
         if self.buffers is not None:
             leaves = [b[: self.offset] if self.offset < b.shape[0] else b for b in self.buffers]
         else:
-            leaves = [np.concatenate(p, axis=0) for p in self.parts]
+            leaves = [_concatenate(p) for p in self.parts]
         return keras.tree.pack_sequence_as(self.structure, leaves)
 
     def empty(self, step: Callable, first: Any) -> Any:

@@ -493,45 +493,49 @@ def test_shrink_with_custom_train_step_equals_smaller_batch_size(inject_oom):
     _assert_same_training(reference, ref_history, model, history)
 
 
-def test_accumulate_with_custom_train_step_raises_at_train_begin(inject_oom):
-    model = _classifier(model_class=CustomStepModel)
-    x, y, _ = _data()
-    with pytest.raises(ValueError, match=r"CustomStepModel(.|\n)*mode='shrink'"):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
-
-
-def test_accumulate_with_custom_train_step_trains_nothing(inject_oom):
-    model = _classifier(model_class=CustomStepModel)
-    initial = model.get_weights()
-    x, y, _ = _data()
-    with pytest.raises(ValueError):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
-    assert int(model.optimizer.iterations) == 0
-    for a, e in zip(model.get_weights(), initial):
-        np.testing.assert_array_equal(a, e)
-
-
-def test_sum_reduction_raises_at_fit_start(inject_oom):
-    build = lambda: _classifier(  # noqa: E731
-        loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+def test_accumulate_with_custom_train_step_trains_as_shrink_with_a_warning(inject_oom, caplog):
+    # Issue 12: a custom train_step no longer raises at the start of fit; under
+    # OOM, mode="accumulate" trains it as mode="shrink" (the reference: Keras
+    # at the batch size that fits), and says so once, at the first OOM.
+    build = lambda: _classifier(model_class=CustomStepModel)  # noqa: E731
+    x, y, _ = _data(n=64)
+    reference = build()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     model = build()
-    x, y, _ = _data()
-    with pytest.raises(ValueError, match="sum"):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
-
-
-def test_sum_reduction_error_trains_nothing_and_shrink_accepts_it(inject_oom):
-    build = lambda: _classifier(  # noqa: E731
-        loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
-    model = build()
-    x, y, _ = _data()
-    with pytest.raises(ValueError):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
-    assert int(model.optimizer.iterations) == 0
-    assert inject_oom.calls == []
-    inject_oom(THRESHOLD)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit(mode="shrink")])
+    inject_oom(8)
+    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[MemFit()])
     assert inject_oom.ooms("train")
+    _assert_same_training(reference, ref_history, model, history)
+    fallback = [r for r in caplog.records if "mode='shrink'" in r.getMessage()]
+    assert len(fallback) == 1
+    assert "CustomStepModel" in fallback[0].getMessage()
+
+
+def test_accumulate_with_custom_train_step_says_nothing_without_oom(inject_oom, caplog):
+    model = _classifier(model_class=CustomStepModel)
+    x, y, _ = _data()
+    with caplog.at_level(logging.DEBUG, logger="keras_memfit"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
+    assert [r.getMessage() for r in caplog.records if r.name == "keras_memfit"] == []
+
+
+def test_sum_reduction_trains_as_shrink_with_a_warning(inject_oom, caplog):
+    build = lambda: _classifier(  # noqa: E731
+        loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+    x, y, _ = _data(n=64)
+    reference = build()
+    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    inject_oom(8)
+    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[MemFit()])
+    assert inject_oom.ooms("train")
+    _assert_same_training(reference, ref_history, model, history)
+    fallback = [r for r in caplog.records if "mode='shrink'" in r.getMessage()]
+    assert len(fallback) == 1 and "sum" in fallback[0].getMessage()
 
 
 def test_invalid_mode():
@@ -804,8 +808,7 @@ def test_reused_instance_events_reset_between_fits(inject_oom):
     inject_oom(None)
     history = second.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[memfit])
     assert memfit.events == []
-    assert history.history["memfit_ooms"] == [0, 0]
-    assert history.history["memfit_split"] == [1, 1]
+    assert not MEMFIT_KEYS & set(history.history)  # nothing adapted: Keras's logs only
 
 
 def test_reused_instance_works_for_a_second_model(inject_oom):

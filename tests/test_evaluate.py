@@ -10,6 +10,8 @@ the rollback must undo so that no sample is counted twice or lost.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -401,11 +403,16 @@ def test_bad_arguments_raise_naming_argument_and_value(kwargs, pattern):
         safe_evaluate(model, x, y, **kwargs)
 
 
-def test_batch_size_with_a_dataset_raises():
+def test_batch_size_with_a_dataset_is_ignored_as_keras_does(caplog):
+    # model.evaluate ignores batch_size for a dataset (issue 12, item 4).
     x, y, _ = _data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
-    with pytest.raises(ValueError, match="batch_size"):
-        safe_evaluate(_classifier(), ds, batch_size=10, verbose=0)
+    model = _classifier()
+    expected = model.evaluate(ds, batch_size=7, verbose=0)
+    with caplog.at_level(logging.INFO, logger="keras_memfit"):
+        result = safe_evaluate(model, ds, batch_size=7, verbose=0)
+    np.testing.assert_allclose(result, expected, rtol=1e-5)
+    assert any("batch_size=7 is ignored" in r.getMessage() for r in caplog.records)
 
 
 def test_y_with_a_dataset_raises():

@@ -11,9 +11,11 @@ allocator and meets real out-of-memory errors.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -56,6 +58,9 @@ def _execute(name, folder, monkeypatch):
     path = os.environ.get("PYTHONPATH")  # this checkout, installed or not
     monkeypatch.setenv("PYTHONPATH", ROOT + (os.pathsep + path if path else ""))
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    for cell in nb.cells:  # the committed outputs must not count as this run's
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3",
         resources={"metadata": {"path": str(folder)}},
@@ -73,6 +78,117 @@ def test_committed_notebooks_hold_no_errors():
         nbformat.validate(nb)
         assert _errors(nb) == [], path
         assert nb.metadata["kernelspec"]["name"] == "python3", path
+
+
+def _cell(nb, text):
+    """The one code cell whose source holds `text`."""
+    cells = [c for c in nb.cells if c.cell_type == "code" and text in c.source]
+    assert len(cells) == 1, text
+    return cells[0]
+
+
+def test_committed_digit_recognizer_shows_the_oom_and_its_recovery():
+    """What a reader sees on GitHub or Kaggle before running anything."""
+    nb = nbformat.read(os.path.join(NOTEBOOKS, "digit_recognizer.ipynb"), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    # Executed in order, top to bottom (the install cell is a comment).
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), counts
+    text = _text(nb)
+    assert "device: CPU, allocator capped at" in text or "logical-device limit" in text
+    # The real OOMs: a training batch (MemFit caught it and split the batch),
+    # the plain model.predict of the whole test set; then the recovery.
+    assert "out of memory at batch_size=" in text
+    assert re.search(r"plain model\.predict\(batch_size=28000\) FAILED .*\n.*"
+                     r"ResourceExhaustedError", text), text[-3000:]
+    assert re.search(r"safe_predict: 28000 labels in", text)
+    assert "ImageId,Label" in text
+    summary = _cell(nb, "memfit_run.json\", \"w\"")
+    lines = dict(line.strip().split(": ", 1) for line in
+                 "".join(o.get("text", "") for o in summary.outputs).splitlines())
+    assert int(lines["fit_ooms"]) >= 1 and int(lines["fit_max_split"]) >= 2, lines
+    assert "ResourceExhaustedError" in lines["plain_predict_error"], lines
+    assert lines["submission_rows"] == "28000"
+    # The plot and the memory report.
+    assert any("image/png" in o.get("data", {}) for o in _cell(nb, "plt.subplots").outputs)
+    assert "Estimated peak at batch_size=1024" in text
+    # Nothing of the machine it ran on.
+    assert ROOT not in json.dumps(nb) and "/tmp/" not in json.dumps(nb)
+
+
+def _run_device_cell(monkeypatch, *, gpu, environ):
+    """Run the Digit Recognizer's device cell against a fake TensorFlow."""
+    import types
+
+    from keras_memfit.app import env
+
+    calls = []
+    fake_tf = types.ModuleType("tensorflow")
+    gpus = [types.SimpleNamespace(name="/physical_device:GPU:0")] if gpu else []
+    configs = []
+
+    def set_config(device, config):
+        calls.append(("set_logical_device_configuration", device, config))
+        configs[:] = config
+
+    fake_tf.config = types.SimpleNamespace(
+        list_physical_devices=lambda kind: list(gpus) if kind == "GPU" else [],
+        set_logical_device_configuration=set_config,
+        get_logical_device_configuration=lambda device: list(configs),
+        LogicalDeviceConfiguration=lambda memory_limit: types.SimpleNamespace(
+            memory_limit=memory_limit),
+    )
+    monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
+    monkeypatch.setattr(env, "gpu_visible", lambda: gpu)
+    nb = nbformat.read(os.path.join(NOTEBOOKS, "digit_recognizer.ipynb"), as_version=4)
+    namespace = {"os": types.SimpleNamespace(environ=environ), "DEVICE_MEMORY_MB": 512,
+                 "print": lambda *args: None}
+    exec(_cell(nb, "set_logical_device_configuration").source, namespace)
+    return calls, namespace
+
+
+def test_digit_recognizer_limits_a_gpu_with_a_logical_device(monkeypatch):
+    environ = {}
+    calls, namespace = _run_device_cell(monkeypatch, gpu=True, environ=environ)
+    [(name, device, config)] = calls
+    assert device.name == "/physical_device:GPU:0"
+    assert [c.memory_limit for c in config] == [512]
+    assert environ == {}  # no CPU cap on a GPU
+    assert namespace["device_memory"].endswith("logical-device limit 512 MiB")
+
+
+def test_digit_recognizer_caps_the_cpu_allocator_without_a_gpu(monkeypatch):
+    from keras_memfit.app.env import capped_cpu_env
+
+    environ = {}
+    calls, namespace = _run_device_cell(monkeypatch, gpu=False, environ=environ)
+    assert calls == []
+    assert environ == capped_cpu_env(512)
+    assert namespace["device_memory"] == "CPU, allocator capped at 512 MiB"
+    # A cap the environment already set (the tests' memory_cap) is kept.
+    environ = {"TF_CPU_BFC_MEM_LIMIT_IN_MB": "400"}
+    _run_device_cell(monkeypatch, gpu=False, environ=environ)
+    assert environ == {"TF_CPU_BFC_MEM_LIMIT_IN_MB": "400"}
+
+
+def test_notebooks_need_no_matplotlib():
+    """The README's install line brings no matplotlib: a missing one only skips plots."""
+    for path in _notebook_paths():
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type != "code" or "matplotlib" not in cell.source:
+                continue
+            tree = ast.parse(cell.source)
+            guarded = {
+                id(node) for t in ast.walk(tree) if isinstance(t, ast.Try)
+                and any(getattr(h.type, "id", None) == "ImportError" for h in t.handlers)
+                for node in ast.walk(t)
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and "matplotlib" in ast.dump(node):
+                    assert id(node) in guarded, (path, cell.source)
+            if "plt." in cell.source and "import" not in cell.source:
+                assert "if plt is None" in cell.source, (path, cell.source)
 
 
 def test_notebooks_say_how_to_install_on_kaggle():

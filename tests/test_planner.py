@@ -348,6 +348,54 @@ def test_oom_with_only_stats_uses_the_observed_peak_as_limit(device, model):
     assert all(dev.fits(s) for s, _ in dev.attempts[-20:])
 
 
+class HoldsFailedInput(FakeDevice):
+    """A device whose limit nobody reported, failing as a GPU does on a batch far too large.
+
+    The batch's input is placed on the device, then its first activation does
+    not fit: the peak at the failure is the memory held before plus the input,
+    and the failed piece's input stays held until the next piece runs (its
+    traceback holds it).
+    """
+
+    def __init__(self, *, input_per_sample, **kwargs):
+        super().__init__(report_limit=False, **kwargs)
+        self.input_per_sample = input_per_sample
+        self.held = 0
+
+    def run(self, size):
+        self.current -= self.held
+        self.held = 0
+        if self.fits(size):
+            return super().run(size)
+        self.held = size * self.input_per_sample
+        self.current += self.held
+        self.peak = max(self.peak, self.current)
+        self.attempts.append((size, False))
+        return False
+
+
+def test_unknown_limit_pays_one_oom_then_stays_within_what_the_oom_proved(model, monkeypatch):
+    dev = HoldsFailedInput(capacity=600 * MiB, per_sample=MiB, current=50 * MiB,
+                           input_per_sample=16 * 1024)
+    monkeypatch.setattr(backend_module, "get", lambda: dev)
+    n = 20_000
+    log = drive(BatchPlanner(model, "predict", SIG, n), dev, n)
+    # The probes, then one real try at the rest, which fails.
+    assert dev.ooms() == [n - 16 - 64], dev.ooms()
+    # That OOM proved the device holds the input it had placed: 19,920 samples
+    # of 16 KiB over the 50 MiB held before. The pieces after it stay within
+    # that (MARGIN of it at first): not one sample at a time, and no other OOM.
+    proved = (n - 16 - 64) * 16 * 1024
+    after = [s for s, ok in log[3:]]
+    assert after[0] == int(proved * MARGIN // MiB)
+    assert max(after) <= proved // MiB
+    assert sum(s for s, ok in log if ok) == n
+    # The next call pays none.
+    dev.attempts.clear()
+    drive(BatchPlanner(model, "predict", SIG, n), dev, n)
+    assert dev.ooms() == []
+
+
 def test_shrink_when_memory_is_taken_mid_call(device, model):
     dev = device(capacity=1000 * MiB, per_sample=MiB)
     planner = BatchPlanner(model, "predict", SIG, 4096)

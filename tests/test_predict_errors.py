@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -134,20 +136,24 @@ def test_model_must_be_a_keras_model(inject_oom, model):
 
 
 @pytest.mark.parametrize("kind", ["dataset", "generator", "py_dataset"])
-def test_batch_size_with_batched_input(inject_oom, kind):
+def test_batch_size_with_batched_input_is_ignored_as_keras_does(inject_oom, caplog, kind):
+    # model.predict ignores batch_size for batched input; the drop-in too,
+    # saying at INFO that it bounds nothing (issue 12, item 4).
     x = random_data(40)
     data = {
         "dataset": lambda: tf.data.Dataset.from_tensor_slices(x).batch(10),
         "generator": lambda: batches(x, [10, 30]),
         "py_dataset": lambda: Batches(x, batch_size=10),
-    }[kind]()
+    }
+    model = dense_model()
+    expected = model.predict(data[kind](), batch_size=16, verbose=0)
     inject_oom(None)
-    with pytest.raises(ValueError) as excinfo:
-        safe_predict(dense_model(), data, batch_size=16, verbose=0)
-    message = str(excinfo.value)
-    assert "batch_size=16" in message
-    assert "max_batch_size" in message
-    assert inject_oom.calls == []
+    with caplog.at_level(logging.INFO, logger="keras_memfit"):
+        result = safe_predict(model, data[kind](), batch_size=16, verbose=0)
+    np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-6)
+    assert inject_oom.ok_rows("predict") == ([10, 30] if kind == "generator" else [10] * 4)
+    message = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert "batch_size=16 is ignored" in message and "max_batch_size" in message
 
 
 def test_unsupported_input_type(inject_oom):

@@ -153,7 +153,7 @@ def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
         by_ref.clear()
         if not getattr(optimizer, "built", False):
             logger.warning(
-                "keras_memfit: could not count the slots of %s (%s: %s); they are "
+                "could not count the slots of %s (%s: %s); they are "
                 "counted as 0 until the optimizer is built", type(optimizer).__name__,
                 type(exc).__name__, exc)
             return {}

@@ -27,6 +27,7 @@ from keras_memfit.backend.tensorflow.memory import (
 )
 from keras_memfit.backend.tensorflow.oom import init_oom_error, is_oom_error, oom_error_bases
 from keras_memfit.backend.tensorflow.steps import (
+    KERAS_COUNTS_EACH_BATCH_ONCE,
     VariableGuard,
     guard_variables,
     make_predict_step,
@@ -53,7 +54,8 @@ __all__ = [
     # memory
     "compute_device", "memory_limit", "memory_stats", "reset_peak",
     # steps
-    "VariableGuard", "guard_variables", "make_predict_step", "make_test_step",
+    "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
+    "make_test_step",
     "output_spec", "prepare_test",
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import tensorflow as tf
+
 
 def compute_device() -> str:
     """The device the model's computation runs on: the first GPU, else the CPU."""
@@ -27,10 +28,16 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
     Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
     TF_CPU_BFC_MEM_LIMIT_IN_MB) and for a GPU given a logical-device memory
-    limit; from NVML (the optional `nvidia-ml-py`) for a whole GPU, as the
-    device's memory less what other processes use, less 5% that TensorFlow
-    keeps in reserve. `exact` says whether the planner may trust it before a
-    first OOM; all three are trusted.
+    limit. For a whole GPU (no logical limit) it is read from NVML
+    (`nvidia-ml-py`, a dependency) and computed the way TensorFlow sizes its
+    allocator (`nvml_allocator_limit`). `exact` says whether the planner may
+    trust it before a first OOM; all three are trusted. None where TensorFlow
+    sees no such device, and where NVML is missing or cannot tell (no driver,
+    no permission, a MIG slice, a device it cannot match).
+
+    Example:
+        >>> memory_limit("CPU:0")  # under TF_CPU_BFC_MEM_LIMIT_IN_MB=400
+        (419430400, True)
     """
     mib = 1 << 20
     if device.upper().startswith("CPU"):
@@ -39,34 +46,150 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
         limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
         return (int(limit) * mib, True) if limit.isdigit() else None
     index = int(device.rsplit(":", 1)[-1]) if ":" in device else 0
-    physical = tf.config.list_physical_devices("GPU")
-    if index < len(physical):
-        try:
-            configs = tf.config.get_logical_device_configuration(physical[index])
-        except (ValueError, RuntimeError):
-            configs = None
-        if configs and getattr(configs[0], "memory_limit", None):
-            return int(configs[0].memory_limit) * mib, True
-    return _nvml_limit(index)
-
-
-def _nvml_limit(index: int) -> Optional[Tuple[int, bool]]:
+    # The GPUs TensorFlow uses, one per logical device in order. (A GPU split
+    # into logical devices: GPU:0 reads the first part's limit; the other
+    # parts stay unknown, as before.)
+    physical = tf.config.get_visible_devices("GPU")
+    if index >= len(physical):
+        return None  # no such GPU: nothing to ask NVML about
     try:
-        import pynvml  # provided by the optional `nvidia-ml-py`
+        configs = tf.config.get_logical_device_configuration(physical[index])
+    except (ValueError, RuntimeError):
+        configs = None
+    if configs and getattr(configs[0], "memory_limit", None):
+        return int(configs[0].memory_limit) * mib, True
+    return _nvml_limit(physical[index])
+
+
+# TensorFlow's CUDA context and libraries, already resident when its
+# allocator measured the free memory: the allocator got that much less.
+CUDA_CONTEXT_BYTES = 512 << 20
+_nvml_ready: Optional[bool] = None  # None: not tried yet
+
+
+def min_system_memory(available: int, cc_major: int) -> int:
+    """Bytes TensorFlow leaves outside its GPU allocator (gpu_device.cc's `MinSystemMemory`).
+
+    Args:
+        available: Free device memory when TensorFlow started, in bytes.
+        cc_major: The GPU's CUDA compute capability, major number.
+
+    Returns:
+        225 MiB below 2 GiB available; else 500 MiB (compute capability 6 and
+        older), 1050 MiB (7), 1536 MiB (8), 1800 MiB (9 and newer); or
+        TF_DEVICE_MIN_SYS_MEMORY_IN_MB MiB where that is set.
+
+    Example:
+        >>> min_system_memory(15 << 30, 7) // 2**20  # a T4
+        1050
+    """
+    forced = os.environ.get("TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "")
+    if forced.isdigit():
+        return int(forced) << 20
+    if available < (2 << 30):
+        return 225 << 20
+    mib = {6: 500, 7: 1050, 8: 1536}.get(cc_major, 500 if cc_major < 6 else 1800)
+    return mib << 20
+
+
+def nvml_allocator_limit(total: int, others: int, cc_major: int) -> int:
+    """The limit TensorFlow gives its allocator on a whole GPU, from NVML's numbers.
+
+    TensorFlow takes the memory free when it starts (the device's `total`,
+    less what `others` processes use, less its own CUDA context) and leaves
+    `min_system_memory` of it to CUDA's libraries.
+
+    Args:
+        total: The device's memory in bytes (`nvmlDeviceGetMemoryInfo`).
+        others: Bytes used by other processes on the device.
+        cc_major: The device's compute capability, major number.
+
+    Returns:
+        The estimated limit in bytes (at least 0).
+
+    Example:
+        >>> nvml_allocator_limit(15360 << 20, 0, 7) // 2**20  # a 16 GB T4
+        13798
+    """
+    available = max(0, total - others - CUDA_CONTEXT_BYTES)
+    return max(0, available - min_system_memory(available, cc_major))
+
+
+def _nvml_index(physical: Any) -> Optional[Any]:
+    """NVML's handle argument for TensorFlow's physical GPU `physical`, or None.
+
+    TensorFlow numbers the GPUs CUDA shows (CUDA_VISIBLE_DEVICES); NVML
+    numbers all of them. Returns ("index", n) or ("uuid", text).
+    """
+    ordinal = int(physical.name.rsplit(":", 1)[-1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return "index", ordinal
+    entries = [entry.strip() for entry in visible.split(",")]
+    if ordinal >= len(entries):
+        return None
+    entry = entries[ordinal]
+    if entry.isdigit():
+        return "index", int(entry)
+    if entry.startswith("GPU-"):
+        return "uuid", entry
+    return None  # a MIG slice (MIG-...): NVML's whole-device numbers do not apply
+
+
+def _nvml_limit(physical: Any) -> Optional[Tuple[int, bool]]:
+    """The GPU allocator's limit from NVML (`nvml_allocator_limit`), or None."""
+    global _nvml_ready
+    if _nvml_ready is False:
+        return None
+    try:
+        import pynvml  # from `nvidia-ml-py`
     except ImportError:
+        _nvml_ready = False
+        return None
+    which = _nvml_index(physical)
+    if which is None:
         return None
     try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-        others = 0
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid != os.getpid() and proc.usedGpuMemory:
-                others += proc.usedGpuMemory
-        # TensorFlow leaves a small reserve; 5% keeps the estimate conservative.
-        return int((total - others) * 0.95), True
-    except Exception:  # NVML missing, no permission, MIG, ...: treat as unknown
+        if _nvml_ready is None:
+            pynvml.nvmlInit()
+            _nvml_ready = True
+        if which[0] == "uuid":
+            handle = pynvml.nvmlDeviceGetHandleByUUID(which[1])
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(which[1])
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        details = tf.config.experimental.get_device_details(physical)
+        if details.get("device_name") and details["device_name"] != name:
+            return None  # CUDA and NVML number this machine's GPUs differently
+        total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        cc_major = int(pynvml.nvmlDeviceGetCudaComputeCapability(handle)[0])
+        others = _other_processes_bytes(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    except Exception:  # noqa: BLE001 - no driver, no permission, an old driver: unknown
+        if _nvml_ready is None:
+            _nvml_ready = False
         return None
+    if others is None:
+        return None
+    return nvml_allocator_limit(total, others, cc_major), True
+
+
+def _other_processes_bytes(processes: Any) -> Optional[int]:
+    """Bytes the GPU's other processes use, or None when that cannot be told.
+
+    In a container NVML may report the host's process ids: then a lone
+    process is taken to be this one, and several make it unknown.
+    """
+    processes = list(processes)
+    mine = [p for p in processes if p.pid == os.getpid()]
+    if not mine and len(processes) > 1:
+        return None
+    if not mine:
+        return 0
+    used = [p.usedGpuMemory for p in processes if p.pid != os.getpid()]
+    if any(u is None for u in used):
+        return None
+    return int(sum(used))
 
 
 def reset_peak(device: str) -> None:

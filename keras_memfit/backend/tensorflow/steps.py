@@ -53,14 +53,67 @@ def make_predict_step(
     return _compile(model, predict_step)
 
 
-def make_test_step(model: keras.Model) -> Callable:
-    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`."""
+# Keras's own `evaluate` on TensorFlow runs its test step on a tf.data
+# iterator whose batch dimension is unknown, so each per-output loss tracker
+# counts every batch once, whatever its size (`safe_evaluate` matches it).
+KERAS_COUNTS_EACH_BATCH_ONCE = True
+
+
+def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
+    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
+
+    Args:
+        model: A compiled model.
+        exact: Trace once per batch size, so that per-output loss trackers
+            weight each call by its rows (the exact per-sample mean). By
+            default the step is traced once with an unknown batch dimension,
+            as Keras's own `evaluate` is: each call counts once for them.
+    """
     model_ref = weakref.ref(model)
 
     def test_step(data):
         return model_ref().test_step(data)
 
-    return _compile(model, test_step, static_shapes=_needs_static_batch(model))
+    if exact:
+        return _compile(model, test_step, static_shapes=_needs_static_batch(model))
+    compiled = _compile(model, test_step)
+    if compiled is test_step:  # run eagerly: shapes are always static
+        return compiled
+    traced = []
+
+    def relaxed_test_step(data):
+        if not traced:  # trace with an unknown batch size first, as Keras does
+            compiled.get_concrete_function(relaxed_spec(data))
+            traced.append(True)
+        return compiled(data)
+
+    relaxed_test_step.__wrapped__ = compiled
+    return relaxed_test_step
+
+
+def relaxed_spec(value: Any) -> Any:
+    """The type spec of `value` (a structure) with an unknown batch dimension.
+
+    Numpy object arrays (strings) are string tensors; None stays None.
+    """
+
+    def spec(leaf):
+        if leaf is None:
+            return None
+        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+            return tf.TensorSpec((None,) + leaf.shape[1:], tf.string)
+        if not isinstance(leaf, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
+            leaf = tf.convert_to_tensor(leaf)
+        shape = (None,) + tuple(leaf.shape[1:])
+        if isinstance(leaf, tf.RaggedTensor):
+            return tf.RaggedTensorSpec(
+                shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits.dtype
+            )
+        if isinstance(leaf, tf.SparseTensor):
+            return tf.SparseTensorSpec(shape, leaf.dtype)
+        return tf.TensorSpec(shape, leaf.dtype)
+
+    return keras.tree.map_structure(spec, value)
 
 
 class VariableGuard:
@@ -122,12 +175,11 @@ def output_spec(step: Callable, x: Any) -> Optional[Any]:
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
         if not isinstance(step, polymorphic):
             return NO_SPEC
-    spec = keras.tree.map_structure(
-        lambda a: tf.TensorSpec((None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)), x
-    )
-    outputs = step.get_concrete_function(spec).structured_outputs
+    outputs = step.get_concrete_function(relaxed_spec(x)).structured_outputs
 
     def describe(leaf):
+        if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor)):
+            return Spec(None, np.dtype(leaf.dtype.as_numpy_dtype))
         if not tf.is_tensor(leaf):
             return leaf
         shape = tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None

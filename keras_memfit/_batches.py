@@ -1,0 +1,111 @@
+"""Keras's batches as MemFit receives them: chunks of rows, what cannot be split.
+
+Keras's step functions receive each batch as `x`, `(x,)`, `(x, y)` or
+`(x, y, sample_weight)`; MemFit splits it as an `(x, y, sample_weight)`
+chunk of rows (`keras_memfit.data`) and hands each piece back in Keras's
+form. Only numpy arrays, dense tensors and `None` can be split by rows: a
+sparse or ragged tensor, or an optional input that arrives as a
+`tf.experimental.Optional`, cannot, and `unsplittable` names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import keras
+import numpy as np
+
+# Attributes that mark a tensor as not dense: sparse (TensorFlow, JAX BCOO,
+# scipy) and ragged (TensorFlow) tensors.
+_NOT_DENSE = ("indices", "row_splits", "nnz")
+
+
+def as_chunk(batch: Any) -> tuple:
+    """A Keras batch as an `(x, y, sample_weight)` chunk of rows."""
+    return tuple(keras.utils.unpack_x_y_sample_weight(batch))
+
+
+def as_batch(chunk: tuple) -> tuple:
+    """An `(x, y, sample_weight)` chunk back as a Keras batch."""
+    x, y, sample_weight = chunk
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    if y is not None:
+        return (x, y)
+    return (x,)
+
+
+def _rank(leaf: Any) -> Optional[int]:
+    try:
+        return len(leaf.shape)
+    except (TypeError, ValueError, AttributeError):  # unknown rank, no shape
+        return None
+
+
+def _splittable(leaf: Any) -> bool:
+    if leaf is None:
+        return True
+    if isinstance(leaf, np.ndarray):
+        return leaf.ndim >= 1
+    if not keras.ops.is_tensor(leaf) or any(hasattr(leaf, a) for a in _NOT_DENSE):
+        return False
+    rank = _rank(leaf)
+    return bool(rank) and leaf.shape[0] is not None
+
+
+def _describe(leaf: Any) -> str:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    dtype = getattr(dtype, "name", dtype)
+    details = ", ".join(
+        f"{name}={value}" for name, value in (("shape", shape), ("dtype", dtype))
+        if value is not None
+    )
+    return f"{type(leaf).__name__}({details})"
+
+
+def _name(path: tuple) -> str:
+    """`(0, 'a')` as `x['a']`: the path of a leaf in an `(x, y, sample_weight)` chunk."""
+    if not path:
+        return "x"
+    head = ("x", "y", "sample_weight")[path[0]] if isinstance(path[0], int) else str(path[0])
+    return head + "".join(f"[{p!r}]" for p in path[1:])
+
+
+def unsplittable(chunk: tuple) -> Optional[str]:
+    """What in `chunk` cannot be split by rows, in words, or None if all of it can.
+
+    Args:
+        chunk: An `(x, y, sample_weight)` chunk (see `as_chunk`).
+
+    Returns:
+        For example `"x['tokens']=SparseTensor(shape=(32, 100), dtype=float32)"`,
+        or None when every leaf is an array, a dense tensor or None.
+
+    Example:
+        >>> unsplittable((np.zeros((4, 2)), None, None)) is None
+        True
+    """
+    for path, leaf in keras.tree.flatten_with_path(chunk):
+        if not _splittable(leaf):
+            return f"{_name(tuple(path))}={_describe(leaf)}"
+    return None
+
+
+def concatenate(parts: List[Any]) -> Any:
+    """The outputs of consecutive pieces as one structure, in the step's own form.
+
+    One part is returned as it is (the step's own tensors, as Keras's
+    `predict_function` returns them); several are joined on the host and
+    converted back to the backend's tensors.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    leaves = [keras.tree.flatten(p) for p in parts]
+    joined = [
+        keras.ops.convert_to_tensor(
+            np.concatenate([keras.ops.convert_to_numpy(piece) for piece in column], axis=0)
+        )
+        for column in zip(*leaves)
+    ]
+    return keras.tree.pack_sequence_as(parts[0], joined)

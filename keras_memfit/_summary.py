@@ -1,0 +1,82 @@
+"""MemFit's record of a call: the end-of-call summary line and History's entries.
+
+`MemFit.events` is the full record; `summary` says it in one line, logged at
+INFO at the end of a call that adapted anything. `pad_history` keeps
+`History.history` one entry per epoch when MemFit's epoch-log entries
+(`memfit_ooms`, `memfit_split`) first appear after the first epoch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, List, Tuple
+
+import keras
+
+PHASES = ("train", "evaluate", "predict")
+# MemFit's entries in the epoch logs, and their value for an epoch with no adaptation.
+EPOCH_ENTRIES = {"memfit_ooms": 0, "memfit_split": 1}
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def summary(
+    call: str,
+    model_name: str,
+    events: List[Dict[str, Any]],
+    most_pieces: Dict[str, Tuple[int, int]],
+) -> str:
+    """One line saying what MemFit adapted during a call.
+
+    Args:
+        call: "fit", "evaluate" or "predict".
+        model_name: The model's name.
+        events: `MemFit.events` of the call.
+        most_pieces: Per phase that split a batch: the most pieces one batch
+            was run as, and that batch's rows.
+
+    Returns:
+        The line, for example `MemFit: fit on model 'cnn' adapted: 2 OOMs
+        caught (train 2); train batches of 64 rows run as up to 4 pieces;
+        1 growth; details in MemFit.events (3 events).`
+
+    Example:
+        >>> summary("fit", "m", memfit.events, {"train": (4, 64)})
+        "MemFit: fit on model 'm' adapted: 1 OOM caught (train 1); ..."
+    """
+    parts = []
+    ooms = Counter(e["phase"] for e in events if e["kind"] == "oom")
+    if ooms:
+        by_phase = ", ".join(f"{p} {ooms[p]}" for p in PHASES if ooms[p])
+        parts.append(f"{_count(sum(ooms.values()), 'OOM')} caught ({by_phase})")
+    for phase in PHASES:
+        if phase in most_pieces:
+            pieces, rows = most_pieces[phase]
+            parts.append(f"{phase} batches of {rows} rows run as up to {pieces} pieces")
+    for kind, word in (("grow", "growth"), ("estimate", "estimate")):
+        n = sum(1 for e in events if e["kind"] == kind)
+        if n:
+            parts.append(_count(n, word))
+    return (
+        f"MemFit: {call} on model '{model_name}' adapted: " + "; ".join(parts)
+        + f"; details in MemFit.events ({_count(len(events), 'event')})."
+    )
+
+
+def pad_history(history: Any) -> None:
+    """Give `history` MemFit's entries for the epochs before they first appeared.
+
+    Args:
+        history: The `keras.callbacks.History` of the running `fit` (anything
+            else is left alone).
+    """
+    if not isinstance(history, keras.callbacks.History) or not history.history:
+        return
+    epochs = max(
+        len(values) for key, values in history.history.items() if key not in EPOCH_ENTRIES
+    ) if set(history.history) - set(EPOCH_ENTRIES) else 0
+    for key, value in EPOCH_ENTRIES.items():
+        values = history.history.setdefault(key, [])
+        values.extend([value] * (epochs - len(values)))

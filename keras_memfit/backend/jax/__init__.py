@@ -1,0 +1,76 @@
+"""JAX implementation of the backend seam (see `keras_memfit.backend.base`).
+
+One module per concern, the same names in every backend package: `oom`,
+`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`. This module
+exports the names of the `Backend` protocol.
+
+Keras's JAX trainer donates the model's state to its compiled steps, so an
+out-of-memory error loses the model. Every step here is compiled without
+donation and writes the new state only once it succeeded (see `steps`).
+Not implemented yet: `place` (`devices`) and `memory_report` (`tracing`)
+raise `NotImplementedError`.
+"""
+
+from __future__ import annotations
+
+from keras_memfit.backend.jax.devices import (
+    call_on_device,
+    canonical_device,
+    creating_on,
+    device_exists,
+    device_scope,
+    follow_variable_devices,
+    host_device,
+    list_accelerators,
+    move_variable,
+    variable_device,
+)
+from keras_memfit.backend.jax.memory import (
+    compute_device,
+    memory_limit,
+    memory_stats,
+    reset_peak,
+)
+from keras_memfit.backend.jax.oom import init_oom_error, is_oom_error, oom_error_bases
+from keras_memfit.backend.jax.steps import (
+    KERAS_COUNTS_EACH_BATCH_ONCE,
+    VariableGuard,
+    guard_variables,
+    make_predict_step,
+    make_test_step,
+    output_spec,
+    prepare_test,
+)
+from keras_memfit.backend.jax.tracing import trace_layer_calls
+from keras_memfit.backend.jax.trainer import is_end_of_data, step_function
+from keras_memfit.backend.jax.training import (
+    GradientAccumulator,
+    TrainStep,
+    has_default_train_step,
+    make_accumulator,
+    make_custom_train_step,
+    make_train_step,
+    uses_distribution,
+)
+
+__all__ = [
+    # oom
+    "init_oom_error", "is_oom_error", "oom_error_bases",
+    # memory
+    "compute_device", "memory_limit", "memory_stats", "reset_peak",
+    # steps
+    "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
+    "make_test_step",
+    "output_spec", "prepare_test",
+    # training
+    "GradientAccumulator", "TrainStep", "has_default_train_step",
+    "make_accumulator", "make_custom_train_step", "make_train_step", "uses_distribution",
+    # trainer
+    "is_end_of_data", "step_function",
+    # devices
+    "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
+    "follow_variable_devices", "host_device", "list_accelerators", "move_variable",
+    "variable_device",
+    # tracing
+    "trace_layer_calls",
+]

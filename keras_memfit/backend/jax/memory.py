@@ -1,0 +1,75 @@
+"""Memory statistics and limits of JAX's devices, for the planner.
+
+From `device.memory_stats()` where the platform gives it (GPU, TPU:
+`bytes_limit`, `bytes_in_use`, `peak_bytes_in_use`); JAX's CPU client gives
+none, and the planner then sizes batches from the first OOM instead.
+
+JAX cannot reset a device's peak. `reset_peak` records the peak and the bytes
+in use at that moment; until the device's peak rises above the recorded one,
+`memory_stats` reports the larger of those bytes in use and the current ones
+as the peak (a lower bound of the real peak, so the planner may have to pay
+an OOM to learn more).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+
+_resets: Dict[str, Tuple[int, int]] = {}  # device -> (peak, in use) at reset_peak
+
+
+def compute_device() -> str:
+    """The device the model's computation runs on: JAX's first device, as "platform:id"."""
+    device = jax.devices()[0]
+    return f"{device.platform}:{device.id}"
+
+
+def _device(name: str) -> Optional[Any]:
+    for device in jax.devices():
+        if f"{device.platform}:{device.id}" == name.lower().lstrip("/"):
+            return device
+    return None
+
+
+def _raw_stats(name: str) -> Optional[Dict[str, int]]:
+    device = _device(name)
+    if device is None:
+        return None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # not implemented on this platform
+        return None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return stats
+
+
+def memory_stats(device: str) -> Optional[Tuple[int, int]]:
+    """(current, peak) bytes allocated on `device` since `reset_peak`, or None (CPU)."""
+    stats = _raw_stats(device)
+    if stats is None:
+        return None
+    current = int(stats["bytes_in_use"])
+    peak = int(stats.get("peak_bytes_in_use", current))
+    reset = _resets.get(device)
+    if reset is not None and peak <= reset[0]:
+        peak = max(reset[1], current)
+    return current, peak
+
+
+def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
+    """(bytes, exact) the allocator on `device` may use (`bytes_limit`), or None."""
+    stats = _raw_stats(device)
+    if stats is None or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]), True
+
+
+def reset_peak(device: str) -> None:
+    """Start a new peak measurement on `device` (see the module docstring)."""
+    stats = _raw_stats(device)
+    if stats is not None:
+        current = int(stats["bytes_in_use"])
+        _resets[device] = (int(stats.get("peak_bytes_in_use", current)), current)

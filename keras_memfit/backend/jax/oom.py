@@ -1,0 +1,159 @@
+"""JAX's own out-of-memory forms, and the bases of `OutOfMemoryError`.
+
+Each form is a small named predicate over the exception's class and message;
+`is_oom_error` is true when any of them is. JAX reports every runtime failure
+as `jax.errors.JaxRuntimeError` (a `RuntimeError`; before jax 0.4.36 it was
+`jaxlib.xla_extension.XlaRuntimeError`), so the class alone says nothing:
+each predicate also needs XLA's status prefix and its allocation message.
+
+`INTERNAL: YNNPACK operation failed: error` is what XLA's CPU kernels (dots,
+convolutions, reductions) raise when their scratch allocation fails, but also
+for any other failure of the kernel; the allocation failure itself is written
+only to stderr ("allocate of <N> failed."), so the exception cannot tell the
+two apart. keras_memfit counts it as an OOM only where the process runs under
+an address-space limit (`RLIMIT_AS`, the one way to make JAX's CPU client
+run out of memory, measured: under it, every such error came with the
+allocation failure on stderr); everywhere else it propagates untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Tuple
+
+# XLA's allocators (CPU, GPU BFC): "RESOURCE_EXHAUSTED: Out of memory allocating
+# 6400000000 bytes." / "... Out of memory while trying to allocate 123 bytes."
+_RESOURCE_EXHAUSTED = re.compile(
+    r"RESOURCE_EXHAUSTED:.*Out of memory (allocating|while trying to allocate) \d+ bytes",
+    re.S,
+)
+# A computation dispatched after a failed one whose output it uses.
+_DISPATCH = re.compile(
+    r"INTERNAL:.*Error dispatching computation:.*Out of memory "
+    r"(allocating|while trying to allocate) \d+ bytes",
+    re.S,
+)
+# TPU: "RESOURCE_EXHAUSTED: ... Allocation (size=1073741824) would exceed memory ..."
+_TPU_ALLOCATION = re.compile(
+    r"RESOURCE_EXHAUSTED:.*Allocation \(size=\d+\) would exceed memory", re.S
+)
+# The runtime error classes of jax (current) and jaxlib before 0.4.36.
+_RUNTIME_ERROR_NAMES = ("JaxRuntimeError", "XlaRuntimeError")
+
+
+def _runtime_error_class() -> type:
+    import jax
+
+    return jax.errors.JaxRuntimeError
+
+
+def is_jax_runtime_error(exc: BaseException) -> bool:
+    """Whether `exc` is JAX's runtime error: `jax.errors.JaxRuntimeError`, or the
+    older `jaxlib.xla_extension.XlaRuntimeError` (recognised by its class name,
+    since that module no longer exists in current jaxlib).
+
+    Example:
+        >>> import jax
+        >>> is_jax_runtime_error(jax.errors.JaxRuntimeError("INTERNAL: x"))
+        True
+    """
+    if isinstance(exc, _runtime_error_class()):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        cls.__name__ in _RUNTIME_ERROR_NAMES for cls in type(exc).__mro__
+    )
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc)
+
+
+def is_allocation_oom(exc: BaseException) -> bool:
+    """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`
+    (CPU) or `... while trying to allocate N bytes.` (GPU's BFC allocator).
+
+    Example:
+        >>> import jax
+        >>> is_allocation_oom(jax.errors.JaxRuntimeError(
+        ...     "RESOURCE_EXHAUSTED: Out of memory allocating 64 bytes."))
+        True
+    """
+    return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(_message(exc)))
+
+
+def is_dispatch_oom(exc: BaseException) -> bool:
+    """A computation using a failed one's output: `INTERNAL: Error dispatching
+    computation: Out of memory allocating N bytes.`
+
+    Example:
+        >>> import jax
+        >>> is_dispatch_oom(jax.errors.JaxRuntimeError(
+        ...     "INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes."))
+        True
+    """
+    return is_jax_runtime_error(exc) and bool(_DISPATCH.search(_message(exc)))
+
+
+def is_tpu_allocation_oom(exc: BaseException) -> bool:
+    """TPU memory exhausted: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`.
+
+    Example:
+        >>> import jax
+        >>> is_tpu_allocation_oom(jax.errors.JaxRuntimeError(
+        ...     "RESOURCE_EXHAUSTED: Allocation (size=1024) would exceed memory (size=512)"))
+        True
+    """
+    return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(_message(exc)))
+
+
+_YNNPACK = "YNNPACK operation failed"
+
+
+def _address_space_limited() -> bool:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return False
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft != resource.RLIM_INFINITY
+
+
+def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
+    """`INTERNAL: YNNPACK operation failed`, counted only under an `RLIMIT_AS` limit.
+
+    See the module docstring: the message does not say why the kernel failed;
+    under an address-space limit its scratch allocation is the known cause.
+
+    Example:
+        >>> import jax
+        >>> is_ynnpack_oom_under_address_limit(
+        ...     jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error"))
+        False
+    """
+    return (
+        is_jax_runtime_error(exc)
+        and _YNNPACK in _message(exc)
+        and _address_space_limited()
+    )
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """JAX's own OOM forms: allocation, dispatch-after-OOM, TPU allocation
+    failures, and YNNPACK kernel failures under an address-space limit."""
+    return (
+        is_allocation_oom(exc)
+        or is_dispatch_oom(exc)
+        or is_tpu_allocation_oom(exc)
+        or is_ynnpack_oom_under_address_limit(exc)
+    )
+
+
+def oom_error_bases() -> Tuple[type, ...]:
+    """Bases for `OutOfMemoryError`: `jax.errors.JaxRuntimeError` (it can be
+    subclassed), so `except jax.errors.JaxRuntimeError` and `except RuntimeError`
+    still catch it."""
+    return (_runtime_error_class(),)
+
+
+def init_oom_error(err: BaseException, message: str) -> None:
+    _runtime_error_class().__init__(err, message)

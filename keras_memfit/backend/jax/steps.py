@@ -1,0 +1,226 @@
+"""Compiled predict and test steps, their traced outputs, and variable guards.
+
+Keras's JAX trainer compiles its steps with `donate_argnums=0`: the model's
+state buffers are handed to the computation, so when it runs out of memory
+the model is gone (`get_weights()` itself raises). The steps here are
+compiled without donation: they read the variables' current values, run
+functionally, wait for the result (`block_until_ready`, so that an OOM
+surfaces inside keras_memfit's retry loop, not at a later read) and only then
+write the new state into the variables. A step that fails leaves the model
+exactly as it was. The price is that the old and the new state coexist
+during a step (for predict and test, only the non-trainable and metric
+variables, which are small).
+
+JAX compiles once per input shape, so every distinct piece size is compiled
+once (as Keras compiles its last, smaller batch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Optional, Sequence
+
+import jax
+import keras
+import numpy as np
+
+from keras_memfit import _keras_compat
+from keras_memfit.backend.base import NO_SPEC, Spec
+
+
+def _compile(model: keras.Model, fn: Callable) -> Callable:
+    """`fn` jitted as Keras would compile the model's steps, but donating nothing."""
+    if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
+        return fn
+    return jax.jit(fn)
+
+
+def values(variables: Sequence[Any]) -> List[Any]:
+    """The current values (JAX arrays) of Keras variables."""
+    return [v.value for v in variables]
+
+
+def assign(variables: Sequence[Any], new_values: Sequence[Any]) -> None:
+    """Write `new_values` into `variables` (after a step succeeded)."""
+    for variable, value in zip(variables, new_values):
+        variable.assign(value)
+
+
+class _Step:
+    """A compiled step over the model's state, held weakly.
+
+    Attributes:
+        traced: Whether the step is compiled (jitted), so `output_spec` can
+            trace it; False for a model that runs eagerly.
+    """
+
+    def __init__(self, model: keras.Model, fn: Callable) -> None:
+        self._model_ref = weakref.ref(model)
+        self._fn = fn
+        self._compiled = _compile(model, fn)
+        self.traced = self._compiled is not fn
+
+    def _model(self) -> keras.Model:
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("the model of this compiled step was deleted")
+        return model
+
+
+class PredictStep(_Step):
+    """`x -> outputs`: the model's `predict_step` (then `postprocess`), compiled."""
+
+    def __init__(self, model: keras.Model, postprocess: Optional[Callable]) -> None:
+        model_ref = weakref.ref(model)
+
+        def predict_fn(trainable, non_trainable, x):
+            outputs, non_trainable = model_ref().predict_step((trainable, non_trainable), (x,))
+            if postprocess is not None:
+                outputs = postprocess(outputs)
+            return outputs, non_trainable
+
+        super().__init__(model, predict_fn)
+
+    def _state(self, model: keras.Model) -> tuple:
+        return values(model.trainable_variables), values(model.non_trainable_variables)
+
+    def __call__(self, x: Any) -> Any:
+        model = self._model()
+        outputs, non_trainable = jax.block_until_ready(self._compiled(*self._state(model), x))
+        assign(model.non_trainable_variables, non_trainable)
+        return outputs
+
+    def spec(self, x: Any) -> Any:
+        """Output structure of `self(x)` by tracing only (see `output_spec`)."""
+        model = self._model()
+        state = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._state(model)
+        )
+        first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
+        rows = int(first.shape[0])
+
+        def at(n: int) -> Any:
+            xs = keras.tree.map_structure(
+                lambda a: jax.ShapeDtypeStruct((n,) + tuple(a.shape[1:]), a.dtype), x
+            )
+            return jax.eval_shape(self._fn, *state, xs)[0]
+
+        # Two batch sizes: the dimensions that follow the batch are unknown.
+        a, b = at(rows), at(rows + 1)
+
+        def describe(left, right):
+            if not hasattr(left, "shape"):
+                return left
+            shape = tuple(
+                None if da != db else int(da) for da, db in zip(left.shape, right.shape)
+            )
+            return Spec(shape, np.dtype(left.dtype))
+
+        return jax.tree_util.tree_map(describe, a, b)
+
+
+class TestStep(_Step):
+    """`(x, y, sample_weight) -> logs`: the model's `test_step`, compiled."""
+
+    def __init__(self, model: keras.Model) -> None:
+        model_ref = weakref.ref(model)
+
+        def test_fn(trainable, non_trainable, metrics, data):
+            logs, state = model_ref().test_step((trainable, non_trainable, metrics), data)
+            return logs, state[1], state[2]
+
+        super().__init__(model, test_fn)
+
+    def __call__(self, data: Any) -> Any:
+        model = self._model()
+        logs, non_trainable, metrics = jax.block_until_ready(self._compiled(
+            values(model.trainable_variables),
+            values(model.non_trainable_variables),
+            values(model.metrics_variables),
+            data,
+        ))
+        assign(model.non_trainable_variables, non_trainable)
+        assign(model.metrics_variables, metrics)
+        return logs
+
+
+def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
+    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
+
+    Example:
+        >>> step = make_predict_step(model)
+        >>> outputs = step(x[:64])
+    """
+    return PredictStep(model, postprocess)
+
+
+# Keras's JAX trainer compiles with static shapes: its per-output loss trackers
+# weight each batch by its rows, so there is no batch-count rule to follow.
+KERAS_COUNTS_EACH_BATCH_ONCE = False
+
+
+def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
+    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
+
+    `exact` is accepted for the seam's sake: with static shapes every step
+    already counts per-output losses per sample.
+
+    Example:
+        >>> logs = make_test_step(model)((x[:64], y[:64], None))
+    """
+    return TestStep(model)
+
+
+class VariableGuard:
+    """The values of some variables, taken before a step and restored if it fails.
+
+    JAX arrays are immutable and keras_memfit's steps donate nothing, so a
+    snapshot keeps references to the current values: it copies nothing.
+
+    Example:
+        >>> guard = VariableGuard(model.metrics_variables)
+        >>> guard.snapshot(); ...; guard.restore()
+    """
+
+    def __init__(self, variables: Sequence[Any]) -> None:
+        self._variables = list(variables)
+        self._saved: Optional[List[Any]] = None
+
+    def snapshot(self) -> None:
+        """Record the variables' current values."""
+        self._saved = values(self._variables)
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        if self._saved is not None:
+            assign(self._variables, self._saved)
+
+
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    """A `VariableGuard` over `variables` (see its docstring)."""
+    return VariableGuard(variables)
+
+
+def prepare_test(model: keras.Model, batch: Any) -> None:
+    """Build the model, its compiled metrics and loss before steps are traced."""
+    x, y, sample_weight = batch
+    _keras_compat.symbolic_build(model, (x, y, sample_weight))
+
+
+def output_spec(step: Callable, x: Any) -> Any:
+    """Output structure of `step(x)` by tracing only; `NO_SPEC` for eager steps.
+
+    Each array leaf becomes a `keras_memfit.backend.Spec` whose dimensions
+    that follow the batch size are None (JAX traces static shapes: the step is
+    traced at two batch sizes and the dimensions that differ are unknown); a
+    leaf that is not an array is returned as it is.
+
+    Example:
+        >>> output_spec(make_predict_step(model), x[:8])
+        Spec(shape=(None, 10), dtype=dtype('float32'))
+    """
+    if not isinstance(step, PredictStep):
+        step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
+    if not isinstance(step, PredictStep) or not step.traced:
+        return NO_SPEC
+    return step.spec(x)

@@ -1,0 +1,93 @@
+"""Harness for the JAX backend's tests: each runs in a child process under JAX.
+
+The test suite's own process runs Keras on TensorFlow (Keras picks its
+backend once per process), so a JAX test is a function run in a fresh child
+with `KERAS_BACKEND=jax` (and `JAX_PLATFORMS=cpu`), by
+`run_in_jax(__file__, "function")`; the test fails with the child's
+output when the function raises.
+
+Real out-of-memory errors: JAX's CPU client has no capped allocator, but an
+address-space limit set before jax starts (`address_space_gb=`, applied
+with `resource.setrlimit(RLIMIT_AS, ...)` in the child) makes over-large
+allocations fail with a genuine, recoverable `RESOURCE_EXHAUSTED`, at once.
+
+Where jax is not installed (the TensorFlow CI leg), `requires_jax` skips
+these tests with that reason; they never pass silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from typing import Dict, Optional
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JAX_AVAILABLE = importlib.util.find_spec("jax") is not None
+requires_jax = pytest.mark.skipif(
+    not JAX_AVAILABLE,
+    reason=f"jax is not installed for {sys.executable} (the TensorFlow CI leg); the JAX "
+    "leg runs these tests (pip install 'jax[cpu]')",
+)
+
+
+def run_in_jax(
+    path: str,
+    function: str,
+    *,
+    address_space_gb: Optional[float] = None,
+    devices: int = 1,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 600,
+) -> str:
+    """Run `function` of the test module `path` in a child Python with Keras on JAX.
+
+    Args:
+        path: The test module's file (`__file__`).
+        function: Name of a function of that module taking no arguments.
+        address_space_gb: Address-space limit for the child (real OOMs), or None.
+        devices: Host devices JAX makes (`--xla_force_host_platform_device_count`).
+        env: Extra environment variables for the child.
+        timeout: Seconds before the child is killed.
+
+    Returns:
+        The child's stdout and stderr.
+
+    Example:
+        >>> run_in_jax(__file__, "child_predict", address_space_gb=5)
+    """
+    target = f"{os.path.abspath(path)}:{function}"
+    child_env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    child_env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        child_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    child_env.update(env or {})
+    limit = str(int(address_space_gb * (1 << 30))) if address_space_gb else "0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.jax_support", target, limit],
+        cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"{target} failed under JAX (exit {proc.returncode}):\n{output[-6000:]}")
+    return output
+
+
+def _child_main(target: str, limit: int) -> None:
+    if limit:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # before jax starts
+    path, _, function = target.rpartition(":")
+    spec = importlib.util.spec_from_file_location("jax_test_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, function)()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    _child_main(sys.argv[1], int(sys.argv[2]))
