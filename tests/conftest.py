@@ -36,15 +36,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The compatibility subset (`pytest -m compat`), run by .ci/run on the older
 # TensorFlow + Keras pairs: the modules that exercise what moves between Keras
-# releases (MemFit's train steps and Keras's training loop, safe_predict's
-# outputs and out=, evaluate's metrics, data adapters, the symbolic trace of
-# memory_report, placement and its gradients) and real OOMs under a capped
-# allocator. Every test of these modules gets the `compat` marker.
+# releases (MemFit's train steps and Keras's training loop, MemFit among
+# Keras's callbacks, safe_predict's outputs and out=, evaluate's metrics, data
+# adapters, the symbolic trace of memory_report, placement and its gradients)
+# and real OOMs under a capped allocator. Every test of these modules gets the
+# `compat` marker. (The test_conformance_* modules compare against the
+# installed Keras's own predict/evaluate/fit, whose behaviour older releases
+# do not share: they run in the full suite, on the newest Keras.)
 COMPAT_MODULES = (
     "test_call_on_device.py",
     "test_callbacks.py",
     "test_data.py",
     "test_evaluate.py",
+    "test_memfit_compat.py",
     "test_placement.py",
     "test_predict_outputs.py",
     "test_real_oom.py",
