@@ -171,7 +171,7 @@ def warn_if_untested_keras() -> None:
     if not low <= version <= high:
         _warned_version = True
         logging.getLogger("keras_memfit").warning(
-            "keras_memfit: MemFit was tested with Keras %d.%d to %d.%d and reaches into "
+            "MemFit was tested with Keras %d.%d to %d.%d and reaches into "
             "Keras's training loop; Keras %s is outside that range.",
             *low, *high, keras.__version__,
         )

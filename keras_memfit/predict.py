@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import keras
 import numpy as np
 
-from keras_memfit import _cache, _loop, _validate
+from keras_memfit import _cache, _keras_compat, _loop, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.backend import Spec
@@ -246,7 +246,7 @@ class _OutputWriter:
 
     def _check_out_against(self, outputs: Any, describe: Callable) -> None:
         try:
-            keras.tree.assert_same_structure(self.out, outputs)
+            _keras_compat.assert_same_structure(self.out, outputs)
         except (ValueError, TypeError) as err:
             raise ValueError(
                 "out must have the structure of the model's outputs; received "
