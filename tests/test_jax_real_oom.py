@@ -138,7 +138,8 @@ def child_fit():
             "history": {k: v for k, v in history.history.items() if not k.startswith("memfit")},
             "iterations": int(model.optimizer.iterations.value),
             "ooms": log.ooms,
-            "split": history.history["memfit_split"],
+            # Only a fit that adapted something logs memfit_split (issue 12).
+            "split": history.history.get("memfit_split"),
         }, f)
 
 
@@ -163,7 +164,7 @@ def test_memfit_fit_under_a_real_oom_equals_the_unlimited_fit(tmp_path):
         reference = json.load(f)
     with open(limited + ".json") as f:
         result = json.load(f)
-    assert reference["ooms"] == 0 and reference["split"] == [1, 1]
+    assert reference["ooms"] == 0 and reference["split"] is None
     assert result["ooms"] >= 1 and max(result["split"]) > 1, result
     assert result["iterations"] == reference["iterations"] == 2
     assert set(result["history"]) == set(reference["history"])
