@@ -10,7 +10,7 @@ sparse or ragged tensor, or an optional input that arrives as a
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 import numpy as np
@@ -109,3 +109,31 @@ def concatenate(parts: List[Any]) -> Any:
         for column in zip(*leaves)
     ]
     return keras.tree.pack_sequence_as(parts[0], joined)
+
+
+def next_batches(
+    iterator: Iterator[Any], count: int, is_end_of_data: Callable[[BaseException], bool]
+) -> List[Any]:
+    """Up to `count` batches from a Keras epoch iterator, as Keras's step functions pull them.
+
+    Args:
+        iterator: The epoch's iterator of batches.
+        count: The model's `steps_per_execution`.
+        is_end_of_data: The backend's test for the iterator's end-of-data
+            error (`StopIteration`, TensorFlow's `OutOfRangeError`).
+
+    Returns:
+        The batches pulled; fewer than `count` at the end of the epoch.
+
+    Raises:
+        The end-of-data error itself when no batch was left.
+    """
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(next(iterator))
+        except Exception as exc:
+            if not is_end_of_data(exc) or not batches:
+                raise
+            break
+    return batches

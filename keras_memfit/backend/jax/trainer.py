@@ -23,22 +23,15 @@ from typing import Any, Callable, Iterator, List
 
 import keras
 
+from keras_memfit import _batches
 from keras_memfit.backend.jax.steps import assign, values
 
 _KINDS = ("train", "test", "predict")
 
 
 def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
-    """Up to `count` batches from a Keras epoch iterator (StopIteration at the end)."""
-    batches = []
-    for _ in range(count):
-        try:
-            batches.append(next(iterator))
-        except StopIteration:
-            if batches:
-                break
-            raise
-    return batches
+    """Up to `count` batches from a Keras epoch iterator (see `_batches.next_batches`)."""
+    return _batches.next_batches(iterator, count, is_end_of_data)
 
 
 def _state_variables(model: keras.Model, kind: str) -> List[List[Any]]:

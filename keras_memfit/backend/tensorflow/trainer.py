@@ -23,20 +23,14 @@ from typing import Any, Callable, Iterator, List
 import keras
 import tensorflow as tf
 
+from keras_memfit import _batches
+
 _KINDS = ("train", "test", "predict")
 
 
 def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
-    """Up to `count` batches from a Keras epoch iterator (StopIteration at the end)."""
-    batches = []
-    for _ in range(count):
-        try:
-            batches.append(next(iterator))
-        except (StopIteration, tf.errors.OutOfRangeError):
-            if batches:
-                break
-            raise
-    return batches
+    """Up to `count` batches from a Keras epoch iterator (see `_batches.next_batches`)."""
+    return _batches.next_batches(iterator, count, is_end_of_data)
 
 
 def step_function(
