@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
+import pytest
 
 RTOL, ATOL = 1e-5, 1e-6
 REF_BATCH = 16  # the batch size of the `reference` predictions
@@ -246,3 +247,20 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._record("train_end", None, logs)
+
+
+def requires_keras(minimum, why):
+    """Skip a conformance test where the installed Keras is older than `minimum`.
+
+    The conformance tests compare keras_memfit with the installed Keras's own
+    call. Where an older Keras behaves differently itself (a missing feature,
+    a behaviour later fixed), the comparison says nothing about keras_memfit,
+    so the test is skipped there with `why`, never silently passed.
+    """
+    import keras
+    from keras_memfit._keras_compat import keras_version
+
+    return pytest.mark.skipif(
+        keras_version() < tuple(minimum),
+        reason=f"Keras {keras.__version__} < {'.'.join(map(str, minimum))}: {why}",
+    )

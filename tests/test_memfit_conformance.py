@@ -21,7 +21,13 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from support import Recorder
+from support import Recorder, requires_keras
+
+_OPTIONAL_INPUTS = requires_keras(
+    (3, 15),
+    "Keras's own model building fails on optional inputs from a generator before 3.15 "
+    "(measured on 3.8.0 and 3.13.2; passes on 3.15.1)",
+)
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -178,6 +184,7 @@ def test_evaluate_and_predict_with_sparse_inputs_and_memfit_are_kerass():
 # --------------------------------------------------------------------------
 # Optional inputs given as None
 # --------------------------------------------------------------------------
+@_OPTIONAL_INPUTS
 def test_fit_with_optional_none_inputs_from_a_generator_and_memfit_is_kerass_fit():
     x, y = _xy()
 
@@ -191,6 +198,7 @@ def test_fit_with_optional_none_inputs_from_a_generator_and_memfit_is_kerass_fit
     _assert_same_fit(_optional_input_model, data, epochs=1, steps_per_epoch=3)
 
 
+@_OPTIONAL_INPUTS
 def test_predict_with_optional_none_inputs_from_a_generator_and_memfit_is_kerass():
     x, _ = _xy()
     model = _optional_input_model()
