@@ -264,3 +264,21 @@ def requires_keras(minimum, why):
         keras_version() < tuple(minimum),
         reason=f"Keras {keras.__version__} < {'.'.join(map(str, minimum))}: {why}",
     )
+
+
+class _AddOptional(keras.layers.Layer):
+    def call(self, a, o=None):
+        return a * 2.0 if o is None else a + o
+
+
+def optional_input_model(loss: Optional[str] = None) -> keras.Model:
+    """A model with inputs {"a", "o"}, "o" optional: `a * 2` without it, `a + o` with it.
+
+    Compiled with `loss` when one is given (for evaluate).
+    """
+    a = keras.Input((2,), name="a")
+    o = keras.Input((2,), name="o", optional=True)
+    model = keras.Model({"a": a, "o": o}, _AddOptional()(a, o))
+    if loss is not None:
+        model.compile(loss=loss)
+    return model

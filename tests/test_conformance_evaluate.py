@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import safe_evaluate
-from support import Batches, Recorder, requires_keras
+from support import Batches, Recorder, requires_keras, optional_input_model
 
 _OLD_KERAS = requires_keras(
     (3, 13),
@@ -272,30 +272,18 @@ def test_sparse_input_that_runs_out_of_memory_says_it_cannot_be_split(inject_oom
         safe_evaluate(_sparse_regressor(), x, y, 4, 0)
 
 
-class _AddOptional(keras.layers.Layer):
-    def call(self, a, o=None):
-        return a * 2.0 if o is None else a + o
-
-
-def _optional_model():
-    a = keras.Input((2,), name="a")
-    o = keras.Input((2,), name="o", optional=True)
-    model = keras.Model({"a": a, "o": o}, _AddOptional()(a, o))
-    model.compile(loss="mse")
-    return model
-
-
 @_OLD_KERAS
 def test_optional_none_input_as_keras(inject_oom):
     x = {"a": np.arange(14, dtype="float32").reshape(7, 2), "o": None}
     y = np.ones((7, 2), "float32")
     got, want, safe_rec, keras_rec = both(
-        _optional_model(), lambda: ((x, y), {"batch_size": 3}), return_dict=True
+        optional_input_model(loss="mse"), lambda: ((x, y), {"batch_size": 3}), return_dict=True
     )
     assert_same_logs(got, want)
     assert _calls(safe_rec) == _calls(keras_rec)
     inject_oom(1)
-    assert_same_logs(safe_evaluate(_optional_model(), x, y, 3, 0, return_dict=True), want)
+    got = safe_evaluate(optional_input_model(loss="mse"), x, y, 3, 0, return_dict=True)
+    assert_same_logs(got, want)
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import safe_predict
-from support import Recorder, assert_same_result, requires_keras
+from support import Recorder, assert_same_result, requires_keras, optional_input_model
 
 _OLD_KERAS = requires_keras(
     (3, 13),
@@ -61,17 +61,6 @@ def _sparse_model():
 
 def _sparse(n=7):
     return tf.sparse.from_dense(np.eye(3, dtype="float32")[np.arange(n) % 3] * 2.0)
-
-
-class _AddOptional(keras.layers.Layer):
-    def call(self, a, o=None):
-        return a * 2.0 if o is None else a + o
-
-
-def _optional_model():
-    a = keras.Input((2,), name="a")
-    o = keras.Input((2,), name="o", optional=True)
-    return keras.Model({"a": a, "o": o}, _AddOptional()(a, o))
 
 
 class _Ranges(keras.layers.Layer):
@@ -247,7 +236,7 @@ def _with_none(n=7):
 
 @_OLD_KERAS
 def test_optional_none_input_as_keras():
-    assert_conforms(_optional_model(), _with_none, 3)
+    assert_conforms(optional_input_model(), _with_none, 3)
 
 
 @_OLD_KERAS
@@ -255,12 +244,12 @@ def test_optional_none_input_from_a_generator_as_keras():
     def make():
         return (({"a": np.ones((3, 2), "float32") * k, "o": None},) for k in range(3))
 
-    assert_conforms(_optional_model(), make)
+    assert_conforms(optional_input_model(), make)
 
 
 @_OLD_KERAS
 def test_optional_none_input_split_after_oom_as_keras(inject_oom):
-    model = _optional_model()
+    model = optional_input_model()
     want = model.predict(_with_none(), batch_size=4, verbose=0)
     inject_oom(2)
     got = safe_predict(model, _with_none(), 4, verbose=0)
