@@ -26,6 +26,7 @@ import numpy as np
 
 from keras_memfit import _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.jax import distribution
 
 
 def _compile(model: keras.Model, fn: Callable) -> Callable:
@@ -151,7 +152,7 @@ def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None
         >>> step = make_predict_step(model)
         >>> outputs = step(x[:64])
     """
-    return PredictStep(model, postprocess)
+    return distribution.sharded_predict_step(PredictStep(model, postprocess))
 
 
 # Keras's JAX trainer compiles with static shapes: its per-output loss trackers
@@ -168,7 +169,7 @@ def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
     Example:
         >>> logs = make_test_step(model)((x[:64], y[:64], None))
     """
-    return TestStep(model)
+    return distribution.sharded_test_step(TestStep(model))
 
 
 class VariableGuard:
