@@ -208,15 +208,16 @@ class BatchPlanner:
         return self._granular(self._probes[0] if self._probes else self._size)
 
     def _granular(self, size: float) -> float:
-        """`size` down to a multiple of the backend's `piece_multiple` (at least one).
+        """`size` down to a multiple of the backend's `piece_multiple`, if it is above one.
 
         Under JAX's DataParallel a piece is laid out over the devices, one
-        share each, so its size is a multiple of their number.
+        share each, so its size is a multiple of their number (a smaller
+        size, as a requested `batch_size=1`, runs whole on every device).
         """
         m = self._multiple
-        if m == 1 or math.isinf(size):
+        if m == 1 or math.isinf(size) or size < m:
             return size
-        return max(m, int(size) - int(size) % m)
+        return int(size) - int(size) % m
 
     def _initial_size(self) -> float:
         cap = self.ceiling()

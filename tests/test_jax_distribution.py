@@ -140,6 +140,11 @@ def child_predict_and_evaluate():
             assert set(got) == set(ref)
             for name in ref:
                 np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, err_msg=name)
+    with data_parallel.scope():  # batch_size=1 is kept: each row runs whole on both devices
+        calls.clear()
+        got = keras_memfit.safe_predict(model, x[:3], batch_size=1, verbose=0)
+    np.testing.assert_allclose(got, expected[:3], rtol=1e-6, atol=1e-7)
+    assert calls == [(1, (1, 1), False)] * 3, calls
 
 
 def child_memfit_accumulate():
@@ -246,6 +251,79 @@ def child_memfit_refuses_other_distributions():
         distribution.check_trainable(model)  # one process: trains
 
 
+# ------------------------------------------------- real OOMs, two devices
+# An address-space limit set before jax starts makes over-large allocations
+# fail with a genuine RESOURCE_EXHAUSTED (tests/jax_support.py); the two host
+# devices share the process's address space. The full batch of this model
+# needs about 4.3 GB of activations (half of it on each device).
+#
+# Only predict is tested with real OOMs here: a step with a cross-device
+# collective (evaluate's metric sums, training's gradient sums) whose
+# allocation fails on one host device while the other reaches the collective
+# makes XLA's CPU client abort the process after 40 s at the rendezvous
+# (measured: `rendezvous.cc ... Termination timeout ... Exiting to ensure a
+# consistent program state`), which no Python code can catch. Under the
+# shared address-space limit one device's allocation fails alone; the fault
+# injection above covers evaluate and fit.
+LIMIT_GB = 5
+ROWS = 65536
+FITS = ROWS // 16
+
+
+def _big_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16384, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def child_real_oom_predict():
+    """Under the limit and DataParallel: plain Keras at the full batch runs out of
+    memory; safe_predict equals Keras at a batch that fits, its pieces laid out over
+    both devices, and the weights are readable and unchanged after its OOM."""
+    import logging
+
+    import jax
+    import keras
+
+    import keras_memfit
+    from keras_memfit import is_oom_error
+
+    assert len(jax.devices()) == 2
+    x = np.random.default_rng(0).random((ROWS, 8), dtype=np.float32)
+    ooms = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            ooms.extend(["oom"] * ("out of memory" in record.getMessage()))
+
+    logging.getLogger("keras_memfit").addHandler(Handler(logging.WARNING))
+    with keras.distribution.DataParallel().scope():
+        model = _big_model()
+        expected = model.predict(x, batch_size=FITS, verbose=0)
+        weights = model.get_weights()
+        calls = _inject(above=ROWS)  # records the layouts; injects nothing
+        got = keras_memfit.safe_predict(model, x, batch_size=ROWS, verbose=0)
+        assert ooms, "safe_predict met no OOM: the test proves nothing"
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        assert all(c[2] and c[1][0] == c[1][1] for c in calls), calls
+        for a, b in zip(weights, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        try:  # last: plain Keras's OOM destroys the model it donated
+            model.predict(x, batch_size=ROWS, verbose=0)
+            model.get_weights()
+        except jax.errors.JaxRuntimeError as err:
+            assert is_oom_error(err), str(err)[:300]
+        else:
+            raise AssertionError("plain Keras did not run out of memory: the limit is too high")
+
+
 # --------------------------------------------------------------------- tests
 def test_safe_predict_and_safe_evaluate_split_over_two_devices_equal_the_unsplit_run():
     run_in_jax(__file__, "child_predict_and_evaluate", devices=2)
@@ -261,3 +339,8 @@ def test_memfit_shrink_under_data_parallel_one_update_per_piece():
 
 def test_memfit_refuses_model_parallel_and_multi_process_with_a_clear_error():
     run_in_jax(__file__, "child_memfit_refuses_other_distributions", devices=2)
+
+
+
+def test_real_oom_safe_predict_under_data_parallel_equals_keras_at_a_batch_that_fits():
+    run_in_jax(__file__, "child_real_oom_predict", devices=2, address_space_gb=LIMIT_GB)

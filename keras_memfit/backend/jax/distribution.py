@@ -27,6 +27,17 @@ that every piece runs as Keras runs a batch:
   update per piece) runs the whole piece replicated instead, so the piece is
   still one update. Keras's own `fit` never hands such a batch over.
 
+One limit no Python code can lift: a step with a cross-device collective
+(evaluate's metric sums, training's gradient sums) whose memory runs out on
+one device while another device reaches the collective. Measured on XLA's
+CPU client (host devices sharing one address-space limit): the waiting device
+gives up after 40 s and XLA aborts the process ("Termination timeout ...
+Exiting to ensure a consistent program state"); Keras's own steps abort the
+same way. On GPUs, whose devices each have their own memory and run the same
+piece sizes, an out-of-memory error normally strikes every device alike;
+one device with much less free memory than the others (another process on
+it) could still leave the others waiting in the collective.
+
 Other distributions are not split here: `ModelParallel` (and any other
 `keras.distribution.Distribution`) and multi-process JAX (`jax.distributed`,
 where each process feeds its own rows) leave safe_predict and safe_evaluate
