@@ -98,7 +98,8 @@ def _assert_laid_out(calls, above, tail_rows=0):
 # ------------------------------------------------------------------ children
 def child_predict_and_evaluate():
     """safe_predict and safe_evaluate split over the devices equal the unsplit run,
-    for an input whose length is and one whose length is not a multiple of two."""
+    for an input whose length is and one whose length is not a multiple of two;
+    Keras's predict and evaluate with MemFit too."""
     import jax
     import keras
 
@@ -145,6 +146,21 @@ def child_predict_and_evaluate():
         got = keras_memfit.safe_predict(model, x[:3], batch_size=1, verbose=0)
     np.testing.assert_allclose(got, expected[:3], rtol=1e-6, atol=1e-7)
     assert calls == [(1, (1, 1), False)] * 3, calls
+    # Keras's predict and evaluate with MemFit: Keras lays out batches of 100.
+    x, y, _ = _data(200)
+    with data_parallel.scope():
+        expected = model.predict(x, batch_size=100, verbose=0)
+        reference = model.evaluate(x, y, batch_size=100, verbose=0, return_dict=True)
+        calls.clear()
+        got = model.predict(x, batch_size=100, verbose=0, callbacks=[keras_memfit.MemFit()])
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+        _assert_laid_out(calls, 40)
+        calls.clear()
+        logs = model.evaluate(x, y, batch_size=100, verbose=0, return_dict=True,
+                              callbacks=[keras_memfit.MemFit()])
+        _assert_laid_out(calls, 40)  # (at the size safe_evaluate learnt: no OOM now)
+    for name in reference:
+        np.testing.assert_allclose(logs[name], reference[name], rtol=1e-5, err_msg=name)
 
 
 def child_memfit_accumulate():

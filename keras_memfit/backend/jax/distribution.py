@@ -60,6 +60,10 @@ def data_parallel() -> Optional[Any]:
 
     None without a distribution, under another kind of distribution, or in
     a multi-process JAX run (see `check_trainable`).
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     assert data_parallel() is not None
     """
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel):
@@ -130,7 +134,7 @@ def _as_array(leaf: Any) -> Any:
     return leaf if isinstance(leaf, (jax.Array, np.ndarray)) else np.asarray(leaf)
 
 
-def lay_out(data: Any, distribution: Any) -> Any:
+def _lay_out(data: Any, distribution: Any) -> Any:
     """Every array of `data` laid out as Keras lays out a batch (rows over the devices)."""
 
     def put(leaf: Any) -> Any:
@@ -142,7 +146,7 @@ def lay_out(data: Any, distribution: Any) -> Any:
     return keras.tree.map_structure(put, data)
 
 
-def replicate(data: Any, distribution: Any) -> Any:
+def _replicate(data: Any, distribution: Any) -> Any:
     """Every array of `data` copied whole onto every device of the mesh."""
     sharding = jax.sharding.NamedSharding(
         distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
@@ -152,7 +156,7 @@ def replicate(data: Any, distribution: Any) -> Any:
     )
 
 
-def split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
+def _split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
     """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
 
     A part with no rows is None.
@@ -177,6 +181,10 @@ class ShardedStep:
 
     Attributes:
         __wrapped__: The step it runs (`output_spec` traces that one).
+
+    Example:
+        >>> step = sharded_predict_step(PredictStep(model, None))
+        >>> step(x[:203])  # 202 rows laid out over two devices, 1 row on both
     """
 
     def __init__(self, step: Callable[[Any], Any], distribution: Any,
@@ -188,43 +196,57 @@ class ShardedStep:
 
     def __call__(self, data: Any) -> Any:
         step, distribution = self.__wrapped__, self._distribution
-        head, tail, _, _ = split(data, self._multiple)
+        head, tail, _, _ = _split(data, self._multiple)
         if tail is None:
-            return step(lay_out(head, distribution))
+            return step(_lay_out(head, distribution))
         if head is None:
-            return step(replicate(tail, distribution))
-        first = step(lay_out(head, distribution))
-        return self._combine(first, step(replicate(tail, distribution)))
+            return step(_replicate(tail, distribution))
+        first = step(_lay_out(head, distribution))
+        return self._combine(first, step(_replicate(tail, distribution)))
 
 
-def concatenate_outputs(first: Any, second: Any) -> Any:
+def _concatenate_outputs(first: Any, second: Any) -> Any:
     """Predict outputs of consecutive rows, joined (non-array leaves: the first's)."""
     return jax.tree_util.tree_map(
         lambda a, b: jnp.concatenate([a, b]) if hasattr(a, "shape") else a, first, second
     )
 
 
-def last_logs(first: Any, second: Any) -> Any:
+def _last_logs(first: Any, second: Any) -> Any:
     """Test logs of two consecutive calls: the second's (the metrics count both)."""
     return second
 
 
 def sharded_predict_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`step` with its pieces laid out over the devices under DataParallel; else `step`."""
+    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     outputs = sharded_predict_step(PredictStep(model, None))(x[:64])
+    """
     distribution = data_parallel()
-    return step if distribution is None else ShardedStep(step, distribution, concatenate_outputs)
+    return step if distribution is None else ShardedStep(step, distribution, _concatenate_outputs)
 
 
 def sharded_test_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`step` with its pieces laid out over the devices under DataParallel; else `step`."""
+    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     logs = sharded_test_step(TestStep(model))((x[:64], y[:64], None))
+    """
     distribution = data_parallel()
-    return step if distribution is None else ShardedStep(step, distribution, last_logs)
+    return step if distribution is None else ShardedStep(step, distribution, _last_logs)
 
 
 class ShardedTrainStep:
     """A `TrainStep` whose pieces are laid out over the devices; one update per piece.
 
     A piece whose rows are not a multiple of the devices runs replicated.
+
+    Example:
+        >>> step = ShardedTrainStep(TrainStep(model), keras.distribution.distribution())
+        >>> logs = step((x[:64], y[:64]))  # 32 rows on each of two devices
     """
 
     def __init__(self, step: Any, distribution: Any) -> None:
@@ -242,8 +264,8 @@ class ShardedTrainStep:
 
     def __call__(self, data: Any) -> Any:
         if _leaves_rows(data) % self._multiple:
-            return self.__wrapped__(replicate(data, self._distribution))
-        return self.__wrapped__(lay_out(data, self._distribution))
+            return self.__wrapped__(_replicate(data, self._distribution))
+        return self.__wrapped__(_lay_out(data, self._distribution))
 
 
 class ShardedAccumulator:
@@ -251,6 +273,10 @@ class ShardedAccumulator:
 
     A micro-batch whose rows are not a multiple of the devices is added as
     two parts, each with its share of the weight.
+
+    Example:
+        >>> acc = ShardedAccumulator(GradientAccumulator(model), data_parallel())
+        >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0); acc.apply()
     """
 
     def __init__(self, accumulator: Any, distribution: Any) -> None:
@@ -262,24 +288,32 @@ class ShardedAccumulator:
         self.__wrapped__.reset()
 
     def add(self, data: Any, weight: float) -> None:
-        head, tail, head_rows, tail_rows = split(data, self._multiple)
+        head, tail, head_rows, tail_rows = _split(data, self._multiple)
         n = head_rows + tail_rows
         if head is not None:
-            self.__wrapped__.add(lay_out(head, self._distribution), weight * head_rows / n)
+            self.__wrapped__.add(_lay_out(head, self._distribution), weight * head_rows / n)
         if tail is not None:
-            self.__wrapped__.add(replicate(tail, self._distribution), weight * tail_rows / n)
+            self.__wrapped__.add(_replicate(tail, self._distribution), weight * tail_rows / n)
 
     def apply(self) -> None:
         self.__wrapped__.apply()
 
 
 def sharded_train_step(step: Any) -> Any:
-    """`step` laid out over the devices under DataParallel (see `ShardedTrainStep`); else `step`."""
+    """`step` laid out over the devices under DataParallel (see `ShardedTrainStep`); else `step`.
+
+    Example:
+        >>> step = sharded_train_step(TrainStep(model))
+    """
     distribution = data_parallel()
     return step if distribution is None else ShardedTrainStep(step, distribution)
 
 
 def sharded_accumulator(accumulator: Any) -> Any:
-    """`accumulator` laid out over the devices under DataParallel; else `accumulator`."""
+    """`accumulator` laid out over the devices under DataParallel; else `accumulator`.
+
+    Example:
+        >>> acc = sharded_accumulator(GradientAccumulator(model))
+    """
     distribution = data_parallel()
     return accumulator if distribution is None else ShardedAccumulator(accumulator, distribution)

@@ -18,7 +18,7 @@ once (as Keras compiles its last, smaller batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import jax
 import keras
@@ -145,7 +145,9 @@ class TestStep(_Step):
         return logs
 
 
-def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
+def make_predict_step(
+    model: keras.Model, postprocess: Optional[Callable] = None
+) -> Union[PredictStep, distribution.ShardedStep]:
     """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
 
     Example:
@@ -160,7 +162,9 @@ def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None
 KERAS_COUNTS_EACH_BATCH_ONCE = False
 
 
-def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
+def make_test_step(
+    model: keras.Model, exact: bool = False
+) -> Union[TestStep, distribution.ShardedStep]:
     """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
 
     `exact` is accepted for the seam's sake: with static shapes every step

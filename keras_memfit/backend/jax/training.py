@@ -15,7 +15,7 @@ Every returned object satisfies its protocol in `keras_memfit.backend.base`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -97,12 +97,12 @@ class TrainStep:
         return logs
 
 
-def make_train_step(model: keras.Model) -> TrainStep:
+def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
     """A `TrainStep` running Keras's default `train_step`."""
     return distribution.sharded_train_step(TrainStep(model))
 
 
-def make_custom_train_step(model: keras.Model) -> TrainStep:
+def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
     """A `TrainStep` running the model's own `train_step` (functional too on JAX)."""
     return distribution.sharded_train_step(TrainStep(model))
 
@@ -181,6 +181,8 @@ class GradientAccumulator:
         self._sums = None
 
 
-def make_accumulator(model: keras.Model) -> GradientAccumulator:
+def make_accumulator(
+    model: keras.Model,
+) -> Union[GradientAccumulator, distribution.ShardedAccumulator]:
     """A `GradientAccumulator` over `model`'s trainable weights."""
     return distribution.sharded_accumulator(GradientAccumulator(model))
