@@ -342,6 +342,8 @@ class BatchPlanner:
         # At least one piece fewer (a size that keeps the split gains nothing).
         new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
         new = math.ceil(n / new_split)
+        if self._multiple > 1:  # pieces laid out over the devices (see `_granular`)
+            new = math.ceil(new / self._multiple) * self._multiple
         if new > ceiling:
             return  # one piece fewer is already above what may fit
         self._record(

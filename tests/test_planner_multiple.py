@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from keras_memfit import backend as backend_module
-from keras_memfit.planner import BatchPlanner
+from keras_memfit.planner import GROW_AFTER, BatchPlanner
 
 SIG = ((("4",), "float32"),)
 
@@ -68,6 +68,28 @@ def test_a_requested_size_below_the_devices_is_kept(two_devices):
     planner = BatchPlanner(_Model(), "predict", SIG, requested=1)
     assert planner.next_size() == 1  # runs whole on every device
     assert not _fail(planner, 1)
+
+
+def test_memfit_growth_goes_to_a_multiple_that_runs_a_batch_as_fewer_pieces(two_devices):
+    rows = 98
+    planner = BatchPlanner(_Model(), "train", SIG, requested=rows, probe="after_oom")
+    planner.start_batch(rows)
+    assert _fail(planner, rows) and planner.next_size() == 48  # 49 -> 48
+    assert _fail(planner, 48) and planner.next_size() == 24  # 24, 24, 24, 24, 2
+    for _ in range(GROW_AFTER):
+        planner.start_batch(rows)
+        done = 0
+        while done < rows:
+            planned = planner.next_size()
+            size = min(planned, rows - done)
+            planner.started(size)
+            planner.succeeded(size, full=size >= planned)
+            done += size
+        planner.finish_batch()
+    # Three pieces: 33 rows each is not a multiple of two (it would run as 32, 32,
+    # 32, 2: four pieces); 34, 34, 30 are.
+    assert planner.events[-1].kind == "grow" and planner.events[-1].new_size == 34
+    assert planner.next_size() == 34
 
 
 def test_one_device_plans_as_before(monkeypatch):
