@@ -32,11 +32,16 @@ One limit no Python code can lift: a step with a cross-device collective
 one device while another device reaches the collective. Measured on XLA's
 CPU client (host devices sharing one address-space limit): the waiting device
 gives up after 40 s and XLA aborts the process ("Termination timeout ...
-Exiting to ensure a consistent program state"); Keras's own steps abort the
-same way. On GPUs, whose devices each have their own memory and run the same
-piece sizes, an out-of-memory error normally strikes every device alike;
-one device with much less free memory than the others (another process on
-it) could still leave the others waiting in the collective.
+Exiting to ensure a consistent program state"); Keras's own steps hold the
+same collectives. On GPUs, whose devices each have their own memory and run
+the same piece sizes, an out-of-memory error should strike every device
+alike (reasoned, not measured: no multi-GPU machine was at hand); one device
+with much less free memory than the others (another process on it) could
+still leave the others waiting in the collective.
+
+Whether a step is wrapped is decided when it is made, and steps are cached
+per model: a model's steps first made outside the distribution's scope stay
+unlaid (they run on every device whole, as before).
 
 Other distributions are not split here: `ModelParallel` (and any other
 `keras.distribution.Distribution`) and multi-process JAX (`jax.distributed`,
