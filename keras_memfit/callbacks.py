@@ -119,7 +119,9 @@ class MemFit(keras.callbacks.Callback):
             keyword arguments.
         TypeError: When used with a tf_keras (Keras 2) model.
         NotImplementedError: At the start of `fit`, for a backend other than
-            TensorFlow or a model under a `tf.distribute` strategy.
+            TensorFlow or JAX, a model under a `tf.distribute` strategy, or on
+            JAX under a `keras.distribution` other than a single-process
+            `DataParallel` (ModelParallel, multi-process `jax.distributed`).
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit; the training state is as it was before that step.
 

@@ -184,6 +184,7 @@ class BatchPlanner:
         self._streak = 0
         self._growing = False
         self._batch_rows: Optional[int] = None  # set by start_batch (MemFit)
+        self._multiple = self._backend.piece_multiple()
         k = self._k
         if k.smallest_failed is not None and k.largest_ok:
             # An earlier call already found the boundary: stay below it.
@@ -204,7 +205,19 @@ class BatchPlanner:
     # ------------------------------------------------------------------ sizes
     def next_size(self) -> float:
         """The batch size to try next (may be `math.inf` when unbounded)."""
-        return self._probes[0] if self._probes else self._size
+        return self._granular(self._probes[0] if self._probes else self._size)
+
+    def _granular(self, size: float) -> float:
+        """`size` down to a multiple of the backend's `piece_multiple`, if it is above one.
+
+        Under JAX's DataParallel a piece is laid out over the devices, one
+        share each, so its size is a multiple of their number (a smaller
+        size, as a requested `batch_size=1`, runs whole on every device).
+        """
+        m = self._multiple
+        if m == 1 or math.isinf(size) or size < m:
+            return size
+        return int(size) - int(size) % m
 
     def _initial_size(self) -> float:
         cap = self.ceiling()
@@ -329,6 +342,8 @@ class BatchPlanner:
         # At least one piece fewer (a size that keeps the split gains nothing).
         new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
         new = math.ceil(n / new_split)
+        if self._multiple > 1:  # pieces laid out over the devices (see `_granular`)
+            new = math.ceil(new / self._multiple) * self._multiple
         if new > ceiling:
             return  # one piece fewer is already above what may fit
         self._record(
@@ -347,14 +362,15 @@ class BatchPlanner:
         """Call after a piece of `size` samples ran out of memory.
 
         Returns:
-            True if a smaller size will be tried, False if `size` was 1.
+            True if a smaller size will be tried, False if `size` was 1 (or
+            one sample per device, see `_granular`).
         """
         k = self._k
         self._note_floor()
         self._learn_budget()
         k.smallest_failed = size if k.smallest_failed is None else min(k.smallest_failed, size)
         self._streak = 0
-        if size <= 1:
+        if size <= self._multiple:
             return False
         self._probes = []
         limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
@@ -381,7 +397,7 @@ class BatchPlanner:
                 new = min(new, estimate)
             if k.largest_ok and k.growth_frozen:
                 new = min(new, k.largest_ok)
-        new = max(1, new)
+        new = self._granular(max(1, new))
         self._record(
             "oom", size, new,
             f"out of memory at batch_size={size}; retrying the same samples at "

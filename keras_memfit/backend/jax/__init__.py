@@ -1,8 +1,9 @@
 """JAX implementation of the backend seam (see `keras_memfit.backend.base`).
 
 One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`. This module
-exports the names of the `Backend` protocol.
+`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`, plus
+`distribution` (`keras.distribution.DataParallel`: pieces laid out over the
+devices). This module exports the names of the `Backend` protocol.
 
 Keras's JAX trainer donates the model's state to its compiled steps, so an
 out-of-memory error loses the model. Every step here is compiled without
@@ -25,6 +26,7 @@ from keras_memfit.backend.jax.devices import (
     move_variable,
     variable_device,
 )
+from keras_memfit.backend.jax.distribution import piece_multiple
 from keras_memfit.backend.jax.memory import (
     compute_device,
     memory_limit,
@@ -57,7 +59,7 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # memory
-    "compute_device", "memory_limit", "memory_stats", "reset_peak",
+    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "reset_peak",
     # steps
     "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
     "make_test_step",

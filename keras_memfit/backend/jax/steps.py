@@ -18,7 +18,7 @@ once (as Keras compiles its last, smaller batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import jax
 import keras
@@ -26,6 +26,7 @@ import numpy as np
 
 from keras_memfit import _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.jax import distribution
 
 
 def _compile(model: keras.Model, fn: Callable) -> Callable:
@@ -144,14 +145,16 @@ class TestStep(_Step):
         return logs
 
 
-def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
+def make_predict_step(
+    model: keras.Model, postprocess: Optional[Callable] = None
+) -> Union[PredictStep, distribution.ShardedStep]:
     """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
 
     Example:
         >>> step = make_predict_step(model)
         >>> outputs = step(x[:64])
     """
-    return PredictStep(model, postprocess)
+    return distribution.sharded_predict_step(PredictStep(model, postprocess))
 
 
 # Keras's JAX trainer compiles with static shapes: its per-output loss trackers
@@ -159,7 +162,9 @@ def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None
 KERAS_COUNTS_EACH_BATCH_ONCE = False
 
 
-def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
+def make_test_step(
+    model: keras.Model, exact: bool = False
+) -> Union[TestStep, distribution.ShardedStep]:
     """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
 
     `exact` is accepted for the seam's sake: with static shapes every step
@@ -168,7 +173,7 @@ def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
     Example:
         >>> logs = make_test_step(model)((x[:64], y[:64], None))
     """
-    return TestStep(model)
+    return distribution.sharded_test_step(TestStep(model))
 
 
 class VariableGuard:

@@ -15,7 +15,7 @@ Every returned object satisfies its protocol in `keras_memfit.backend.base`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import keras
 from keras.src.backend.jax.trainer import JAXTrainer
 
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax.steps import _compile, assign, values
 
 
@@ -32,8 +33,15 @@ def has_default_train_step(model: keras.Model) -> bool:
 
 
 def uses_distribution(model: keras.Model) -> bool:
-    """Whether a `keras.distribution` (DataParallel, ModelParallel) is active."""
-    return keras.distribution.distribution() is not None
+    """False: MemFit trains under a single-process `keras.distribution.DataParallel`.
+
+    For any other `keras.distribution` (ModelParallel, multi-process) this
+    raises `NotImplementedError` itself, naming the JAX case (see
+    `distribution.check_trainable`), rather than answering True for the
+    caller's tf.distribute message.
+    """
+    distribution.check_trainable(model)
+    return False
 
 
 def train_state(model: keras.Model) -> List[List[Any]]:
@@ -89,14 +97,14 @@ class TrainStep:
         return logs
 
 
-def make_train_step(model: keras.Model) -> TrainStep:
+def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
     """A `TrainStep` running Keras's default `train_step`."""
-    return TrainStep(model)
+    return distribution.sharded_train_step(TrainStep(model))
 
 
-def make_custom_train_step(model: keras.Model) -> TrainStep:
+def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
     """A `TrainStep` running the model's own `train_step` (functional too on JAX)."""
-    return TrainStep(model)
+    return distribution.sharded_train_step(TrainStep(model))
 
 
 class GradientAccumulator:
@@ -173,6 +181,8 @@ class GradientAccumulator:
         self._sums = None
 
 
-def make_accumulator(model: keras.Model) -> GradientAccumulator:
+def make_accumulator(
+    model: keras.Model,
+) -> Union[GradientAccumulator, distribution.ShardedAccumulator]:
     """A `GradientAccumulator` over `model`'s trainable weights."""
-    return GradientAccumulator(model)
+    return distribution.sharded_accumulator(GradientAccumulator(model))

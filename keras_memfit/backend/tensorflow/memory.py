@@ -198,3 +198,8 @@ def reset_peak(device: str) -> None:
         tf.config.experimental.reset_memory_stats(device)
     except (ValueError, tf.errors.OpError):
         pass
+
+
+def piece_multiple() -> int:
+    """1: any piece size runs (tf.distribute splits uneven batches itself)."""
+    return 1

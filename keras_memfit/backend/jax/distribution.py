@@ -1,0 +1,324 @@
+"""`keras.distribution.DataParallel`: keras_memfit's pieces laid out over the devices.
+
+Under `keras.distribution.DataParallel` (JAX's single-controller data
+parallelism), Keras lays every batch out along its first dimension over the
+devices of the mesh's batch axis: each device holds `rows / devices` rows and
+runs the same compiled step on them, and XLA sums the replicated weights'
+gradients across the devices. A batch whose rows are not a multiple of the
+number of devices cannot be laid out so (Keras itself raises JAX's
+`IndivisibleError` on such a last batch).
+
+keras_memfit's steps under such a distribution are wrapped here
+(`sharded_*`, applied by the step factories of `steps` and `training`), so
+that every piece runs as Keras runs a batch:
+
+- The planner plans only piece sizes that are a multiple of the device count
+  (`piece_multiple`): every device runs the same number of pieces, of the
+  same size. A piece of one row per device that runs out of memory is final.
+- Each piece is laid out with the distribution's data layout before the step
+  runs (slicing a laid-out JAX array gathers the slice on every device).
+- A piece whose rows are not a multiple (the last rows of an input whose
+  length is not one): its largest multiple runs laid out, and the remaining
+  rows (fewer than the devices) run replicated on every device, as a second
+  call of the same step. Predict concatenates the two outputs; evaluate's
+  metrics weight every row once either way (Keras's JAX metrics are per
+  sample), and its logs are the second call's; gradient accumulation adds
+  the two parts with their shares of the weight. A train step (one optimizer
+  update per piece) runs the whole piece replicated instead, so the piece is
+  still one update. Keras's own `fit` never hands such a batch over.
+
+One limit no Python code can lift: a step with a cross-device collective
+(evaluate's metric sums, training's gradient sums) whose memory runs out on
+one device while another device reaches the collective. Measured on XLA's
+CPU client (host devices sharing one address-space limit): the waiting device
+gives up after 40 s and XLA aborts the process ("Termination timeout ...
+Exiting to ensure a consistent program state"); Keras's own steps hold the
+same collectives. On GPUs, whose devices each have their own memory and run
+the same piece sizes, an out-of-memory error should strike every device
+alike (reasoned, not measured: no multi-GPU machine was at hand); one device
+with much less free memory than the others (another process on it) could
+still leave the others waiting in the collective.
+
+Whether a step is wrapped is decided when it is made, and steps are cached
+per model: a model's steps first made outside the distribution's scope stay
+unlaid (they run on every device whole, as before).
+
+Other distributions are not split here: `ModelParallel` (and any other
+`keras.distribution.Distribution`) and multi-process JAX (`jax.distributed`,
+where each process feeds its own rows) leave safe_predict and safe_evaluate
+as they are (the pieces are fed unlaid, as host arrays) and are refused by
+MemFit with `NotImplementedError` (`check_trainable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+
+def data_parallel() -> Optional[Any]:
+    """The active single-process `keras.distribution.DataParallel`, or None.
+
+    None without a distribution, under another kind of distribution, or in
+    a multi-process JAX run (see `check_trainable`).
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     assert data_parallel() is not None
+    """
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return None
+    if jax.process_count() > 1:
+        return None
+    return distribution
+
+
+def piece_multiple() -> int:
+    """What every planned piece size must be a multiple of: the devices a batch is laid out over.
+
+    1 without a single-process `DataParallel` distribution.
+
+    Example:
+        >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
+        >>> piece_multiple()  # with two JAX devices
+        2
+    """
+    distribution = data_parallel()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    return int(mesh.shape[list(mesh.axis_names).index(distribution.batch_dim_name)])
+
+
+def check_trainable(model: keras.Model) -> None:
+    """Raise if MemFit cannot train `model` under the active `keras.distribution`.
+
+    MemFit trains under a single-process `DataParallel` (or no distribution).
+
+    Raises:
+        NotImplementedError: For `ModelParallel` or another distribution than
+            `DataParallel`, and for multi-process JAX (`jax.distributed`,
+            more than one process); the message names what was received.
+
+    Example:
+        >>> keras.distribution.set_distribution(keras.distribution.ModelParallel(...))
+        >>> check_trainable(model)  # raises NotImplementedError
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        raise NotImplementedError(
+            "MemFit on JAX trains under keras.distribution.DataParallel only; received "
+            f"model '{model.name}' under {type(distribution).__name__}. Train under "
+            "DataParallel, or without MemFit."
+        )
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            "MemFit on JAX does not support multi-process training (jax.distributed) "
+            f"yet; received model '{model.name}' under DataParallel in process "
+            f"{jax.process_index()} of {jax.process_count()}. Train in a single process "
+            "(DataParallel over its local devices), or without MemFit."
+        )
+
+
+# ---------------------------------------------------------------- layouts
+def _leaves_rows(data: Any) -> int:
+    for leaf in keras.tree.flatten(data):
+        if leaf is not None:
+            return int(np.shape(leaf)[0])
+    return 0
+
+
+def _as_array(leaf: Any) -> Any:
+    return leaf if isinstance(leaf, (jax.Array, np.ndarray)) else np.asarray(leaf)
+
+
+def _lay_out(data: Any, distribution: Any) -> Any:
+    """Every array of `data` laid out as Keras lays out a batch (rows over the devices)."""
+
+    def put(leaf: Any) -> Any:
+        if leaf is None:
+            return None
+        leaf = _as_array(leaf)
+        return jax.device_put(leaf, distribution.get_data_layout(leaf.shape).backend_layout)
+
+    return keras.tree.map_structure(put, data)
+
+
+def _replicate(data: Any, distribution: Any) -> Any:
+    """Every array of `data` copied whole onto every device of the mesh."""
+    sharding = jax.sharding.NamedSharding(
+        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+    )
+    return keras.tree.map_structure(
+        lambda leaf: None if leaf is None else jax.device_put(_as_array(leaf), sharding), data
+    )
+
+
+def _split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
+    """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
+
+    A part with no rows is None.
+    """
+    n = _leaves_rows(data)
+    cut = n - n % multiple
+    if cut == n:
+        return data, None, n, 0
+
+    def rows(start: int, stop: int) -> Any:
+        return keras.tree.map_structure(
+            lambda leaf: None if leaf is None else leaf[start:stop], data
+        )
+
+    head = rows(0, cut) if cut else None
+    return head, rows(cut, n), cut, n - cut
+
+
+# ------------------------------------------------------------------ steps
+class ShardedStep:
+    """A predict or test step whose pieces are laid out over the devices (see the module).
+
+    Attributes:
+        __wrapped__: The step it runs (`output_spec` traces that one).
+
+    Example:
+        >>> step = sharded_predict_step(PredictStep(model, None))
+        >>> step(x[:203])  # 202 rows laid out over two devices, 1 row on both
+    """
+
+    def __init__(self, step: Callable[[Any], Any], distribution: Any,
+                 combine: Callable[[Any, Any], Any]) -> None:
+        self.__wrapped__ = step
+        self._distribution = distribution
+        self._combine = combine
+        self._multiple = piece_multiple()
+
+    def __call__(self, data: Any) -> Any:
+        step, distribution = self.__wrapped__, self._distribution
+        head, tail, _, _ = _split(data, self._multiple)
+        if tail is None:
+            return step(_lay_out(head, distribution))
+        if head is None:
+            return step(_replicate(tail, distribution))
+        first = step(_lay_out(head, distribution))
+        return self._combine(first, step(_replicate(tail, distribution)))
+
+
+def _concatenate_outputs(first: Any, second: Any) -> Any:
+    """Predict outputs of consecutive rows, joined (non-array leaves: the first's)."""
+    return jax.tree_util.tree_map(
+        lambda a, b: jnp.concatenate([a, b]) if hasattr(a, "shape") else a, first, second
+    )
+
+
+def _last_logs(first: Any, second: Any) -> Any:
+    """Test logs of two consecutive calls: the second's (the metrics count both)."""
+    return second
+
+
+def sharded_predict_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     outputs = sharded_predict_step(PredictStep(model, None))(x[:64])
+    """
+    distribution = data_parallel()
+    return step if distribution is None else ShardedStep(step, distribution, _concatenate_outputs)
+
+
+def sharded_test_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     logs = sharded_test_step(TestStep(model))((x[:64], y[:64], None))
+    """
+    distribution = data_parallel()
+    return step if distribution is None else ShardedStep(step, distribution, _last_logs)
+
+
+class ShardedTrainStep:
+    """A `TrainStep` whose pieces are laid out over the devices; one update per piece.
+
+    A piece whose rows are not a multiple of the devices runs replicated.
+
+    Example:
+        >>> step = ShardedTrainStep(TrainStep(model), keras.distribution.distribution())
+        >>> logs = step((x[:64], y[:64]))  # 32 rows on each of two devices
+    """
+
+    def __init__(self, step: Any, distribution: Any) -> None:
+        self.__wrapped__ = step
+        self._distribution = distribution
+        self._multiple = piece_multiple()
+
+    @property
+    def snapshots_itself(self) -> bool:
+        return self.__wrapped__.snapshots_itself
+
+    @property
+    def last_outcome(self) -> Any:
+        return self.__wrapped__.last_outcome
+
+    def __call__(self, data: Any) -> Any:
+        if _leaves_rows(data) % self._multiple:
+            return self.__wrapped__(_replicate(data, self._distribution))
+        return self.__wrapped__(_lay_out(data, self._distribution))
+
+
+class ShardedAccumulator:
+    """An `Accumulator` whose micro-batches are laid out over the devices.
+
+    A micro-batch whose rows are not a multiple of the devices is added as
+    two parts, each with its share of the weight.
+
+    Example:
+        >>> acc = ShardedAccumulator(GradientAccumulator(model), data_parallel())
+        >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0); acc.apply()
+    """
+
+    def __init__(self, accumulator: Any, distribution: Any) -> None:
+        self.__wrapped__ = accumulator
+        self._distribution = distribution
+        self._multiple = piece_multiple()
+
+    def reset(self) -> None:
+        self.__wrapped__.reset()
+
+    def add(self, data: Any, weight: float) -> None:
+        head, tail, head_rows, tail_rows = _split(data, self._multiple)
+        n = head_rows + tail_rows
+        if head is not None:
+            self.__wrapped__.add(_lay_out(head, self._distribution), weight * head_rows / n)
+        if tail is not None:
+            self.__wrapped__.add(_replicate(tail, self._distribution), weight * tail_rows / n)
+
+    def apply(self) -> None:
+        self.__wrapped__.apply()
+
+
+def sharded_train_step(step: Any) -> Any:
+    """`step` laid out over the devices under DataParallel (see `ShardedTrainStep`); else `step`.
+
+    Example:
+        >>> step = sharded_train_step(TrainStep(model))
+    """
+    distribution = data_parallel()
+    return step if distribution is None else ShardedTrainStep(step, distribution)
+
+
+def sharded_accumulator(accumulator: Any) -> Any:
+    """`accumulator` laid out over the devices under DataParallel; else `accumulator`.
+
+    Example:
+        >>> acc = sharded_accumulator(GradientAccumulator(model))
+    """
+    distribution = data_parallel()
+    return accumulator if distribution is None else ShardedAccumulator(accumulator, distribution)
