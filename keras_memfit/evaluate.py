@@ -155,6 +155,7 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
         tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
         bool(getattr(model, "run_eagerly", False)),
         model.jit_compile,
+        backend.replica_devices(model),  # inside a strategy's scope, or not
     )
     return _cache.per_model(
         model, key,

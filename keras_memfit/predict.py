@@ -188,8 +188,15 @@ def _merge_outputs(logs: List[Any]) -> Any:
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
-    """The compiled predict step (then `postprocess`) for `model`, cached per model."""
-    key = ("predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+    """The compiled predict step (then `postprocess`) for `model`, cached per model.
+
+    One per set of replica devices: a model used inside a strategy's scope
+    and outside it gets a step for each.
+    """
+    key = (
+        "predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile,
+        _backend.get().replica_devices(model),
+    )
     return _cache.per_model(
         model, key, lambda: _backend.get().make_predict_step(model, postprocess)
     )
