@@ -203,6 +203,19 @@ def test_safe_predict_out_of_memory_on_one_replica_splits_for_both(caplog):
     assert max(on_1) <= 5
 
 
+def test_safe_predict_sparse_input_is_shared_by_rows_too():
+    """Keras batches sparse input; each batch is still cut into one share per replica."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    with strategy().scope():
+        inputs = keras.Input((20,), sparse=True)
+        model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    x = scipy_sparse.random(37, 20, density=0.2, format="csr", dtype="float32",
+                            random_state=0)
+    reference = model.predict(x, batch_size=10, verbose=0)
+    got = keras_memfit.safe_predict(model, x, batch_size=10, verbose=0)
+    np.testing.assert_allclose(got, reference, **TOL)
+
+
 # ----------------------------------------------------------------- evaluate
 def test_safe_evaluate_equals_keras_and_counts_on_every_replica():
     """Weighted and not; the metrics built under the strategy, one copy per replica."""
@@ -231,6 +244,25 @@ def test_safe_evaluate_equals_keras_and_counts_on_every_replica():
             got_weighted[key], expected_weighted[key], rtol=1e-5, err_msg=key
         )
     assert not np.isclose(got["loss"], got_weighted["loss"], rtol=1e-3)
+
+
+def test_safe_evaluate_multi_output_losses_as_keras_counts_them_per_replica():
+    """Per-output losses: Keras counts each replica's batch mean once; so does safe_evaluate."""
+    with strategy().scope():
+        a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+        joined = keras.layers.Concatenate()([a, b])
+        model = keras.Model({"a": a, "b": b},
+                            {"p": keras.layers.Dense(2, name="p")(joined),
+                             "q": keras.layers.Dense(1, name="q")(a)})
+        model.compile(loss={"p": "mse", "q": "mae"}, metrics={"p": ["mae"]})
+    rng = np.random.default_rng(7)
+    x = {"a": rng.random((37, 3), dtype=np.float32), "b": rng.random((37, 2), dtype=np.float32)}
+    y = {"p": rng.random((37, 2), dtype=np.float32), "q": rng.random((37, 1), dtype=np.float32)}
+    got = keras_memfit.safe_evaluate(model, x, y, batch_size=10, verbose=0, return_dict=True)
+    expected = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    assert got.keys() == expected.keys() and "p_loss" in got
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("in_scope", [False, True], ids=["outside", "inside_scope"])

@@ -90,9 +90,23 @@ def _rows(data: Any) -> Union[int, tf.Tensor]:
             if static is not None:
                 return int(static)
             if isinstance(leaf, tf.RaggedTensor):
-                return leaf.nrows()
+                return tf.cast(leaf.nrows(), tf.int32)
+            if isinstance(leaf, tf.SparseTensor):
+                return tf.cast(leaf.dense_shape[0], tf.int32)
             return tf.shape(leaf)[0]
     return 0
+
+
+def _share(leaf: Any, start: Any, stop: Any) -> Any:
+    """Rows `start:stop` of a tensor, ragged or sparse tensor (None stays None)."""
+    if leaf is None:
+        return None
+    if isinstance(leaf, tf.SparseTensor):
+        rank = leaf.shape.rank
+        begin = tf.stack([tf.cast(start, tf.int64)] + [tf.constant(0, tf.int64)] * (rank - 1))
+        size = tf.concat([[tf.cast(stop - start, tf.int64)], leaf.dense_shape[1:]], axis=0)
+        return tf.sparse.slice(leaf, begin, size)
+    return leaf[start:stop]
 
 
 def _as_tensor(leaf: Any) -> Any:
@@ -105,7 +119,8 @@ def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
     """`data` (a structure of tensors sharing their rows) as one share per replica.
 
     The shares are cut on the host, so that each replica's device receives
-    only its own rows. None leaves (optional inputs) stay None.
+    only its own rows; ragged and sparse tensors are cut by rows too. None
+    leaves (optional inputs) stay None.
     """
     data = keras.tree.map_structure(_as_tensor, data)
     replicas = strategy.num_replicas_in_sync
@@ -116,7 +131,7 @@ def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
         i = context.replica_id_in_sync_group
         with tf.device(_HOST):
             return keras.tree.map_structure(
-                lambda leaf: None if leaf is None else leaf[bounds[i]:bounds[i + 1]], data
+                lambda leaf: _share(leaf, bounds[i], bounds[i + 1]), data
             )
 
     return strategy.experimental_distribute_values_from_function(share)
