@@ -35,7 +35,10 @@ def safe_evaluate(
     the failed attempt may have touched is rolled back first, so no sample is
     counted twice in any metric, and the pieces of a batch count as that one
     batch: the result is the one Keras gives for the unsplit batches. The
-    batch size is planned as in `safe_predict`.
+    batch size is planned as in `safe_predict`. Under a
+    `tf.distribute.MirroredStrategy` every piece runs on all the replicas,
+    as in `safe_predict`; each replica counts its rows in its own copy of the
+    metrics (a failed attempt is undone on every replica), as in Keras.
 
     Per-output losses of a multi-output model (`"<output>_loss"`): Keras on
     TensorFlow averages them over batches, each batch's mean counting once
