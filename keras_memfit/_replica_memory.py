@@ -1,4 +1,4 @@
-"""The memory of the devices a piece runs on, as the planner sees it: one device, or every replica's.
+"""The memory of the devices a piece runs on, for the planner: one device, or every replica's.
 
 Without a distribution strategy a piece runs on the backend's
 `compute_device()`. Under a `tf.distribute.MirroredStrategy` each piece is
@@ -34,7 +34,9 @@ class ReplicaMemory:
 
     def __init__(self, backend: Any, devices: Sequence[str]) -> None:
         if not devices:
-            raise ValueError(f"ReplicaMemory needs at least one device; received devices={devices!r}")
+            raise ValueError(
+                f"ReplicaMemory needs at least one device; received devices={devices!r}"
+            )
         self._backend = backend
         self.devices: Tuple[str, ...] = tuple(devices)
         self.name = ", ".join(self.devices)

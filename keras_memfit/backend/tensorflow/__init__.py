@@ -1,7 +1,9 @@
 """TensorFlow implementation of the backend seam (see `keras_memfit.backend.base`).
 
 One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`. This module
+`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`; and
+`replicas` (the inference steps on every replica of a
+`tf.distribute.MirroredStrategy`, used by `steps` and `memory`). This module
 exports the names of the `Backend` protocol.
 """
 
