@@ -35,7 +35,10 @@ def safe_evaluate(
     the failed attempt may have touched is rolled back first, so no sample is
     counted twice in any metric, and the pieces of a batch count as that one
     batch: the result is the one Keras gives for the unsplit batches. The
-    batch size is planned as in `safe_predict`.
+    batch size is planned as in `safe_predict`. Under a
+    `tf.distribute.MirroredStrategy` every piece runs on all the replicas,
+    as in `safe_predict`; each replica counts its rows in its own copy of the
+    metrics (a failed attempt is undone on every replica), as in Keras.
 
     Per-output losses of a multi-output model (`"<output>_loss"`): Keras on
     TensorFlow averages them over batches, each batch's mean counting once
@@ -155,6 +158,7 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
         tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
         bool(getattr(model, "run_eagerly", False)),
         model.jit_compile,
+        backend.replica_devices(model),  # inside a strategy's scope, or not
     )
     return _cache.per_model(
         model, key,

@@ -178,6 +178,7 @@ def place(
     _validate.model(model)
     budget = _validate.positive_int("budget", budget)
     be = backend_seam.get()
+    _refuse_distribution(be, model)
     host = be.host_device()
     accelerator = _resolve_accelerator(be, accelerator, host)
     all_layers = [layer for layer in _keras_compat.all_layers(model) if layer is not model]
@@ -219,6 +220,26 @@ def place(
     plan = _plan(analysis, host, accelerator, pinned, True, reason, sizes)
     _show(plan, verbose)
     return plan
+
+
+def _refuse_distribution(be: Any, model: keras.Model) -> None:
+    """Raise when `model` runs under a distribution strategy: its weights are per replica.
+
+    Raises:
+        NotImplementedError: Under `tf.distribute` (a model built in a
+            strategy's scope, or `place` called inside one) or a
+            `keras.distribution`.
+    """
+    if be.uses_distribution(model):
+        raise NotImplementedError(
+            "place() cannot pin layers of a model that runs under a distribution "
+            "strategy: each replica holds its own copy of the weights on its own "
+            f"device. Received model '{model.name}' under a strategy (built in a "
+            "tf.distribute strategy's scope, called inside one, or under a "
+            "keras.distribution). Under a strategy, safe_predict, safe_evaluate and "
+            "MemFit split each batch across the replicas instead; to use place(), "
+            "build and call the model outside the strategy."
+        )
 
 
 def _analyse(model: keras.Model) -> ModelAnalysis:

@@ -32,6 +32,11 @@ trial:
    that saw an OOM: the next call starts at the largest size that worked and
    stays there, paying no OOM.
 
+Under a `tf.distribute.MirroredStrategy` each piece is split across the
+replicas, so one size is planned for all of them: the budget is the smallest
+free memory among their devices, the measured peak the largest (see
+`keras_memfit._replica_memory`).
+
 Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
 caught, INFO for estimates and growth.
 
@@ -50,6 +55,7 @@ import weakref
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 from keras_memfit import backend as _backend
+from keras_memfit._replica_memory import ReplicaMemory
 
 logger = logging.getLogger("keras_memfit")
 
@@ -173,13 +179,16 @@ class BatchPlanner:
         self.requested = requested
         self.events = events if events is not None else []
         self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
-        self._k = knowledge_for(model, phase, signature)
-        self._device = self._backend.compute_device()
-        self._limit = self._backend.memory_limit(self._device)
-        self._stats_ok = self._backend.memory_stats(self._device) is not None
+        # Under a strategy, every replica runs a share of each piece: plan for the worst.
+        devices = self._backend.replica_devices(model) or (self._backend.compute_device(),)
+        self._memory = ReplicaMemory(self._backend, devices)
+        key = signature if len(devices) == 1 else (signature, devices)
+        self._k = knowledge_for(model, phase, key)
+        self._device = self._memory.name
+        self._limit = self._memory.limit
+        self._stats_ok = self._memory.stats() is not None
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
-        self._before: Optional[int] = None
         self._baseline: Optional[int] = None
         self._streak = 0
         self._growing = False
@@ -252,18 +261,17 @@ class BatchPlanner:
             if self._limit is None:
                 return None
             limit = self._limit[0]
-        stats = self._backend.memory_stats(self._device)
-        if stats is None:
+        free = self._memory.free(limit)
+        if free is None:
             return None
-        budget = (limit - stats[0]) * MARGIN
-        return max(1, int(budget // k.bytes_per_sample))
+        return max(1, int(free * MARGIN // k.bytes_per_sample))
 
     def _estimate_reason(self) -> str:
         k = self._k
-        stats = self._backend.memory_stats(self._device)
+        free = self._memory.free()
         reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
-        if self._limit and stats:
-            reason += f", {(self._limit[0] - stats[0]) / 2**20:.0f} MiB free on {self._device}"
+        if self._limit and free is not None:
+            reason += f", {free / 2**20:.0f} MiB free on {self._device}"
         return reason
 
     # -------------------------------------------------------------- attempts
@@ -272,9 +280,7 @@ class BatchPlanner:
         self._note_baseline()
         if self._probes:
             self._note_floor()
-            self._backend.reset_peak(self._device)
-            stats = self._backend.memory_stats(self._device)
-            self._before = stats[0] if stats else None
+            self._memory.begin_measure()
 
     def succeeded(self, size: int, full: bool) -> None:
         """Call after a piece of `size` samples ran; `full` if it was not clipped."""
@@ -409,9 +415,9 @@ class BatchPlanner:
 
     # ----------------------------------------------------------------- probes
     def _take_probe(self, size: int) -> None:
-        stats = self._backend.memory_stats(self._device)
-        if stats is not None and self._before is not None:
-            self._samples.append((size, max(0, stats[1] - self._before)))
+        growth = self._memory.growth()
+        if growth is not None:
+            self._samples.append((size, growth))
         self._probes.pop(0)
         sizes = {s for s, _ in self._samples}
         if self._probes and len(sizes) < 2:
@@ -434,10 +440,9 @@ class BatchPlanner:
     def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
         """Correct the estimate so that it no longer predicts `failed_size` to fit."""
         k = self._k
-        stats = self._backend.memory_stats(self._device)
-        if limit is None or stats is None or not k.bytes_per_sample:
+        free = self._memory.free(limit) if limit is not None else None
+        if free is None or not k.bytes_per_sample:
             return
-        free = limit - stats[0]
         if free > 0:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
 
@@ -452,7 +457,7 @@ class BatchPlanner:
     def _note_baseline(self) -> None:
         if self._exact_limit() or not self._stats_ok:
             return
-        stats = self._backend.memory_stats(self._device)
+        stats = self._memory.stats()
         self._baseline = stats[0] if stats is not None else None
 
     def _learn_budget(self) -> None:
@@ -469,7 +474,7 @@ class BatchPlanner:
         return max(1, int(k.learned_budget * margin // k.bytes_per_sample))
 
     def _note_floor(self) -> None:
-        stats = self._backend.memory_stats(self._device)
+        stats = self._memory.stats()
         if stats is not None:
             self._k.limit_floor = max(self._k.limit_floor, stats[1])
 

@@ -45,6 +45,12 @@ def safe_predict(
     before a large batch is tried, remembered per model and input signature,
     and grown back after a run of successes (see `keras_memfit.planner`).
 
+    Under a `tf.distribute.MirroredStrategy` (a model built in its scope, or
+    a call inside one) every piece runs on all the replicas, each on its
+    share of the rows, as `model.predict` runs its batches there; the
+    outputs come back in input order, and the planner sizes each piece for
+    the replica with the least free memory.
+
     Args:
         model: A Keras model (compiled or not).
         x: Input: a numpy array or tensor, a list/dict of them for
@@ -188,8 +194,15 @@ def _merge_outputs(logs: List[Any]) -> Any:
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
-    """The compiled predict step (then `postprocess`) for `model`, cached per model."""
-    key = ("predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+    """The compiled predict step (then `postprocess`) for `model`, cached per model.
+
+    One per set of replica devices: a model used inside a strategy's scope
+    and outside it gets a step for each.
+    """
+    key = (
+        "predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile,
+        _backend.get().replica_devices(model),
+    )
     return _cache.per_model(
         model, key, lambda: _backend.get().make_predict_step(model, postprocess)
     )

@@ -37,6 +37,9 @@ class _Devices:
     def piece_multiple(self):
         return self.multiple
 
+    def replica_devices(self, model):
+        return ()
+
 
 class _Model:
     name = "m"

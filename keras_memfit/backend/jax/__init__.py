@@ -31,6 +31,7 @@ from keras_memfit.backend.jax.memory import (
     compute_device,
     memory_limit,
     memory_stats,
+    replica_devices,
     reset_peak,
 )
 from keras_memfit.backend.jax.oom import init_oom_error, is_oom_error, oom_error_bases
@@ -59,7 +60,8 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # memory
-    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "reset_peak",
+    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
+    "reset_peak",
     # steps
     "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
     "make_test_step",

@@ -1,7 +1,9 @@
 """TensorFlow implementation of the backend seam (see `keras_memfit.backend.base`).
 
 One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`. This module
+`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`; and
+`replicas` (the inference steps on every replica of a
+`tf.distribute.MirroredStrategy`, used by `steps` and `memory`). This module
 exports the names of the `Backend` protocol.
 """
 
@@ -24,6 +26,7 @@ from keras_memfit.backend.tensorflow.memory import (
     memory_limit,
     memory_stats,
     piece_multiple,
+    replica_devices,
     reset_peak,
 )
 from keras_memfit.backend.tensorflow.oom import init_oom_error, is_oom_error, oom_error_bases
@@ -53,7 +56,8 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # memory
-    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "reset_peak",
+    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
+    "reset_peak",
     # steps
     "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
     "make_test_step",

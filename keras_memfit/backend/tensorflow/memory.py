@@ -7,11 +7,26 @@ from typing import Any, Optional, Tuple
 
 import tensorflow as tf
 
+from keras_memfit.backend.tensorflow import replicas
+
 
 def compute_device() -> str:
     """The device the model's computation runs on: the first GPU, else the CPU."""
     gpus = tf.config.list_logical_devices("GPU")
     return "GPU:0" if gpus else "CPU:0"
+
+
+def replica_devices(model: Any) -> Tuple[str, ...]:
+    """The devices `model`'s replicas run on under a `MirroredStrategy`; () otherwise.
+
+    The planner then sizes each piece for all of them: the budget is the
+    smallest free memory among them, the measured peak the largest.
+
+    Example:
+        >>> replica_devices(model)  # built under MirroredStrategy on two GPUs
+        ('GPU:0', 'GPU:1')
+    """
+    return replicas.replica_devices(model)
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:

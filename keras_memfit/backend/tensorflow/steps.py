@@ -11,6 +11,8 @@ import tensorflow as tf
 
 from keras_memfit import _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.tensorflow import replicas
+
 
 def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
     """`fn` compiled as Keras would compile the model's own steps.
@@ -41,7 +43,12 @@ def _needs_static_batch(model: keras.Model) -> bool:
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Callable:
-    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`."""
+    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
+
+    Under a `MirroredStrategy` (see `replicas.strategy_of`) every replica
+    runs it on its share of `x`; the outputs come back concatenated in
+    input order, on the host.
+    """
     model_ref = weakref.ref(model)
 
     def predict_step(x):
@@ -50,6 +57,9 @@ def make_predict_step(
             outputs = postprocess(outputs)
         return outputs
 
+    strategy = replicas.strategy_of(model)
+    if strategy is not None:
+        return replicas.distributed_step(model, strategy, predict_step, how="concat")
     return _compile(model, predict_step)
 
 
@@ -68,16 +78,30 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
             weight each call by its rows (the exact per-sample mean). By
             default the step is traced once with an unknown batch dimension,
             as Keras's own `evaluate` is: each call counts once for them.
+
+    Under a `MirroredStrategy` (see `replicas.strategy_of`) every replica
+    runs it on its share of the batch, updating its own copy of the metrics;
+    the returned logs are the replicas' mean, as Keras's.
     """
     model_ref = weakref.ref(model)
 
     def test_step(data):
         return model_ref().test_step(data)
 
+    strategy = replicas.strategy_of(model)
+
+    def compile_step(static_shapes: bool = False) -> Callable:
+        if strategy is not None:
+            return replicas.distributed_step(
+                model, strategy, test_step, how="mean", static_shapes=static_shapes
+            )
+        return _compile(model, test_step, static_shapes=static_shapes)
+
     if exact:
-        return _compile(model, test_step, static_shapes=_needs_static_batch(model))
-    compiled = _compile(model, test_step)
-    if compiled is test_step:  # run eagerly: shapes are always static
+        return compile_step(static_shapes=_needs_static_batch(model))
+    compiled = compile_step()
+    if not isinstance(compiled, tf.types.experimental.PolymorphicFunction):
+        # run eagerly: shapes are always static
         return compiled
     traced = []
 
@@ -151,15 +175,30 @@ class VariableGuard:
             v.assign(shadow)
 
 
-def guard_variables(variables: Sequence[Any]) -> VariableGuard:
-    """A `VariableGuard` over `variables` (see its docstring)."""
+def guard_variables(variables: Sequence[Any]) -> Any:
+    """A `VariableGuard` over `variables` (see its docstring).
+
+    Variables of a tf.distribute strategy (one copy per replica) get a
+    `replicas.ReplicaGuard`, which restores each replica's copy.
+    """
+    if replicas.has_distributed(variables):
+        return replicas.ReplicaGuard(variables)
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
-    """Build the model, its compiled metrics and loss before steps are traced."""
+    """Build the model, its compiled metrics and loss before steps are traced.
+
+    Under a `MirroredStrategy`, inside its scope (as Keras builds them), so
+    that the metrics get one copy per replica.
+    """
     x, y, sample_weight = batch
-    _keras_compat.symbolic_build(model, (x, y, sample_weight))
+    strategy = replicas.strategy_of(model)
+    if strategy is None:
+        _keras_compat.symbolic_build(model, (x, y, sample_weight))
+        return
+    with strategy.scope():
+        _keras_compat.symbolic_build(model, (x, y, sample_weight))
 
 
 def output_spec(step: Callable, x: Any) -> Optional[Any]:
