@@ -268,11 +268,7 @@ class MemFit(keras.callbacks.Callback):
         model = self.model
         _keras_compat.warn_if_untested_keras()
         if backend.uses_distribution(model):
-            raise NotImplementedError(
-                "MemFit does not support tf.distribute strategies yet; received model "
-                f"'{model.name}' built under a distribution strategy. Train without "
-                "the strategy, or without MemFit."
-            )
+            _check_distribution(model)
         if self.mode != "accumulate":
             return self.mode, None
         if not backend.has_default_train_step(model):
@@ -349,6 +345,22 @@ class MemFit(keras.callbacks.Callback):
 
 
 _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
+
+
+def _check_distribution(model: Any) -> None:
+    """Refuse a distribution MemFit cannot split for, with a clear error.
+
+    TensorFlow: `tf.distribute.MirroredStrategy` (and `OneDeviceStrategy`)
+    are supported, every replica split alike; the backend names what is not.
+    """
+    if _backend.name() == "tensorflow":
+        _backend.get().replicas(model)  # raises NotImplementedError for the others
+        return
+    raise NotImplementedError(
+        "MemFit does not support tf.distribute strategies yet; received model "
+        f"'{model.name}' built under a distribution strategy. Train without "
+        "the strategy, or without MemFit."
+    )
 
 
 def _keras2_message(model: Any) -> str:
