@@ -14,7 +14,9 @@ slots, and slots `a:b` are, on a replica holding `n` rows, its rows
 `a*n//m : b*n//m` (all of them for the largest replica, proportionally for a
 smaller one: the last batch can divide unevenly). So the planner plans the
 rows of the largest replica, and the split is agreed before any replica runs
-it. The guarantees are MemFit's on one device (`keras_memfit._training`):
+it; the sizes in MemFit's events are rows per replica (the largest
+replica's). The guarantees are MemFit's on one device
+(`keras_memfit._training`):
 
 - the whole batch first, as Keras runs it (the distributed batch untouched);
 - `mode="accumulate"`: micro-batch gradients, each replica's weighted by its
@@ -120,20 +122,21 @@ class ReplicaRun:
         self._test: Optional[Tuple[Callable, Any]] = None
         self._predict: Optional[Callable] = None
 
-    def _unsplittable(self, kind: str, batches: List[Any]) -> Optional[Any]:
-        """Keras's own function's result for batches MemFit cannot split, else None."""
+    def _unsplittable(self, batches: List[Any]) -> bool:
+        """Whether some replica's rows of `batches` cannot be split (Keras's own step runs them)."""
+        self.run._unsplittable = None
         for batch in batches:
             for chunk in self.replicas.local(batch):
                 found = unsplittable(chunk)
                 if found is not None:
                     self.run._unsplittable = found
                     return True
-        return None
+        return False
 
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
         """Train on each distributed Keras batch; returns the last one's logs."""
-        if self._unsplittable("train", batches):
+        if self._unsplittable(batches):
             return self.run._keras("train", batches)
         logs = None
         for batch in batches:
@@ -198,7 +201,7 @@ class ReplicaRun:
             run.epoch_split = max(run.epoch_split, pieces[0])
             run._note_pieces("train", pieces[0], batch.rows)
         finally:
-            run._note_events(batch.rows)
+            run._note_events(batch.slots)
         return logs["value"]
 
     def _accumulation(
@@ -239,7 +242,7 @@ class ReplicaRun:
     # ------------------------------------------------------------- evaluate
     def test(self, batches: List[Any]) -> Any:
         """Evaluate each distributed Keras batch; returns the last one's logs."""
-        if self._unsplittable("test", batches):
+        if self._unsplittable(batches):
             return self.run._keras("test", batches)
         run, model = self.run, self.run.model
         logs: Dict[str, Any] = {}
@@ -271,7 +274,7 @@ class ReplicaRun:
                 planner.finish_batch()
                 run._note_pieces("evaluate", pieces[0], batch.rows)
             finally:
-                run._note_events(batch.rows)
+                run._note_events(batch.slots)
         return logs.get("value", {})
 
     # -------------------------------------------------------------- predict
@@ -281,7 +284,7 @@ class ReplicaRun:
         Keras concatenates the replicas' outputs in replica order; so does
         this, each replica's pieces first joined in order.
         """
-        if self._unsplittable("predict", batches):
+        if self._unsplittable(batches):
             return self.run._keras("predict", batches)
         run, model = self.run, self.run.model
         if self._predict is None:
@@ -307,6 +310,6 @@ class ReplicaRun:
                 planner.finish_batch()
                 run._note_pieces("predict", len(per_replica[0]), batch.rows)
             finally:
-                run._note_events(batch.rows)
+                run._note_events(batch.slots)
             outputs.extend(concatenate(part) for part in per_replica)
         return concatenate(outputs)

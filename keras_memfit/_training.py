@@ -301,6 +301,8 @@ class Run:
         A batch run whole gives the step's own tensors, as Keras's
         `predict_function` does; pieces are gathered on the host.
         """
+        if self._replicas is not None:
+            return self._replicas.predict(batches)
         if self._passed_through("predict", batches):
             return self._keras("predict", batches)
         if self._predict_step is None:

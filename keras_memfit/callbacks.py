@@ -114,12 +114,22 @@ class MemFit(keras.callbacks.Callback):
     through Keras's own step untouched; only an OOM on one of them raises,
     naming what was received.
 
+    Under `tf.distribute.MirroredStrategy` (several GPUs, e.g. Kaggle's
+    T4 x2) each replica's rows are split alike: every replica runs the same
+    number of pieces, each replica's micro-batch gradients are weighted by
+    their share of that replica's rows, and one `apply_gradients` (one
+    all-reduce) per batch makes the same update as Keras's step on the whole
+    batch. The sizes in `events` are then rows per replica.
+
     Raises:
         ValueError: If `place` is not None, a bool or a dict of `place`'s
             keyword arguments.
         TypeError: When used with a tf_keras (Keras 2) model.
-        NotImplementedError: At the start of `fit`, for a backend other than
-            TensorFlow or a model under a `tf.distribute` strategy.
+        NotImplementedError: At the start of `fit` (or of `evaluate` or
+            `predict`), for an unsupported backend, or for a model under a
+            `tf.distribute` strategy other than `MirroredStrategy` and
+            `OneDeviceStrategy` (`MultiWorkerMirroredStrategy`, `TPUStrategy`,
+            `ParameterServerStrategy`), the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit; the training state is as it was before that step.
 
