@@ -215,6 +215,29 @@ def test_accumulate_on_one_replica_oom_equals_the_unsplit_fit(monkeypatch, after
 
 
 @pytest.mark.two_devices
+def test_a_replica_with_fewer_rows_than_pieces_runs_an_empty_piece(monkeypatch):
+    """29 rows at 16: the last batch is 7 + 6 rows; pieces of one row on replica 1.
+
+    The largest replica (7 rows) runs 7 pieces, so replica 1 (6 rows) runs
+    one empty piece: the all-reduce lines up, and the update is still
+    Keras's on the whole batch.
+    """
+    from keras_memfit import MemFit
+
+    strategy = _strategy()
+    x, y = _data(29)
+    fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+    ref = _model(strategy)
+    ref_history = ref.fit(x, y, **fit)
+    inject = OneReplicaInjector(monkeypatch, strategy, threshold=1)
+    model = _model(strategy)
+    history = model.fit(x, y, callbacks=[MemFit()], **fit)
+    _assert_same_training(model, history, ref, ref_history)
+    ok = [r for r, raised in inject.of("add") if not raised]
+    assert [1, 0] in ok and len(ok) == 8 + 7
+
+
+@pytest.mark.two_devices
 def test_no_oom_changes_nothing(monkeypatch):
     """With MemFit and nothing running out of memory: Keras's fit, with validation."""
     from keras_memfit import MemFit

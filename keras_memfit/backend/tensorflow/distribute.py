@@ -56,6 +56,9 @@ def check_strategy(strategy: Any) -> None:
             `fit` fails under it, keras-team/keras#20585), `TPUStrategy`,
             `ParameterServerStrategy` and any other strategy but
             `MirroredStrategy` and `OneDeviceStrategy`.
+
+    Example:
+        >>> check_strategy(tf.distribute.MirroredStrategy())  # supported: no error
     """
     if isinstance(strategy, _SUPPORTED):
         return
@@ -96,6 +99,12 @@ def replicas(model: keras.Model) -> Optional["Replicas"]:
     Raises:
         NotImplementedError: For a strategy MemFit cannot split for (see
             `check_strategy`).
+
+    Example:
+        >>> with tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"]).scope():
+        ...     model = build_and_compile()
+        >>> replicas(model).count
+        2
     """
     strategy = strategy_of(model)
     if strategy is None:
@@ -117,7 +126,13 @@ class Replicas:
         strategy: The strategy.
 
     Attributes:
+        strategy: The strategy.
         count: The number of replicas in sync.
+
+    Example:
+        >>> chunks = replicas.local(batch)  # [(x0, y0, None), (x1, y1, None)]
+        >>> halves = [keras_memfit.data.rows(c, 0, 4) for c in chunks]
+        >>> logs = replicas.train_step(model, custom=False)(replicas.distribute(halves))
     """
 
     def __init__(self, strategy: tf.distribute.Strategy) -> None:
