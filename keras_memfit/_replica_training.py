@@ -256,12 +256,7 @@ class ReplicaRun:
         for raw in batches:
             batch = _Batch(self.replicas, raw)
             if self._test is None:
-                with self.replicas.strategy.scope():
-                    _backend.get().prepare_test(model, _data.rows(batch.local[0], 0, 1))
-                self._test = (
-                    self.replicas.test_step(model),
-                    self.replicas.guard(model.metrics_variables),
-                )
+                self._test = self._test_parts(batch)
             step, guard = self._test
             planner = run._planner("evaluate", batch.signature, batch.slots)
             pieces[0] = 0
@@ -277,6 +272,21 @@ class ReplicaRun:
                 run._note_events(batch.slots)
         return logs.get("value", {})
 
+    def _test_parts(self, batch: _Batch) -> Tuple[Callable, Any]:
+        """The test step on a distributed batch and a guard over the metric state, cached."""
+        model, replicas = self.run.model, self.replicas
+        with replicas.strategy.scope():
+            _backend.get().prepare_test(model, _data.rows(batch.local[0], 0, 1))
+        key = (
+            "replica-evaluate", id(replicas.strategy),
+            tuple(id(v) for v in model.metrics_variables),
+            bool(getattr(model, "run_eagerly", False)), model.jit_compile,
+        )
+        return _cache.per_model(
+            model, key,
+            lambda: (replicas.test_step(model), replicas.guard(model.metrics_variables)),
+        )
+
     # -------------------------------------------------------------- predict
     def predict(self, batches: List[Any]) -> Any:
         """Predict each distributed Keras batch; outputs in the input's order.
@@ -288,7 +298,11 @@ class ReplicaRun:
             return self.run._keras("predict", batches)
         run, model = self.run, self.run.model
         if self._predict is None:
-            self._predict = self.replicas.predict_step(model)
+            key = ("replica-predict", id(self.replicas.strategy),
+                   bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+            self._predict = _cache.per_model(
+                model, key, lambda: self.replicas.predict_step(model)
+            )
         step = self._predict
         outputs: List[Any] = []
         for raw in batches:
