@@ -395,10 +395,12 @@ def test_an_oom_once_the_update_began_is_final(monkeypatch):
 
 
 @pytest.mark.two_devices
-def test_unsupported_strategies_raise_clear_errors():
+def test_unsupported_strategies_raise_clear_errors(monkeypatch):
     """MultiWorkerMirrored (keras-team/keras#20585), TPU and ParameterServer strategies."""
     import tensorflow as tf
 
+    from keras_memfit import MemFit
+    from keras_memfit.backend.tensorflow import distribute
     from keras_memfit.backend.tensorflow.distribute import check_strategy
 
     cases = [
@@ -412,6 +414,15 @@ def test_unsupported_strategies_raise_clear_errors():
             check_strategy(fake)
         assert f"Received: a model under {cls.__name__}" in str(info.value)
     check_strategy(_strategy())  # MirroredStrategy: no error
+
+    # Through MemFit, at the start of fit and of a standalone evaluate.
+    model = _model(_strategy())
+    x, y = _data(16)
+    fake = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
+    monkeypatch.setattr(distribute, "strategy_of", lambda model: fake)
+    for call in (model.fit, model.evaluate):
+        with pytest.raises(NotImplementedError, match="keras-team/keras#20585"):
+            call(x, y, batch_size=16, verbose=0, callbacks=[MemFit()])
 
 
 # ------------------------------------------------------------- real OOMs
