@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 import keras
 
 from keras_memfit import _cache, _model_state
+from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
 from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
 from keras_memfit import data as _data
@@ -128,6 +129,11 @@ class Run:
         self._unsplittable: Optional[str] = None
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
+        # Under a tf.distribute strategy, batches are split per replica.
+        replicas = replicas_of(model)
+        self._replicas = (
+            None if replicas is None else ReplicaRun(self, replicas, STATE_KEPT, UPDATE_OOM)
+        )
 
     def start_epoch(self, epoch: int) -> None:
         """Start counting the OOMs and the split of `epoch`."""
@@ -138,6 +144,8 @@ class Run:
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
         """Train on each Keras batch; returns the last one's logs."""
+        if self._replicas is not None:
+            return self._replicas.train(batches)
         if self._passed_through("train", batches):
             return self._keras("train", batches)
         logs = None
@@ -254,6 +262,8 @@ class Run:
     # ------------------------------------------------------------- evaluate
     def test(self, batches: List[Any]) -> Any:
         """Evaluate each Keras batch; returns the last one's logs."""
+        if self._replicas is not None:
+            return self._replicas.test(batches)
         if self._passed_through("test", batches):
             return self._keras("test", batches)
         model = self.model
@@ -291,6 +301,8 @@ class Run:
         A batch run whole gives the step's own tensors, as Keras's
         `predict_function` does; pieces are gathered on the host.
         """
+        if self._replicas is not None:
+            return self._replicas.predict(batches)
         if self._passed_through("predict", batches):
             return self._keras("predict", batches)
         if self._predict_step is None:

@@ -114,14 +114,24 @@ class MemFit(keras.callbacks.Callback):
     through Keras's own step untouched; only an OOM on one of them raises,
     naming what was received.
 
+    Under `tf.distribute.MirroredStrategy` (several GPUs, e.g. Kaggle's
+    T4 x2) each replica's rows are split alike: every replica runs the same
+    number of pieces, each replica's micro-batch gradients are weighted by
+    their share of that replica's rows, and one `apply_gradients` (one
+    all-reduce) per batch makes the same update as Keras's step on the whole
+    batch. The sizes in `events` are then rows per replica.
+
     Raises:
         ValueError: If `place` is not None, a bool or a dict of `place`'s
             keyword arguments.
         TypeError: When used with a tf_keras (Keras 2) model.
-        NotImplementedError: At the start of `fit`, for a backend other than
-            TensorFlow or JAX, a model under a `tf.distribute` strategy, or on
-            JAX under a `keras.distribution` other than a single-process
-            `DataParallel` (ModelParallel, multi-process `jax.distributed`).
+        NotImplementedError: At the start of `fit` (or of `evaluate` or
+            `predict`), for an unsupported backend, for a model under a
+            `tf.distribute` strategy other than `MirroredStrategy` and
+            `OneDeviceStrategy` (`MultiWorkerMirroredStrategy`, `TPUStrategy`,
+            `ParameterServerStrategy`), or on JAX under a `keras.distribution`
+            other than a single-process `DataParallel` (`ModelParallel`,
+            multi-process `jax.distributed`), the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit; the training state is as it was before that step.
 
@@ -270,11 +280,7 @@ class MemFit(keras.callbacks.Callback):
         model = self.model
         _keras_compat.warn_if_untested_keras()
         if backend.uses_distribution(model):
-            raise NotImplementedError(
-                "MemFit does not support tf.distribute strategies yet; received model "
-                f"'{model.name}' built under a distribution strategy. Train without "
-                "the strategy, or without MemFit."
-            )
+            _check_distribution(model)
         if self.mode != "accumulate":
             return self.mode, None
         if not backend.has_default_train_step(model):
@@ -351,6 +357,25 @@ class MemFit(keras.callbacks.Callback):
 
 
 _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
+
+
+def _check_distribution(model: Any) -> None:
+    """Refuse a distribution MemFit cannot split for, with a clear error.
+
+    Reached when the backend's `uses_distribution(model)` is True. TensorFlow:
+    `tf.distribute.MirroredStrategy` (and `OneDeviceStrategy`) are supported,
+    every replica split alike, and `replicas(model)` names what is not. (JAX
+    answers False under a single-process `DataParallel` and raises its own
+    error for the other distributions.) Any other backend: refused.
+    """
+    if _backend.name() == "tensorflow":
+        _backend.get().replicas(model)  # raises NotImplementedError for the others
+        return
+    raise NotImplementedError(
+        f"MemFit does not support distributed training on the {_backend.name()} backend; "
+        f"received model '{model.name}' under a distribution. Train without the "
+        "distribution, or without MemFit."
+    )
 
 
 def _keras2_message(model: Any) -> str:

@@ -1,0 +1,416 @@
+"""MemFit's steps under a `tf.distribute` strategy: one piece on every replica at once.
+
+Under `tf.distribute.MirroredStrategy` Keras's step functions receive each
+batch as a distributed value (`PerReplica` leaves: each replica's rows on its
+own device), run the step on every replica with `strategy.run`, and the
+optimizer all-reduces the replicas' gradients into one update. `Replicas`
+gives MemFit (`keras_memfit._replica_training`) what it needs to split such a
+batch so that every replica runs the same number of pieces (the all-reduce
+must line up):
+
+- `local(batch)`: each replica's rows, as `(x, y, sample_weight)` chunks;
+- `distribute(chunks)`: one chunk per replica back as a distributed batch
+  (`experimental_distribute_values_from_function`);
+- compiled steps on a distributed batch: a train step that says how far a
+  failed call got (`ReplicaTrainStep`), gradient accumulation into
+  `ON_READ`/`SUM` variables with one `apply_gradients` (one all-reduce, one
+  optimizer step) per batch (`ReplicaAccumulator`), Keras's own test step,
+  and the predict step (per-replica outputs);
+- `guard(variables)`: snapshots of every replica's copy of the small state.
+
+Every variable these make is created under the strategy's scope.
+`replicas(model)` refuses, with a clear error, the strategies MemFit cannot
+split for (multi-worker, TPU, parameter server).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+from keras_memfit import _keras_compat
+from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.tensorflow.training import _forward_loss, _track_loss, _unpack
+
+_SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
+
+
+def strategy_of(model: keras.Model) -> Optional[tf.distribute.Strategy]:
+    """The strategy `model` runs under (built under, or called inside its scope), or None."""
+    strategy = _keras_compat.distribute_strategy(model)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return strategy
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raise a clear `NotImplementedError` for a strategy MemFit cannot split for.
+
+    Raises:
+        NotImplementedError: For `MultiWorkerMirroredStrategy` (Keras 3's own
+            `fit` fails under it, keras-team/keras#20585), `TPUStrategy`,
+            `ParameterServerStrategy` and any other strategy but
+            `MirroredStrategy` and `OneDeviceStrategy`.
+
+    Example:
+        >>> check_strategy(tf.distribute.MirroredStrategy())  # supported: no error
+    """
+    if isinstance(strategy, _SUPPORTED):
+        return
+    name = type(strategy).__name__
+    received = f"Received: a model under {name}."
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.MultiWorkerMirroredStrategy: Keras 3's "
+            "own fit fails under it before any out-of-memory error (keras-team/keras#20585, "
+            "'ValueError: Attempt to convert a value (PerReplica...)'). " + received
+            + " Use tf.distribute.MirroredStrategy on one machine's devices."
+        )
+    if isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.TPUStrategy: a TPU step is compiled "
+            "for a fixed batch shape, which MemFit cannot split. " + received
+            + " Train without MemFit, or with a smaller batch_size."
+        )
+    if isinstance(
+        strategy,
+        (tf.distribute.ParameterServerStrategy,
+         tf.distribute.experimental.ParameterServerStrategy),
+    ):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.ParameterServerStrategy: its workers "
+            "run steps asynchronously through a coordinator, outside the step functions "
+            "MemFit replaces. " + received + " Train without MemFit."
+        )
+    raise NotImplementedError(
+        "MemFit supports tf.distribute.MirroredStrategy and OneDeviceStrategy. "
+        + received + " Use MirroredStrategy, or train without MemFit."
+    )
+
+
+def replicas(model: keras.Model) -> Optional["Replicas"]:
+    """The `Replicas` of the strategy `model` runs under, or None without one.
+
+    Raises:
+        NotImplementedError: For a strategy MemFit cannot split for (see
+            `check_strategy`).
+
+    Example:
+        >>> with tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"]).scope():
+        ...     model = build_and_compile()
+        >>> replicas(model).count
+        2
+    """
+    strategy = strategy_of(model)
+    if strategy is None:
+        return None
+    check_strategy(strategy)
+    return Replicas(strategy)
+
+
+def _local(strategy: tf.distribute.Strategy, value: Any) -> tuple:
+    if value is None:
+        return (None,) * strategy.num_replicas_in_sync
+    return tuple(strategy.experimental_local_results(value))
+
+
+class Replicas:
+    """The replicas of a `MirroredStrategy` (or `OneDeviceStrategy`), for MemFit.
+
+    Args:
+        strategy: The strategy.
+
+    Attributes:
+        strategy: The strategy.
+        count: The number of replicas in sync.
+
+    Example:
+        >>> chunks = replicas.local(batch)  # [(x0, y0, None), (x1, y1, None)]
+        >>> halves = [keras_memfit.data.rows(c, 0, 4) for c in chunks]
+        >>> logs = replicas.train_step(model, custom=False)(replicas.distribute(halves))
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy) -> None:
+        self.strategy = strategy
+        self.count = int(strategy.num_replicas_in_sync)
+
+    def local(self, batch: Any) -> List[tuple]:
+        """Each replica's rows of a distributed Keras batch, as `(x, y, sample_weight)` chunks."""
+        chunk = tuple(keras.utils.unpack_x_y_sample_weight(batch))
+        leaves = keras.tree.flatten(chunk)
+        per_leaf = [_local(self.strategy, leaf) for leaf in leaves]
+        return [
+            keras.tree.pack_sequence_as(chunk, [values[r] for values in per_leaf])
+            for r in range(self.count)
+        ]
+
+    def distribute(self, chunks: Sequence[Any]) -> Any:
+        """One structure per replica (same structure) as one distributed value."""
+        chunks = list(chunks)
+        leaves = [keras.tree.flatten(c) for c in chunks]
+        devices = self.strategy.extended.worker_devices
+
+        def leaf(i):
+            if leaves[0][i] is None:
+                return None
+
+            def value(context):
+                r = context.replica_id_in_sync_group
+                with tf.device(devices[r]):
+                    return tf.identity(leaves[r][i])
+
+            return self.strategy.experimental_distribute_values_from_function(value)
+
+        return keras.tree.pack_sequence_as(chunks[0], [leaf(i) for i in range(len(leaves[0]))])
+
+    def scalars(self, values: Sequence[float]) -> Any:
+        """One float per replica as a distributed float64 scalar."""
+        values = [float(v) for v in values]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
+        )
+
+    def guard(self, variables: Sequence[Any]) -> "ReplicaGuard":
+        """A guard over every replica's copy of `variables`."""
+        return ReplicaGuard(self.strategy, variables)
+
+    def train_step(self, model: keras.Model, custom: bool) -> "ReplicaTrainStep":
+        """The train step on a distributed batch (`model.train_step` when `custom`)."""
+        return ReplicaTrainStep(model, self.strategy, custom)
+
+    def accumulator(self, model: keras.Model) -> "ReplicaAccumulator":
+        """A gradient accumulator over the replicas."""
+        return ReplicaAccumulator(model, self.strategy)
+
+    def test_step(self, model: keras.Model) -> Callable[[Any], Any]:
+        """Keras's `model.test_step` on a distributed batch; returns the reduced logs."""
+        model_ref = weakref.ref(model)
+        strategy = self.strategy
+
+        def step(data):
+            outputs = strategy.run(lambda d: model_ref().test_step(d), args=(data,))
+            return reduce_per_replica(outputs, strategy, "auto")
+
+        return _compile(model, step)
+
+    def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
+        """`model.predict_step` on a distributed batch; returns each replica's outputs."""
+        model_ref = weakref.ref(model)
+        strategy = self.strategy
+
+        def step(data):
+            return strategy.run(lambda d: model_ref().predict_step(d), args=(data,))
+
+        compiled = _compile(model, step)
+
+        def run(data):
+            outputs = compiled(data)
+            flat = keras.tree.flatten(outputs)
+            per_leaf = [_local(strategy, leaf) for leaf in flat]
+            return [
+                keras.tree.pack_sequence_as(outputs, [values[r] for values in per_leaf])
+                for r in range(self.count)
+            ]
+
+        return run
+
+
+def _compile(model: keras.Model, fn: Callable) -> Callable:
+    if getattr(model, "run_eagerly", False):
+        return fn
+    return tf.function(fn, reduce_retracing=True, jit_compile=bool(model.jit_compile))
+
+
+def _components(value: Any) -> List[Any]:
+    """A variable's copy on every replica (itself when it is not distributed)."""
+    v = getattr(value, "value", value)  # a Keras variable's TensorFlow variable
+    components = getattr(v, "values", None)
+    if isinstance(components, (list, tuple)) and components:
+        return list(components)
+    return [v]
+
+
+class ReplicaGuard:
+    """Copies of every replica's copy of some variables, taken before a step.
+
+    A distributed variable has one copy per replica (an `ON_READ` metric
+    total differs between replicas): each is copied and put back as it
+    was, so restoring is exact whatever the variable's aggregation.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
+        self._components = [c for v in variables for c in _components(v)]
+        components = self._components
+
+        @tf.function
+        def snapshot():
+            return [tf.identity(c.read_value()) for c in components]
+
+        self._snapshot = snapshot if components else None
+        self._copies: List[Any] = []
+
+    def snapshot(self) -> None:
+        """Record the variables' current values, on every replica."""
+        if self._snapshot is not None:
+            self._copies = self._snapshot()
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        for component, copy in zip(self._components, self._copies):
+            component.assign(copy)
+
+
+def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = None) -> Any:
+    with strategy.scope():
+        return tf.Variable(
+            initial, dtype=dtype, trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+
+
+class ReplicaTrainStep:
+    """A train step on a distributed batch that can tell whether its update began.
+
+    Keras's default train step (or the model's own `train_step` when
+    `custom`) under `strategy.run`, logs reduced as Keras reduces them. Its
+    small state is not snapshotted inside the step: callers guard it
+    (`snapshots_itself` is False). The default step sets a per-replica
+    `ON_READ` flag right before the optimizer update, after every gradient
+    exists; after a failed call `last_outcome` is `UPDATE_BEGAN` when a
+    replica had set it, else `RESTORED` (the caller's guard restores).
+
+    Attributes:
+        snapshots_itself: False: callers guard the small state.
+        last_outcome: The outcome of the last call that raised; None for a
+            custom `train_step` (unknown).
+    """
+
+    snapshots_itself = False
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, custom: bool) -> None:
+        self.last_outcome: Optional[StepOutcome] = None
+        self._custom = custom
+        self._started = None if custom else _sync_on_read(strategy, 0, tf.int32)
+        model_ref = weakref.ref(model)
+        started = self._started
+
+        def replica_step(data):
+            model = model_ref()
+            if custom:
+                return model.train_step(data)
+            reset = started.assign(0)
+            with tf.control_dependencies([reset]):
+                data = keras.tree.map_structure(
+                    lambda t: None if t is None else tf.identity(t), data
+                )
+            x, y, sample_weight = _unpack(data)
+            with tf.GradientTape() as tape:
+                y_pred, loss = _forward_loss(model, x, y, sample_weight)
+                scaled = model.optimizer.scale_loss(loss)
+            weights = model.trainable_weights
+            if weights:
+                gradients = tape.gradient(scaled, weights)
+                with tf.control_dependencies([g for g in gradients if g is not None]):
+                    flag = started.assign(1)
+                with tf.control_dependencies([flag]):
+                    gradients = [None if g is None else tf.identity(g) for g in gradients]
+                model.optimizer.apply_gradients(zip(gradients, weights))
+            _track_loss(model, loss, x)
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        def step(data):
+            outputs = strategy.run(replica_step, args=(data,))
+            return reduce_per_replica(outputs, strategy, "auto")
+
+        self._step = _compile(model, step)
+
+    def __call__(self, data: Any) -> Dict[str, Any]:
+        try:
+            return self._step(data)
+        except Exception:
+            if not self._custom:
+                began = int(self._started.read_value().numpy()) > 0
+                self.last_outcome = StepOutcome.UPDATE_BEGAN if began else StepOutcome.RESTORED
+            raise
+
+
+class ReplicaAccumulator:
+    """Sums each replica's weighted micro-batch gradients; applies them as one step.
+
+    The sums are `ON_READ`/`SUM` variables made under the strategy's scope
+    (one copy per replica, created on first use). `add` runs one piece on
+    every replica, each replica's gradient weighted by its own share;
+    `apply` calls `apply_gradients` once on every replica with its local
+    sums, which the optimizer all-reduces: the same update as Keras's step
+    on the whole batch, where each replica's loss is its rows' mean scaled
+    by the number of replicas.
+    """
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+        model_ref = weakref.ref(model)
+        self._weights = list(model.trainable_weights)
+        self._sums = [_sync_on_read(strategy, tf.zeros_like(w.value)) for w in self._weights]
+        sums = self._sums
+        traced = {"mask": tuple(False for _ in self._weights)}
+        self._traced = traced
+
+        def replica_add(data, weight):
+            model = model_ref()
+            x, y, sample_weight = _unpack(data)
+            with tf.GradientTape() as tape:
+                y_pred, loss = _forward_loss(model, x, y, sample_weight)
+                scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
+            gradients = tape.gradient(scaled, model.trainable_weights)
+            for total, g in zip(sums, gradients):
+                if g is not None:
+                    total.assign_add(tf.convert_to_tensor(g))
+            _track_loss(model, loss, x)
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            traced["mask"] = tuple(g is None for g in gradients)
+
+        def add(data, weight):
+            strategy.run(replica_add, args=(data, weight))
+
+        def replica_apply(mask):
+            model = model_ref()
+            pairs = [
+                (total.read_value(), w)
+                for total, w, missing in zip(sums, model.trainable_weights, mask)
+                if not missing
+            ]
+            model.optimizer.apply_gradients(pairs)
+
+        def apply(mask):
+            strategy.run(replica_apply, args=(mask,))
+
+        @tf.function
+        def reset():
+            for total in sums:
+                total.assign(tf.zeros_like(total))
+
+        self._add = _compile(model, add)
+        self._apply = _compile(model, apply)
+        self._reset = reset
+
+    def reset(self) -> None:
+        """Start a new batch: zero the sums on every replica."""
+        self._reset()
+
+    def add(self, data: Any, weight: Any) -> None:
+        """Add each replica's `weight` times its gradient on its rows of `data`.
+
+        Args:
+            data: A distributed batch (`Replicas.distribute`).
+            weight: A distributed float per replica (`Replicas.scalars`).
+        """
+        self._add(data, weight)
+
+    def apply(self) -> None:
+        """Apply the summed gradients as one optimizer step (one all-reduce)."""
+        self._apply(self._traced["mask"])
