@@ -30,7 +30,7 @@ replica's). The guarantees are MemFit's on one device
   is snapshotted before it and restored after it; an OOM once the optimizer
   update began is final.
 
-The backend's `replicas(model)` gives the `Replicas` object used here (see
+The backend's `training_replicas(model)` gives the `Replicas` object used here (see
 `keras_memfit.backend.tensorflow.distribute`).
 """
 
@@ -56,8 +56,7 @@ def replicas_of(model: keras.Model) -> Optional[Any]:
     Raises:
         NotImplementedError: For a strategy MemFit cannot split for.
     """
-    find = getattr(_backend.get(), "replicas", None)  # only TensorFlow's has strategies
-    return None if find is None else find(model)
+    return _backend.get().training_replicas(model)
 
 
 class _Batch:

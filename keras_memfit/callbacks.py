@@ -364,12 +364,12 @@ def _check_distribution(model: Any) -> None:
 
     Reached when the backend's `uses_distribution(model)` is True. TensorFlow:
     `tf.distribute.MirroredStrategy` (and `OneDeviceStrategy`) are supported,
-    every replica split alike, and `replicas(model)` names what is not. (JAX
+    every replica split alike, and `training_replicas(model)` names what is not. (JAX
     answers False under a single-process `DataParallel` and raises its own
     error for the other distributions.) Any other backend: refused.
     """
     if _backend.name() == "tensorflow":
-        _backend.get().replicas(model)  # raises NotImplementedError for the others
+        _backend.get().training_replicas(model)  # raises NotImplementedError for the others
         return
     raise NotImplementedError(
         f"MemFit does not support distributed training on the {_backend.name()} backend; "

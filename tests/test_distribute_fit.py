@@ -419,7 +419,7 @@ def test_unsupported_strategies_raise_clear_errors(monkeypatch):
     model = _model(_strategy())
     x, y = _data(16)
     fake = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
-    monkeypatch.setattr(distribute, "strategy_of", lambda model: fake)
+    monkeypatch.setattr(distribute, "active_strategy", lambda model: fake)
     for call in (model.fit, model.evaluate):
         with pytest.raises(NotImplementedError, match="keras-team/keras#20585"):
             call(x, y, batch_size=16, verbose=0, callbacks=[MemFit()])

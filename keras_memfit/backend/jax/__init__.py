@@ -26,7 +26,7 @@ from keras_memfit.backend.jax.devices import (
     move_variable,
     variable_device,
 )
-from keras_memfit.backend.jax.distribution import piece_multiple
+from keras_memfit.backend.jax.distribution import piece_multiple, training_replicas
 from keras_memfit.backend.jax.memory import (
     compute_device,
     memory_limit,
@@ -68,7 +68,8 @@ __all__ = [
     "output_spec", "prepare_test",
     # training
     "GradientAccumulator", "TrainStep", "has_default_train_step",
-    "make_accumulator", "make_custom_train_step", "make_train_step", "uses_distribution",
+    "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
+    "uses_distribution",
     # trainer
     "is_end_of_data", "step_function",
     # devices

@@ -322,3 +322,14 @@ def sharded_accumulator(accumulator: Any) -> Any:
     """
     distribution = data_parallel()
     return accumulator if distribution is None else ShardedAccumulator(accumulator, distribution)
+
+
+def training_replicas(model: keras.Model) -> None:
+    """None: MemFit on JAX has no per-replica batches to split.
+
+    Under `DataParallel`, Keras hands MemFit whole global batches and every
+    piece is laid out over the devices by the wrapped steps (see this
+    module's docstring); the other distributions are refused by
+    `check_trainable`.
+    """
+    return None

@@ -21,7 +21,7 @@ from keras_memfit.backend.tensorflow.devices import (
     move_variable,
     variable_device,
 )
-from keras_memfit.backend.tensorflow.distribute import Replicas, replicas
+from keras_memfit.backend.tensorflow.distribute import Replicas, training_replicas
 from keras_memfit.backend.tensorflow.memory import (
     compute_device,
     memory_limit,
@@ -57,7 +57,7 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # distribute (MemFit under tf.distribute.MirroredStrategy)
-    "Replicas", "replicas",
+    "Replicas", "training_replicas",
     # memory
     "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
     "reset_peak",

@@ -19,7 +19,7 @@ must line up):
 - `guard(variables)`: snapshots of every replica's copy of the small state.
 
 Every variable these make is created under the strategy's scope.
-`replicas(model)` refuses, with a clear error, the strategies MemFit cannot
+`training_replicas(model)` refuses, with a clear error, the strategies MemFit cannot
 split for (multi-worker, TPU, parameter server).
 """
 
@@ -33,19 +33,11 @@ import tensorflow as tf
 
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
-from keras_memfit import _keras_compat
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
 from keras_memfit.backend.tensorflow.training import _forward_loss, _track_loss, _unpack
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
-
-
-def strategy_of(model: keras.Model) -> Optional[tf.distribute.Strategy]:
-    """The strategy `model` runs under (built under, or called inside its scope), or None."""
-    strategy = _keras_compat.distribute_strategy(model)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
-    return strategy
 
 
 def check_strategy(strategy: Any) -> None:
@@ -93,7 +85,7 @@ def check_strategy(strategy: Any) -> None:
     )
 
 
-def replicas(model: keras.Model) -> Optional["Replicas"]:
+def training_replicas(model: keras.Model) -> Optional["Replicas"]:
     """The `Replicas` of the strategy `model` runs under, or None without one.
 
     Raises:
@@ -103,10 +95,10 @@ def replicas(model: keras.Model) -> Optional["Replicas"]:
     Example:
         >>> with tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"]).scope():
         ...     model = build_and_compile()
-        >>> replicas(model).count
+        >>> training_replicas(model).count
         2
     """
-    strategy = strategy_of(model)
+    strategy = active_strategy(model)
     if strategy is None:
         return None
     check_strategy(strategy)
@@ -177,7 +169,7 @@ class Replicas:
 
     def guard(self, variables: Sequence[Any]) -> "ReplicaGuard":
         """A guard over every replica's copy of `variables`."""
-        return ReplicaGuard(self.strategy, variables)
+        return ReplicaGuard(variables)
 
     def train_step(self, model: keras.Model, custom: bool) -> "ReplicaTrainStep":
         """The train step on a distributed batch (`model.train_step` when `custom`)."""
@@ -224,45 +216,6 @@ def _compile(model: keras.Model, fn: Callable) -> Callable:
     if getattr(model, "run_eagerly", False):
         return fn
     return tf.function(fn, reduce_retracing=True, jit_compile=bool(model.jit_compile))
-
-
-def _components(value: Any) -> List[Any]:
-    """A variable's copy on every replica (itself when it is not distributed)."""
-    v = getattr(value, "value", value)  # a Keras variable's TensorFlow variable
-    components = getattr(v, "values", None)
-    if isinstance(components, (list, tuple)) and components:
-        return list(components)
-    return [v]
-
-
-class ReplicaGuard:
-    """Copies of every replica's copy of some variables, taken before a step.
-
-    A distributed variable has one copy per replica (an `ON_READ` metric
-    total differs between replicas): each is copied and put back as it
-    was, so restoring is exact whatever the variable's aggregation.
-    """
-
-    def __init__(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
-        self._components = [c for v in variables for c in _components(v)]
-        components = self._components
-
-        @tf.function
-        def snapshot():
-            return [tf.identity(c.read_value()) for c in components]
-
-        self._snapshot = snapshot if components else None
-        self._copies: List[Any] = []
-
-    def snapshot(self) -> None:
-        """Record the variables' current values, on every replica."""
-        if self._snapshot is not None:
-            self._copies = self._snapshot()
-
-    def restore(self) -> None:
-        """Put back the values recorded by the last `snapshot()`."""
-        for component, copy in zip(self._components, self._copies):
-            component.assign(copy)
 
 
 def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = None) -> Any:

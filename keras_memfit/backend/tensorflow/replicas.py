@@ -30,11 +30,20 @@ from keras_memfit import _keras_compat
 _HOST = "/CPU:0"
 
 
-def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:
-    """The `MirroredStrategy` `model` runs under, or None.
+def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
+    """The `tf.distribute` strategy `model` runs under, of any kind, or None.
 
     As in Keras's own trainer: the strategy whose scope the model was
     created in, else the one whose scope is active now.
+    """
+    strategy = _keras_compat.distribute_strategy(model)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return strategy
+
+
+def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:
+    """The `MirroredStrategy` `model` runs under (see `active_strategy`), or None.
 
     Example:
         >>> with tf.distribute.MirroredStrategy().scope():
@@ -42,9 +51,7 @@ def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:
         >>> strategy_of(model).num_replicas_in_sync  # on two GPUs
         2
     """
-    strategy = _keras_compat.distribute_strategy(model)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
+    strategy = active_strategy(model)
     return strategy if isinstance(strategy, tf.distribute.MirroredStrategy) else None
 
 
