@@ -35,7 +35,12 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
-from keras_memfit.backend.tensorflow.training import _forward_loss, _track_loss, _unpack
+from keras_memfit.backend.tensorflow.training import (
+    _forward_loss,
+    _track_loss,
+    _unpack,
+    flagged_train_step,
+)
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
@@ -262,20 +267,7 @@ class ReplicaTrainStep:
                 data = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), data
                 )
-            x, y, sample_weight = _unpack(data)
-            with tf.GradientTape() as tape:
-                y_pred, loss = _forward_loss(model, x, y, sample_weight)
-                scaled = model.optimizer.scale_loss(loss)
-            weights = model.trainable_weights
-            if weights:
-                gradients = tape.gradient(scaled, weights)
-                with tf.control_dependencies([g for g in gradients if g is not None]):
-                    flag = started.assign(1)
-                with tf.control_dependencies([flag]):
-                    gradients = [None if g is None else tf.identity(g) for g in gradients]
-                model.optimizer.apply_gradients(zip(gradients, weights))
-            _track_loss(model, loss, x)
-            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return flagged_train_step(model, data, started)
 
         def step(data):
             outputs = strategy.run(replica_step, args=(data,))

@@ -145,22 +145,33 @@ def _make_train_step(model: keras.Model, update_started, generation, pairs) -> C
             data = keras.tree.map_structure(
                 lambda t: None if t is None else tf.identity(t), data
             )
-        x, y, sample_weight = _unpack(data)
-        with tf.GradientTape() as tape:
-            y_pred, loss = _forward_loss(model, x, y, sample_weight)
-            scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
-        weights = model.trainable_weights
-        if weights:
-            gradients = tape.gradient(scaled, weights)
-            with tf.control_dependencies([g for g in gradients if g is not None]):
-                started = update_started.assign(1)
-            with tf.control_dependencies([started]):
-                gradients = [None if g is None else tf.identity(g) for g in gradients]
-            model.optimizer.apply_gradients(zip(gradients, weights))
-        _track_loss(model, loss, x)
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return flagged_train_step(model, data, update_started)
 
     return _compile(model, train_step)
+
+
+def flagged_train_step(model: keras.Model, data: Any, update_started: tf.Variable) -> Any:
+    """Keras's default train step on `data`, `update_started` set to 1 just before the update.
+
+    Forward pass and loss, gradients, then `update_started.assign(1)` once
+    every gradient is computed and before `apply_gradients` (so a failed
+    step tells whether the optimizer update began), the loss tracker, the
+    metrics. Traced inside a step (on one device, or per replica).
+    """
+    x, y, sample_weight = _unpack(data)
+    with tf.GradientTape() as tape:
+        y_pred, loss = _forward_loss(model, x, y, sample_weight)
+        scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+    weights = model.trainable_weights
+    if weights:
+        gradients = tape.gradient(scaled, weights)
+        with tf.control_dependencies([g for g in gradients if g is not None]):
+            started = update_started.assign(1)
+        with tf.control_dependencies([started]):
+            gradients = [None if g is None else tf.identity(g) for g in gradients]
+        model.optimizer.apply_gradients(zip(gradients, weights))
+    _track_loss(model, loss, x)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 class CustomTrainStep:
