@@ -344,14 +344,15 @@ def run_case(
 # Reporting
 # --------------------------------------------------------------------------
 def machine_info() -> Dict[str, str]:
-    """The machine and versions this process runs on (imports TensorFlow)."""
+    """The machine and versions this process runs on (imports the Keras backend)."""
     seen = versions()
+    devices = next(key for key in seen if key.startswith("Devices seen by"))
     return {
         "Date (UTC)": now_utc(),
         "CPU": cpu_model(),
         "CPU count (usable / total)": usable_cpus(),
         "Load average at start (1/5/15 min)": load_average(),
-        "Devices seen by TensorFlow": seen.pop("Devices seen by TensorFlow"),
+        devices: seen.pop(devices),
         **seen,
         "OS": platform.platform(),
     }
