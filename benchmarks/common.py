@@ -181,9 +181,25 @@ def now_utc() -> str:
 
 
 def versions() -> Dict[str, str]:
-    """Versions of what runs, and the devices TensorFlow sees (imports TensorFlow)."""
+    """Versions of what runs, and the devices the Keras backend sees.
+
+    Imports Keras, then the active backend's library (TensorFlow, or JAX with
+    `KERAS_BACKEND=jax`) to ask what it sees; the devices are the last key,
+    "Devices seen by TensorFlow" or "Devices seen by JAX".
+    """
     import keras
     import numpy as np
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return {
+            "Python": platform.python_version(),
+            "JAX": jax.__version__,
+            "Keras": keras.__version__,
+            "NumPy": np.__version__,
+            "Devices seen by JAX": ", ".join(f"{d.platform}:{d.id}" for d in jax.devices()),
+        }
     import tensorflow as tf
 
     return {

@@ -36,11 +36,13 @@ class JobError(RuntimeError):
     """A benchmark child process failed; the message has the tail of its stderr."""
 
 
-def child_environment(cap_mb: Optional[int]) -> Dict[str, str]:
+def child_environment(cap_mb: Optional[int], backend: str = "tensorflow") -> Dict[str, str]:
     """The environment for a child, capped at `cap_mb` MiB when given.
 
     Args:
         cap_mb: MiB for TensorFlow's capped CPU allocator, or None for none.
+        backend: Keras's backend in the child: "tensorflow", or "jax" (no cap:
+            the capped allocator is TensorFlow's).
 
     Returns:
         This process's environment with this checkout first on `PYTHONPATH`,
@@ -53,6 +55,11 @@ def child_environment(cap_mb: Optional[int]) -> Dict[str, str]:
         env.pop(key, None)
     env.update(app_env.capped_cpu_env(int(cap_mb)) if cap_mb is not None
                else app_env.cpu_only_env())
+    if backend != "tensorflow":
+        if cap_mb is not None:
+            raise ValueError(f"the capped allocator is TensorFlow's; received cap_mb={cap_mb} "
+                             f"with backend={backend!r}")
+        env["KERAS_BACKEND"] = backend
     if env["PYTHONPATH"].split(os.pathsep)[0] != ROOT:  # `benchmarks` must import
         env["PYTHONPATH"] = ROOT + os.pathsep + env["PYTHONPATH"]
     return env
@@ -60,7 +67,7 @@ def child_environment(cap_mb: Optional[int]) -> Dict[str, str]:
 
 def run_job(
     target: str, config: Dict[str, Any], *, cap_mb: Optional[int], timeout: float = 1800,
-    report: Say = None,
+    report: Say = None, backend: str = "tensorflow",
 ) -> Dict[str, Any]:
     """Run `target(config, say)` in a fresh child process and return its result dict.
 
@@ -70,6 +77,7 @@ def run_job(
         cap_mb: MiB for TensorFlow's capped CPU allocator, or None for no cap.
         timeout: Seconds before the child is killed.
         report: Called with each line the child prints; default: dropped.
+        backend: Keras's backend in the child ("tensorflow" or "jax").
 
     Returns:
         The dict the function returned, plus "process_seconds" (wall time of
@@ -82,7 +90,7 @@ def run_job(
     try:
         result = worker.run_worker(
             target, config, report=report or (lambda line: None), what=target,
-            env=child_environment(cap_mb), cwd=ROOT, timeout=timeout,
+            env=child_environment(cap_mb, backend), cwd=ROOT, timeout=timeout,
         )
     except worker.WorkerError as err:
         tail = "\n".join(err.stderr.strip().splitlines()[-25:])
@@ -131,5 +139,5 @@ class OomCounter(logging.Handler):
 
 
 def versions_job(config: Dict[str, Any], say: Say = None) -> Dict[str, Any]:
-    """Versions and devices as TensorFlow sees them (run in a child)."""
+    """Versions and devices as the child's Keras backend sees them (run in a child)."""
     return common.versions()

@@ -27,6 +27,9 @@ Usage (from the repository root):
     python -m benchmarks.run --quick              # smoke run, seconds per
                                                   # scenario, into a temp dir
     python -m benchmarks.run --report-only        # redraw from results.json
+    python -m benchmarks.run --backend jax        # the overhead scenario on
+                                                  # JAX (no TensorFlow needed):
+                                                  # its own "overhead-jax" section
 """
 
 from __future__ import annotations
@@ -101,6 +104,28 @@ def _rotate(items: Sequence[Any], r: int) -> List[Any]:
 # --------------------------------------------------------------------------
 # Scenarios (parent side: plan the jobs, run them, return raw results)
 # --------------------------------------------------------------------------
+def run_overhead_jax(ctx: Context, results_md: str) -> Dict[str, Any]:
+    """The overhead scenario with Keras on JAX, in a fresh process, uncapped.
+
+    The child writes its own section ("overhead-jax") of `results_md`.
+    """
+    path = os.path.join(ctx.workdir, "overhead-jax.json")
+    args = ["--json", path, "--output", results_md]
+    args += ["--quick", "--models", "mlp", "--no-write"] if ctx.quick else ["--repeats", "11"]
+    start = time.perf_counter()
+
+    def show(line: str) -> None:
+        if line.startswith("ratio "):
+            ctx.log("  " + line)
+
+    jobs.run_job("benchmarks.overhead:job", dict(args=args), cap_mb=None, timeout=3600,
+                 report=show, backend="jax")
+    with open(path) as f:
+        data = json.load(f)
+    return dict(ctx.stamp(), cases=data["cases"], machine=data["machine"], cap_mb=0,
+                seconds=time.perf_counter() - start)
+
+
 def run_overhead(ctx: Context) -> Dict[str, Any]:
     path = os.path.join(ctx.workdir, "overhead.json")
     args = ["--no-write", "--json", path]
@@ -288,7 +313,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="only regenerate RESULTS.md and the plot from results.json")
     parser.add_argument("--no-plot", action="store_true", help="do not draw results.png")
-    return parser.parse_args(argv)
+    parser.add_argument("--backend", choices=("tensorflow", "jax"), default="tensorflow",
+                        help="Keras's backend; with jax only the overhead scenario runs "
+                             "(the others use TensorFlow's capped allocator)")
+    args = parser.parse_args(argv)
+    if args.backend == "jax" and set(args.scenarios) - {"overhead"}:
+        args.scenarios = ["overhead"]
+    return args
 
 
 def run_scenarios(ctx: Context, names: Sequence[str],
@@ -372,6 +403,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     command = "python -m benchmarks.run" + (" " + " ".join(argv) if argv else "")
     workdir = tempfile.mkdtemp(prefix="memfit-bench-data-")
+    if args.backend == "jax":
+        ctx = Context(args.quick, workdir, command, _log, stored)
+        _log(f"{command}: the overhead scenario on JAX, into {paths['RESULTS.md']}")
+        try:
+            stored["overhead_jax"] = run_overhead_jax(ctx, paths["RESULTS.md"])
+        except jobs.JobError as err:
+            _log(f"scenario overhead (JAX) FAILED: {err}")
+            return 1
+        with open(paths["results.json"], "w") as f:
+            json.dump(stored, f, indent=1)
+        return 0
     start = time.perf_counter()
     _log(f"{command}: writing into {output}")
     if args.quick:

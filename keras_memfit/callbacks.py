@@ -327,7 +327,12 @@ class MemFit(keras.callbacks.Callback):
         if name in self._originals:
             return
         backend = _backend.get()
-        function = backend.step_function(self.model, kind, run_batches)
+        # `self._model`, not `self.model`: on JAX, Callback.model makes Keras
+        # write its state into the variables (and read it back at the next
+        # step), twice per step for nothing; MemFit's functions take the state
+        # Keras hands them.
+        model = self._model
+        function = backend.step_function(model, kind, run_batches)
 
         def installed(*args, **kwargs):
             try:
@@ -339,17 +344,18 @@ class MemFit(keras.callbacks.Callback):
             finally:
                 self._uninstall(name)
 
-        self._originals[name] = getattr(self.model, name, None)
+        self._originals[name] = getattr(model, name, None)
         self._wrappers[name] = installed
-        setattr(self.model, name, installed)
+        setattr(model, name, installed)
 
     def _uninstall(self, name: str) -> None:
         if name not in self._originals:
             return
         original = self._originals.pop(name)
         wrapper = self._wrappers.pop(name)
-        if getattr(self.model, name, None) is wrapper:
-            setattr(self.model, name, original)
+        model = self._model  # not self.model: see _install
+        if getattr(model, name, None) is wrapper:
+            setattr(model, name, original)
 
     def _uninstall_all(self) -> None:
         for name in list(self._originals):

@@ -106,7 +106,6 @@ def child_memory_and_unsupported():
     import keras
     import pytest
 
-    import keras_memfit
     from keras_memfit import backend
 
     assert "jax" in backend.SUPPORTED
@@ -118,8 +117,7 @@ def child_memory_and_unsupported():
     assert jax_backend.memory_limit(device) is None
     jax_backend.reset_peak(device)
     model = _model()
-    with pytest.raises(NotImplementedError, match="JAX backend"):
-        keras_memfit.memory_report(model, 32)
+    # memory_report runs on JAX (tests/test_jax_report.py); place does not yet.
     with pytest.raises(NotImplementedError, match="JAX backend"):
         jax_backend.move_variable(model.weights[0], "cpu:0")
     assert keras.backend.backend() == "jax"

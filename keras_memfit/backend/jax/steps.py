@@ -3,10 +3,11 @@
 Keras's JAX trainer compiles its steps with `donate_argnums=0`: the model's
 state buffers are handed to the computation, so when it runs out of memory
 the model is gone (`get_weights()` itself raises). The steps here are
-compiled without donation: they read the variables' current values, run
-functionally, wait for the result (`block_until_ready`, so that an OOM
-surfaces inside keras_memfit's retry loop, not at a later read) and only then
-write the new state into the variables. A step that fails leaves the model
+compiled without donation: they read the model's current state (Keras's
+state tuple inside keras_memfit's step functions, else the variables; see
+`state`), run functionally, wait for the result (`block_until_ready`, so
+that an OOM surfaces inside keras_memfit's retry loop, not at a later read)
+and only then write the new state. A step that fails leaves the model
 exactly as it was. The price is that the old and the new state coexist
 during a step (for predict and test, only the non-trainable and metric
 variables, which are small).
@@ -27,6 +28,10 @@ import numpy as np
 from keras_memfit import _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
 from keras_memfit.backend.jax import distribution
+from keras_memfit.backend.jax import state as _state
+
+PREDICT_STATE = ("trainable", "non_trainable")
+TEST_STATE = ("trainable", "non_trainable", "metrics")
 
 
 def _compile(model: keras.Model, fn: Callable) -> Callable:
@@ -37,14 +42,13 @@ def _compile(model: keras.Model, fn: Callable) -> Callable:
 
 
 def values(variables: Sequence[Any]) -> List[Any]:
-    """The current values (JAX arrays) of Keras variables."""
-    return [v.value for v in variables]
+    """The current values (JAX arrays) of Keras variables (see `state.read`)."""
+    return _state.read(variables)
 
 
 def assign(variables: Sequence[Any], new_values: Sequence[Any]) -> None:
-    """Write `new_values` into `variables` (after a step succeeded)."""
-    for variable, value in zip(variables, new_values):
-        variable.assign(value)
+    """Write a step's `new_values` into `variables` (see `state.write`)."""
+    _state.write(variables, new_values)
 
 
 class _Step:
@@ -82,20 +86,19 @@ class PredictStep(_Step):
 
         super().__init__(model, predict_fn)
 
-    def _state(self, model: keras.Model) -> tuple:
-        return values(model.trainable_variables), values(model.non_trainable_variables)
-
     def __call__(self, x: Any) -> Any:
         model = self._model()
-        outputs, non_trainable = jax.block_until_ready(self._compiled(*self._state(model), x))
-        assign(model.non_trainable_variables, non_trainable)
+        outputs, non_trainable = jax.block_until_ready(
+            self._compiled(*_state.get(model, PREDICT_STATE), x)
+        )
+        _state.put(model, ("non_trainable",), (non_trainable,))
         return outputs
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)` by tracing only (see `output_spec`)."""
         model = self._model()
         state = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._state(model)
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state.get(model, PREDICT_STATE)
         )
         first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
         rows = int(first.shape[0])
@@ -134,14 +137,10 @@ class TestStep(_Step):
 
     def __call__(self, data: Any) -> Any:
         model = self._model()
-        logs, non_trainable, metrics = jax.block_until_ready(self._compiled(
-            values(model.trainable_variables),
-            values(model.non_trainable_variables),
-            values(model.metrics_variables),
-            data,
-        ))
-        assign(model.non_trainable_variables, non_trainable)
-        assign(model.metrics_variables, metrics)
+        logs, non_trainable, metrics = jax.block_until_ready(
+            self._compiled(*_state.get(model, TEST_STATE), data)
+        )
+        _state.put(model, ("non_trainable", "metrics"), (non_trainable, metrics))
         return logs
 
 
@@ -181,6 +180,10 @@ class VariableGuard:
 
     JAX arrays are immutable and keras_memfit's steps donate nothing, so a
     snapshot keeps references to the current values: it copies nothing.
+    Inside keras_memfit's step functions (`state.threaded`), where the state
+    is Keras's tuple rather than the variables, it snapshots and restores the
+    whole tuple: between a snapshot and its restore only the guarded attempt
+    runs, so that puts back exactly what the attempt changed.
 
     Example:
         >>> guard = VariableGuard(model.metrics_variables)
@@ -190,14 +193,22 @@ class VariableGuard:
     def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
         self._saved: Optional[List[Any]] = None
+        self._call: Optional[_state.Threaded] = None
+        self._saved_state: Optional[Any] = None
 
     def snapshot(self) -> None:
         """Record the variables' current values."""
-        self._saved = values(self._variables)
+        self._call = _state.active()
+        if self._call is not None:
+            self._saved_state = self._call.snapshot()
+        else:
+            self._saved = values(self._variables)
 
     def restore(self) -> None:
         """Put back the values recorded by the last `snapshot()`."""
-        if self._saved is not None:
+        if self._call is not None:
+            self._call.restore(self._saved_state)
+        elif self._saved is not None:
             assign(self._variables, self._saved)
 
 
@@ -210,6 +221,7 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
     """Build the model, its compiled metrics and loss before steps are traced."""
     x, y, sample_weight = batch
     _keras_compat.symbolic_build(model, (x, y, sample_weight))
+    _state.refresh(model)  # once per safe_evaluate call: the variable lists anew
 
 
 def output_spec(step: Callable, x: Any) -> Any:
@@ -226,6 +238,9 @@ def output_spec(step: Callable, x: Any) -> Any:
     """
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
-    if not isinstance(step, PredictStep) or not step.traced:
+    if not isinstance(step, PredictStep):
+        return NO_SPEC
+    _state.refresh(step._model())  # once per safe_predict call: the variable lists anew
+    if not step.traced:
         return NO_SPEC
     return step.spec(x)

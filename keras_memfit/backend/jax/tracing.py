@@ -1,21 +1,152 @@
-"""Symbolic traces of a model (`memory_report`): not implemented for JAX yet."""
+"""Symbolic traces of a model on JAX: every layer and operation call of one forward pass.
+
+The JAX counterpart of the TensorFlow backend's `tracing` (`memory_report`'s
+input): the model is called inside `jax.eval_shape` (nothing runs, nothing
+is allocated) and a `keras.StatelessScope`, with `Layer.__call__` and
+`Operation.__call__` wrapped to record each call. JAX traces static shapes,
+so the forward pass is traced at two batch sizes and a dimension that
+differs between them is the batch's (None), as `steps.output_spec` does.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List, Optional, Tuple
 
-from keras_memfit.backend.base import Trace
+import jax
+import keras
+import numpy as np
+
+from keras_memfit import _keras_compat
+from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
+
+# Two batch sizes unlikely to equal a model's other dimensions.
+_BATCHES = (7, 11)
+
+_Info = Tuple[str, Tuple[int, ...], str]
 
 
-def trace_layer_calls(model: Any) -> Trace:
-    """Not implemented on JAX yet: raises `NotImplementedError`.
-
-    The TensorFlow backend records every layer call of one `tf.function`
-    trace; the JAX version (a `jax.make_jaxpr` trace with the batch
-    dimension made symbolic) is still to be written.
-    """
-    raise NotImplementedError(
-        "keras_memfit.memory_report (the model analysis) is not implemented for the "
-        f"JAX backend yet; received model {getattr(model, 'name', model)!r}. Run it "
-        "with KERAS_BACKEND=tensorflow: the report does not depend on the weights' values."
+def _record_forward(model: keras.Model, batch: int) -> Dict[str, Any]:
+    """One traced forward pass at `batch` rows: the calls, inputs and outputs."""
+    Layer, Operation = _keras_compat.layer_and_operation_classes()
+    struct, positional = _keras_compat.input_structure(model)
+    specs = keras.tree.map_structure(
+        lambda t: jax.ShapeDtypeStruct((batch,) + tuple(t.shape[1:]), np.dtype(t.dtype)),
+        struct,
     )
+    keys: Dict[int, str] = {}
+    alive: List[Any] = []  # the traced arrays, kept so that their ids stay unique
+    records: List[Dict[str, Any]] = []
+    stack: List[int] = []
+    result: Dict[str, Any] = {}
+
+    def info(value: Any) -> Optional[_Info]:
+        if not isinstance(value, (jax.Array, jax.core.Tracer)):
+            return None
+        key = keys.get(id(value))
+        if key is None:
+            key = keys[id(value)] = f"t{len(keys)}"
+            alive.append(value)
+        return key, tuple(int(d) for d in value.shape), np.dtype(value.dtype).name
+
+    def infos(values: Any) -> List[_Info]:
+        return [i for i in map(info, keras.tree.flatten(values)) if i is not None]
+
+    layer_call, op_call = Layer.__call__, Operation.__call__
+
+    def record(op, original, args, kwargs):
+        index = len(records)
+        entry = {"op": op, "depth": len(stack), "parent": stack[-1] if stack else None,
+                 "inputs": infos((args, kwargs)), "outputs": []}
+        records.append(entry)
+        stack.append(index)
+        try:
+            outputs = original(op, *args, **kwargs)
+        finally:
+            stack.pop()
+        entry["outputs"] = infos(outputs)
+        return outputs
+
+    def patched_layer_call(self, *args, **kwargs):
+        return record(self, layer_call, args, kwargs)
+
+    def patched_op_call(self, *args, **kwargs):
+        if isinstance(self, Layer):  # already recorded by Layer.__call__
+            return op_call(self, *args, **kwargs)
+        return record(self, op_call, args, kwargs)
+
+    def forward(inputs):
+        result["inputs"] = infos(inputs)
+        with keras.StatelessScope():
+            if positional:
+                outputs = model(inputs, training=False)
+            else:
+                outputs = model(**inputs, training=False)
+        result["outputs"] = [i[0] for i in infos(outputs)]
+        return outputs
+
+    Layer.__call__, Operation.__call__ = patched_layer_call, patched_op_call
+    try:
+        jax.eval_shape(forward, specs)
+    finally:
+        Layer.__call__, Operation.__call__ = layer_call, op_call
+    result["records"] = records
+    return result
+
+
+def _merge(a: List[_Info], b: List[_Info]) -> Tuple[TracedTensor, ...]:
+    """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
+    out = []
+    for (key, shape, dtype), other in zip(a, b):
+        other_shape = other[1]
+        if len(other_shape) != len(shape):
+            other_shape = (None,) * len(shape)
+        out.append(TracedTensor(
+            key, tuple(None if d != e else d for d, e in zip(shape, other_shape)), dtype
+        ))
+    return tuple(out)
+
+
+def trace_layer_calls(model: keras.Model) -> Trace:
+    """Every layer and operation call of one symbolic forward pass of `model`.
+
+    Args:
+        model: A built Keras model.
+
+    Returns:
+        The `Trace`: the model's input tensors, its output keys and every
+        call below the model's own, in call order (`parent` None for the
+        model's direct children). Shapes have None for the batch dimension
+        (and any other dimension that follows the batch size).
+
+    Raises:
+        ValueError: If the model has not been built, or its forward pass
+            makes different calls at two batch sizes.
+
+    Example:
+        >>> trace = trace_layer_calls(model)
+        >>> [type(call.op).__name__ for call in trace.calls][:2]
+        ['Conv2D', 'Conv2D']
+    """
+    first, second = (_record_forward(model, n) for n in _BATCHES)
+    records, others = first["records"], second["records"]
+    if len(records) != len(others) or any(
+        a["op"] is not b["op"] for a, b in zip(records, others)
+    ):
+        raise ValueError(
+            f"the forward pass of model {model.name!r} calls different layers at batch "
+            f"sizes {_BATCHES[0]} and {_BATCHES[1]} (received {len(records)} and "
+            f"{len(others)} calls); memory_report needs one call graph for every batch size"
+        )
+    calls = []
+    remap: Dict[int, int] = {}
+    for index, (entry, other) in enumerate(zip(records, others)):
+        if entry["depth"] == 0:  # the model's own call: keep its descendants, one level up
+            continue
+        remap[index] = len(calls)
+        calls.append(TracedCall(
+            entry["op"], remap.get(entry["parent"]),
+            _merge(entry["inputs"], other["inputs"]),
+            _merge(entry["outputs"], other["outputs"]),
+        ))
+    return Trace(_merge(first["inputs"], second["inputs"]), tuple(first["outputs"]),
+                 tuple(calls))

@@ -10,10 +10,11 @@ expects `(result, state)` back, and writes the last state into the variables
 at the end of the epoch (`jax_state_sync`).
 
 `step_function` builds a replacement around a backend-neutral
-`run_batches(list_of_batches)`: it writes `state` into the model's
-variables first (so the model is whole while keras_memfit's steps run, and
-stays whole whatever they raise), pulls up to `steps_per_execution` batches,
-runs them and returns the result with the variables' new values.
+`run_batches(list_of_batches)`: it pulls up to `steps_per_execution`
+batches and runs them with keras_memfit's steps working on `state` itself,
+as Keras's own steps do (`state.threaded`: the variables are not touched on
+the way), and returns the result with the new state. The steps donate
+nothing, so whatever they raise, the state Keras holds is whole.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterator, List
 import keras
 
 from keras_memfit import _batches
-from keras_memfit.backend.jax.steps import assign, values
+from keras_memfit.backend.jax import state as _state
 
 _KINDS = ("train", "test", "predict")
 
@@ -32,16 +33,6 @@ _KINDS = ("train", "test", "predict")
 def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
     """Up to `count` batches from a Keras epoch iterator (see `_batches.next_batches`)."""
     return _batches.next_batches(iterator, count, is_end_of_data)
-
-
-def _state_variables(model: keras.Model, kind: str) -> List[List[Any]]:
-    groups = [list(model.trainable_variables), list(model.non_trainable_variables)]
-    if kind == "train":
-        optimizer = model.optimizer.variables if model.optimizer is not None else []
-        groups.append(list(optimizer))
-    if kind in ("train", "test"):
-        groups.append(list(model.metrics_variables))
-    return groups
 
 
 _STATE_KEYS = {
@@ -56,13 +47,16 @@ def _publish(model: keras.Model, kind: str, state: tuple) -> None:
     """Make `state` the one Keras's `jax_state_sync` writes back.
 
     Keras sets the trainer's `_jax_state` only after the step function
-    returned; a callback that reads `Callback.model` in between (MemFit
-    itself, when it puts Keras's function back) makes Keras write the
-    *previous* step's state into the variables. Setting it here first keeps
-    every sync current.
+    returned; a callback that reads `Callback.model` in between makes Keras
+    write the *previous* step's state into the variables, and when the step
+    function raises, Keras's closing sync writes the state it last had.
+    Setting it here first (also when `run_batches` raised: the pieces that
+    succeeded are kept, as on TensorFlow) keeps every sync current. Set
+    without Keras's attribute tracking, which would wrap the lists (Keras
+    itself then sets it with tracking after the step function returned).
     """
     if hasattr(model, "_jax_state"):
-        model._jax_state = dict(zip(_STATE_KEYS[kind], state))
+        object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
 
 
 def step_function(
@@ -92,18 +86,19 @@ def step_function(
 
     def function(state, iterator):
         model = model_ref()
-        groups = _state_variables(model, kind)
+        groups = _state.GROUPS[kind]
         if len(state) != len(groups):
             raise ValueError(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
-        for group, new in zip(groups, state):
-            if new is not None:
-                assign(group, new)
-        result = run_batches(next_batches(iterator, model.steps_per_execution))
-        state = tuple(values(group) for group in groups)
-        _publish(model, kind, state)
+        with _state.threaded(model, kind, state) as call:
+            try:
+                result = run_batches(next_batches(iterator, model.steps_per_execution))
+            finally:
+                state = call.state()
+                call.finish()
+                _publish(model, kind, state)
         return result, state
 
     return function

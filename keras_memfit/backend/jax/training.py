@@ -2,18 +2,21 @@
 
 MemFit's building blocks for the JAX backend. Keras's JAX trainer donates the
 model's state to its compiled train step, so a step that runs out of memory
-loses the model. Here every step reads the variables' values, runs Keras's
-own functional `train_step(state, data)` compiled without donation, waits
-for the result and only then writes the new state back: a step that raises
-has touched nothing (`StepOutcome.UNTOUCHED`), so it can always be retried,
-and callers need no `Guard` around it. The old and new weights and optimizer
-slots coexist during the step (one extra copy of the training state).
+loses the model. Here every step reads the model's state (Keras's state
+tuple inside MemFit's train function, as Keras's own step does; see
+`state`), runs Keras's own functional `train_step(state, data)` compiled
+without donating it, waits for the result and only then writes the new
+state: a step that raises has touched nothing (`StepOutcome.UNTOUCHED`), so
+it can always be retried, and callers need no `Guard` around it. The old and
+new weights and optimizer slots coexist during the step (one extra copy of
+the training state).
 
 Every returned object satisfies its protocol in `keras_memfit.backend.base`.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Union
 
@@ -24,7 +27,11 @@ from keras.src.backend.jax.trainer import JAXTrainer
 
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax import distribution
-from keras_memfit.backend.jax.steps import _compile, assign, values
+from keras_memfit.backend.jax import state as _state
+from keras_memfit.backend.jax.oom import is_oom_error
+from keras_memfit.backend.jax.steps import _compile
+
+TRAIN_STATE = _state.GROUPS["train"]
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -46,13 +53,7 @@ def uses_distribution(model: keras.Model) -> bool:
 
 def train_state(model: keras.Model) -> List[List[Any]]:
     """The variables of Keras's JAX train state: trainable, non-trainable, optimizer, metrics."""
-    optimizer = model.optimizer.variables if model.optimizer is not None else []
-    return [
-        list(model.trainable_variables),
-        list(model.non_trainable_variables),
-        list(optimizer),
-        list(model.metrics_variables),
-    ]
+    return [_state.variables(model, group) for group in TRAIN_STATE]
 
 
 class TrainStep:
@@ -80,21 +81,86 @@ class TrainStep:
         def train_fn(trainable, non_trainable, optimizer, metrics, data):
             return model_ref().train_step((trainable, non_trainable, optimizer, metrics), data)
 
+        def train_into_fn(trainable, non_trainable, optimizer, metrics, data, spare):
+            return train_fn(trainable, non_trainable, optimizer, metrics, data)
+
         self._step = _compile(model, train_fn)
+        # The same step, writing its new state into the buffers of `spare`
+        # (donated; unused otherwise): see `_spare_buffers`.
+        self._step_into = (
+            jax.jit(train_into_fn, donate_argnums=5, keep_unused=True)
+            if self._step is not train_fn else None
+        )
+        self._spare: Optional[List[List[Any]]] = None
         self.last_outcome: Optional[StepOutcome] = None
 
     def __call__(self, data: Any) -> Dict[str, Any]:
-        groups = train_state(self._model_ref())
+        model = self._model_ref()
+        current = _state.get(model, TRAIN_STATE)
+        spare = self._spare_buffers(current)
         try:
-            logs, state = jax.block_until_ready(
-                self._step(*(values(group) for group in groups), data)
-            )
+            if spare is None:
+                logs, state = jax.block_until_ready(self._step(*current, data))
+            else:
+                logs, state = self._run_into(current, data, spare)
         except Exception:
             self.last_outcome = StepOutcome.UNTOUCHED
             raise
-        for group, new in zip(groups, state):
-            assign(group, new)
+        _state.put(model, TRAIN_STATE, state)
+        self._spare = current  # superseded: its buffers can take a later step's state
         return logs
+
+    def _run_into(self, current: List[List[Any]], data: Any, spare: List[Any]) -> Any:
+        try:
+            return jax.block_until_ready(self._step_into(*current, data, spare))
+        except Exception as exc:
+            if is_oom_error(exc):
+                raise
+        # Not an OOM (a platform refusing the donation, say): `current` was not
+        # donated, so run the plain step on it, and donate nothing from now on.
+        self._step_into = None
+        return jax.block_until_ready(self._step(*current, data))
+
+    def _spare_buffers(self, current: List[List[Any]]) -> Optional[List[Any]]:
+        """Arrays of a superseded state that only this step holds, to donate; or None.
+
+        Keras's own step donates the state it is given, which an OOM then
+        destroys; this step donates nothing of the current state. Without
+        donation, though, every step allocates new buffers for the whole
+        training state (on CPU that costs as much as a small model's step).
+        So the state a step replaced is kept (`self._spare`) and, at the
+        next step, its arrays are donated for the new state to be written
+        into, as the buffers Keras's step would reuse: only arrays nothing
+        else refers to (Python's reference count: not the current state, not
+        the state Keras still holds, not a guard's snapshot, not a user's
+        variable), so a failed step loses nothing but spare buffers.
+        """
+        spare, self._spare = self._spare, None
+        if spare is None or self._step_into is None:
+            return None
+        buffers: List[Any] = []
+        usable = False
+        for old_group, group in zip(spare, current):
+            if len(old_group) != len(group):
+                return None
+            for i in range(len(group)):  # no zip: its reused tuple would hold a reference
+                old = old_group[i]
+                if old is not group[i] and sys.getrefcount(old) <= _ONLY_HERE:
+                    buffers.append(old)
+                    usable = True
+                else:
+                    buffers.append(None)
+        return buffers if usable else None
+
+
+def _references_of_a_list_item() -> int:
+    """`sys.getrefcount` of an object held only by one list, as `_spare_buffers` reads it."""
+    group = [object()]
+    item = group[0]
+    return sys.getrefcount(item)
+
+
+_ONLY_HERE = _references_of_a_list_item()
 
 
 def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
@@ -116,7 +182,9 @@ class GradientAccumulator:
     Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
     metrics as it does, and writes the metric and non-trainable state only
     once the micro-batch finished; `apply` runs the optimizer's
-    `stateless_apply` once on the sums (one step: `iterations` + 1).
+    `stateless_apply` once on the sums (one step: `iterations` + 1), then
+    leaves the state in the model's variables (`state.materialize`), where
+    Keras's `get_metrics_result` reads the batch's metrics.
 
     Example:
         >>> acc = make_accumulator(model)
@@ -161,24 +229,24 @@ class GradientAccumulator:
 
     def add(self, data: Any, weight: float) -> None:
         """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        trainable, non_trainable, optimizer, metrics = train_state(self._model_ref())
+        model = self._model_ref()
         sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
-            self._sums, values(trainable), values(non_trainable), values(optimizer),
-            values(metrics), data, jnp.asarray(weight, jnp.float32),
+            self._sums, *_state.get(model, TRAIN_STATE), data,
+            jnp.asarray(weight, jnp.float32),
         ))
         self._sums = sums
-        assign(non_trainable, new_non_trainable)
-        assign(metrics, new_metrics)
+        _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
 
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
-        trainable, _, optimizer, _ = train_state(self._model_ref())
+        model = self._model_ref()
+        trainable, optimizer = _state.get(model, ("trainable", "optimizer"))
         new_trainable, new_optimizer = jax.block_until_ready(
-            self._apply(values(optimizer), self._sums, values(trainable))
+            self._apply(optimizer, self._sums, trainable)
         )
-        assign(trainable, new_trainable)
-        assign(optimizer, new_optimizer)
+        _state.put(model, ("trainable", "optimizer"), (new_trainable, new_optimizer))
         self._sums = None
+        _state.materialize(model)  # the batch's metrics are read from the variables next
 
 
 def make_accumulator(

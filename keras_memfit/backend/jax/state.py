@@ -1,0 +1,241 @@
+"""Where keras_memfit's JAX steps find the model's state: Keras's state tuple, or the variables.
+
+Keras's JAX trainer detaches the state from the model's variables at the
+start of an epoch and threads it as a tuple of lists of arrays through
+`train_function(state, data)` (and `test_function`, `predict_function`),
+writing it back once at the end (see `trainer`). keras_memfit's replacement
+for those functions does the same: inside it (`threaded(model, kind,
+state)`), its steps read and write that tuple (`get`, `put`) and the
+variables are not touched, so a step costs what Keras's own costs (no
+Python reads and writes of every variable per piece). Outside such a call
+(`safe_predict`, `safe_evaluate`), they read and write the variables
+directly.
+
+Some work needs the variables themselves during such a call (Keras's
+`get_metrics_result` after an accumulated batch): `materialize(model)`
+writes the tuple into the variables, which then hold the state until the
+call ends, when it is read back (and the variables detached again, if Keras
+had detached them).
+
+The variable lists (`model.trainable_variables`, ...) cost a walk over the
+layers; outside a threaded call they are taken once per `safe_predict` /
+`safe_evaluate` call (`refresh`, as Keras takes them once per `predict` /
+`evaluate` call) and reused for its pieces.
+
+Example:
+    >>> with threaded(model, "predict", state) as call:
+    ...     trainable, non_trainable = get(model, ("trainable", "non_trainable"))
+    >>> new_state = call.state()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+GROUPS: Dict[str, Tuple[str, ...]] = {
+    "train": ("trainable", "non_trainable", "optimizer", "metrics"),
+    "test": ("trainable", "non_trainable", "metrics"),
+    "predict": ("trainable", "non_trainable"),
+}
+"""The groups of Keras's JAX state tuple per kind of step function, in its order."""
+
+_local = threading.local()
+_lists: "weakref.WeakKeyDictionary[Any, Dict[str, List[Any]]]" = weakref.WeakKeyDictionary()
+
+
+def variables(model: Any, group: str) -> List[Any]:
+    """The model's variables of `group` ("trainable", "non_trainable", "optimizer", "metrics")."""
+    if group == "trainable":
+        return list(model.trainable_variables)
+    if group == "non_trainable":
+        return list(model.non_trainable_variables)
+    if group == "optimizer":
+        return list(model.optimizer.variables) if model.optimizer is not None else []
+    if group == "metrics":
+        return list(model.metrics_variables)
+    raise ValueError(f"unknown state group {group!r}; expected one of {GROUPS['train']}")
+
+
+def read(variables_: Sequence[Any]) -> List[Any]:
+    """The current values (JAX arrays) of Keras variables, read without Keras's checks.
+
+    Falls back to `variable.value` inside a `keras.StatelessScope` and for a
+    variable whose value Keras has detached.
+    """
+    if in_stateless_scope():
+        return [v.value for v in variables_]
+    out = []
+    for v in variables_:
+        value = v._value
+        out.append(v.value if value is None else value)
+    return out
+
+
+def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
+    """Write values produced by a compiled step (same shapes and dtypes) into variables.
+
+    Skips a value that is already the variable's (JAX returns an input that
+    a step passes through unchanged as the same array).
+    """
+    for v, value in zip(variables_, values):
+        if v._value is not value:
+            v._direct_assign(value)
+
+
+class Threaded:
+    """Keras's state tuple during one call of keras_memfit's step function.
+
+    Attributes:
+        names: The tuple's groups, in order (see `GROUPS`).
+        materialized: Whether the state now lives in the variables.
+    """
+
+    def __init__(self, model: Any, kind: str, state: Sequence[Any]) -> None:
+        self._model_ref = weakref.ref(model)
+        self.names = GROUPS[kind]
+        self._values: Dict[str, List[Any]] = {
+            name: list(group) for name, group in zip(self.names, state)
+        }
+        self.materialized = False
+        self._detached = False
+        self._variables: Dict[str, List[Any]] = {}
+
+    @property
+    def model(self) -> Any:
+        return self._model_ref()
+
+    def holds(self, names: Sequence[str]) -> bool:
+        """Whether the tuple (not the variables) holds every group in `names`."""
+        return not self.materialized and all(n in self._values for n in names)
+
+    def get(self, names: Sequence[str]) -> List[List[Any]]:
+        # New lists: a caller that keeps them (a train step's spare buffers)
+        # must not share a list with the tuple or a snapshot, so that Python's
+        # reference count of each array tells who holds it.
+        return [list(self._values[n]) for n in names]
+
+    def put(self, names: Sequence[str], values: Sequence[Sequence[Any]]) -> None:
+        for name, group in zip(names, values):
+            self._values[name] = list(group)
+
+    def materialize(self) -> None:
+        """Write the tuple into the model's variables; they hold the state from now on."""
+        if self.materialized:
+            return
+        model = self.model
+        self._variables = {name: variables(model, name) for name in self.names}
+        self._detached = any(
+            v._value is None for group in self._variables.values() for v in group
+        )
+        for name in self.names:
+            write(self._variables[name], self._values[name])
+        self.materialized = True
+
+    def snapshot(self) -> Dict[str, List[Any]]:
+        """The whole state now (references: JAX arrays are immutable)."""
+        if self.materialized:
+            return {name: read(self._variables[name]) for name in self.names}
+        return dict(self._values)
+
+    def restore(self, saved: Dict[str, List[Any]]) -> None:
+        """Put back a `snapshot()`."""
+        if self.materialized:
+            for name in self.names:
+                write(self._variables[name], saved[name])
+        else:
+            self._values = dict(saved)
+
+    def state(self) -> Tuple[List[Any], ...]:
+        """The state tuple to hand back to Keras."""
+        if self.materialized:
+            return tuple(read(self._variables[name]) for name in self.names)
+        return tuple(self._values[name] for name in self.names)
+
+    def finish(self) -> None:
+        """Detach the variables again if Keras had detached them (see `materialize`)."""
+        if self.materialized and self._detached:
+            for group in self._variables.values():
+                for v in group:
+                    v._value = None
+
+
+@contextlib.contextmanager
+def threaded(model: Any, kind: str, state: Sequence[Any]) -> Iterator[Threaded]:
+    """Run keras_memfit's steps on Keras's state tuple `state` for the block.
+
+    Raises:
+        ValueError: If `kind` is not "train", "test" or "predict".
+    """
+    if kind not in GROUPS:
+        raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
+    call = Threaded(model, kind, state)
+    outer = getattr(_local, "call", None)
+    _local.call = call
+    try:
+        yield call
+    finally:
+        _local.call = outer
+
+
+def active() -> Optional[Threaded]:
+    """The threaded call in progress on this thread, if any (not yet materialized)."""
+    call = getattr(_local, "call", None)
+    return call if call is not None and not call.materialized else None
+
+
+def _current(model: Any, names: Sequence[str]) -> Optional[Threaded]:
+    call = getattr(_local, "call", None)
+    if call is None or call.model is not model:
+        return None
+    if not call.holds(names):
+        call.materialize()  # e.g. metrics asked for during a predict call
+        return None
+    return call
+
+
+def refresh(model: Any) -> None:
+    """Take the model's variable lists anew (once per keras_memfit call on the model)."""
+    _lists.pop(model, None)
+
+
+def _variables_of(model: Any, name: str) -> List[Any]:
+    call = getattr(_local, "call", None)
+    if call is not None and call.model is model and name in call._variables:
+        return call._variables[name]  # materialized: the lists it took
+    lists = _lists.get(model)
+    if lists is None:
+        lists = _lists[model] = {}
+    found = lists.get(name)
+    if found is None:
+        found = lists[name] = variables(model, name)
+    return found
+
+
+def get(model: Any, names: Sequence[str]) -> List[List[Any]]:
+    """The current values of the groups `names` of `model`'s state."""
+    call = _current(model, names)
+    if call is not None:
+        return call.get(names)
+    return [read(_variables_of(model, name)) for name in names]
+
+
+def put(model: Any, names: Sequence[str], values: Sequence[Sequence[Any]]) -> None:
+    """Make `values` the new values of the groups `names` of `model`'s state."""
+    call = _current(model, names)
+    if call is not None:
+        call.put(names, values)
+        return
+    for name, group in zip(names, values):
+        write(_variables_of(model, name), group)
+
+
+def materialize(model: Any) -> None:
+    """Inside a threaded call on `model`, move the state into the variables (else nothing)."""
+    call = getattr(_local, "call", None)
+    if call is not None and call.model is model:
+        call.materialize()
