@@ -73,6 +73,11 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "tensorflow: exercises TensorFlow itself (its allocator, tf.function steps, "
+        "place); skipped when Keras runs on another backend (KERAS_BACKEND)",
+    )
+    config.addinivalue_line(
+        "markers",
         "compat: the compatibility subset that CI runs on older TensorFlow + Keras "
         "(every test of the modules in conftest.COMPAT_MODULES)",
     )
@@ -82,7 +87,7 @@ def pytest_configure(config):
             f"conftest.COMPAT_MODULES names test modules that do not exist: {missing}; "
             "update the list"
         )
-    if in_two_device_subprocess():
+    if in_two_device_subprocess() and _backend() == "tensorflow":
         import tensorflow as tf
 
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -96,8 +101,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in COMPAT_MODULES:
             item.add_marker(pytest.mark.compat)
+    _skip_tensorflow_only(items)
     gpu_marked = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_marked:
+    if not gpu_marked or _backend() != "tensorflow":
         return
     import tensorflow as tf
 
@@ -105,6 +111,36 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a real GPU; none is visible to TensorFlow")
         for item in gpu_marked:
             item.add_marker(skip)
+
+
+def _backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+# Markers whose tests need Keras on TensorFlow, and why.
+_TENSORFLOW_ONLY = {
+    "tensorflow": "exercises TensorFlow itself",
+    "memory_cap": "real OOMs from TensorFlow's capped BFC allocator (on JAX: "
+                  "tests/test_jax_real_oom.py, under an address-space limit)",
+    "two_devices": "two logical TensorFlow CPU devices",
+    "gpu": "a GPU as TensorFlow sees it",
+}
+
+
+def _skip_tensorflow_only(items) -> None:
+    """Skip, with the reason, the tests that need Keras on TensorFlow under another backend."""
+    active = _backend()
+    if active == "tensorflow":
+        return
+    for item in items:
+        for name, why in _TENSORFLOW_ONLY.items():
+            if item.get_closest_marker(name):
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs KERAS_BACKEND=tensorflow ({why}); Keras runs on {active}"
+                ))
+                break
 
 
 def in_capped_subprocess() -> bool:
@@ -235,8 +271,7 @@ class OOMInjector:
 
     def wrap(self, phase, step):
         """`step`, counted in `calls` and failing as configured, under `phase`."""
-        import tensorflow as tf
-        from support import rows_of
+        from support import oom_error, rows_of
 
         def wrapped(data):
             rows = rows_of(data)
@@ -247,14 +282,10 @@ class OOMInjector:
             )
             self.calls.append(Call(phase, rows, fail))
             if fail and not self.after:
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
-                )
+                raise oom_error(rows)
             result = step(data)
             if fail:
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
-                )
+                raise oom_error(rows)
             return result
 
         # Keep the traced function reachable for output_spec.
@@ -268,13 +299,17 @@ class _InjectedTrainStep:
     It satisfies the same protocol as the step it wraps (`snapshots_itself`,
     `last_outcome`). An OOM injected *before* the step leaves it untouched, as
     a real OOM at allocation time would; one injected *after* a step that
-    snapshots itself ran is settled by the step as a real late OOM would be
-    (small state restored, `last_outcome` set). A custom step cannot tell
-    (`last_outcome` stays None).
+    snapshots itself ran is settled as a real late OOM would be: on
+    TensorFlow by the step itself (small state restored, `last_outcome`
+    set); on JAX, where a step writes the model's state only once its
+    computation succeeded, by putting back every train-state value the real
+    step wrote (what a real OOM inside its computation leaves), `UNTOUCHED`.
+    A custom step cannot tell (`last_outcome` stays None).
     """
 
-    def __init__(self, injector, step):
+    def __init__(self, injector, step, model):
         self._step = step
+        self._model = model
         self.snapshots_itself = step.snapshots_itself
         self.last_outcome = None
         self._call = injector.wrap("train", self._run)
@@ -283,14 +318,27 @@ class _InjectedTrainStep:
         self._ran = True
         return self._step(data)
 
+    def _state(self):
+        model = self._model
+        optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
+        return list(model.variables) + optimizer
+
     def __call__(self, data):
         from keras_memfit.backend.base import StepOutcome
+        from support import BACKEND
 
         self._ran = False
+        saved = None
+        if BACKEND == "jax" and self.snapshots_itself:
+            saved = [(v, v.value) for v in self._state()]  # JAX arrays: references
         try:
             return self._call(data)
         except Exception:
-            if self.snapshots_itself and self._ran:  # failed after the real step ran
+            if self.snapshots_itself and self._ran and saved is not None:
+                for variable, value in saved:
+                    variable.assign(value)
+                self.last_outcome = StepOutcome.UNTOUCHED
+            elif self.snapshots_itself and self._ran:  # failed after the real step ran
                 self._step._completed -= 1
                 self.last_outcome = self._step._settle()
             elif self.snapshots_itself:
@@ -300,23 +348,32 @@ class _InjectedTrainStep:
 
 @pytest.fixture
 def inject_oom(monkeypatch):
-    """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
-    from keras_memfit import _cache
-    from keras_memfit.backend import tensorflow as tf_backend
-    from support import wrap_factory
+    """An `OOMInjector`; call it with the threshold: `inject_oom(100)`.
 
+    Works on the active backend: the injected errors are that backend's real
+    OOM exception objects (`support.oom_error`).
+    """
+    from keras_memfit import _cache
+    from support import backend_module, wrap_factory
+
+    backend = backend_module()
     injector = OOMInjector()
     wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
     wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))
 
     for factory in ("make_train_step", "make_custom_train_step"):
-        wrap_factory(monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step))
-    add = tf_backend.GradientAccumulator.add
+        make = getattr(backend, factory)
+
+        def injected(model, *args, _make=make, **kwargs):
+            return _InjectedTrainStep(injector, _make(model, *args, **kwargs), model)
+
+        monkeypatch.setattr(backend, factory, injected)
+    add = backend.GradientAccumulator.add
 
     def add_micro_batch(self, data, weight):
         injector.wrap("train", lambda d: add(self, d, weight))(data)
 
-    monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
+    monkeypatch.setattr(backend.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()

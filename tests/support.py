@@ -20,6 +20,77 @@ REF_BATCH = 16  # the batch size of the `reference` predictions
 
 
 # ---------------------------------------------------------------------------
+# The active backend: its errors and its keras_memfit package
+# ---------------------------------------------------------------------------
+BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorflow, jax)
+
+# Tests that exercise TensorFlow itself (its capped BFC allocator, tf.function
+# steps, tf.distribute, place): skipped with this reason under another backend.
+requires_tensorflow = pytest.mark.tensorflow
+
+
+def backend_module() -> Any:
+    """keras_memfit's package for the active backend (`keras_memfit.backend.get()`)."""
+    from keras_memfit import backend
+
+    return backend.get()
+
+
+def oom_error_class() -> type:
+    """The class of the active backend's real OOM errors.
+
+    TensorFlow: `tf.errors.ResourceExhaustedError`; JAX:
+    `jax.errors.JaxRuntimeError` (a `RESOURCE_EXHAUSTED` status).
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError
+    import tensorflow as tf
+
+    return tf.errors.ResourceExhaustedError
+
+
+def oom_error(rows: Any = "N") -> BaseException:
+    """A real OOM exception object of the active backend, as its allocator raises it.
+
+    TensorFlow: `ResourceExhaustedError("OOM when allocating tensor ...")`;
+    JAX: `JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating N
+    bytes.")`, the form XLA's CPU and GPU clients raise.
+
+    Example:
+        >>> raise oom_error(64)
+    """
+    if BACKEND == "jax":
+        import jax
+
+        size = rows * 4096 if isinstance(rows, int) else 4096
+        return jax.errors.JaxRuntimeError(
+            f"RESOURCE_EXHAUSTED: Out of memory allocating {size} bytes. (injected, {rows} rows)"
+        )
+    import tensorflow as tf
+
+    return tf.errors.ResourceExhaustedError(
+        None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
+    )
+
+
+def runtime_error(message: str) -> BaseException:
+    """A runtime error of the active backend that is NOT an OOM (bad input, say).
+
+    TensorFlow: `tf.errors.InvalidArgumentError`; JAX: `JaxRuntimeError`
+    with XLA's `INVALID_ARGUMENT` status.
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError(f"INVALID_ARGUMENT: {message}")
+    import tensorflow as tf
+
+    return tf.errors.InvalidArgumentError(None, None, message)
+
+
+# ---------------------------------------------------------------------------
 # Swapping what the backend builds (fault injection)
 # ---------------------------------------------------------------------------
 def wrap_factory(monkeypatch: Any, factory: str, wrap: Callable[[Any], Any]) -> None:
