@@ -75,19 +75,30 @@ def oom_error(rows: Any = "N") -> BaseException:
     )
 
 
-def runtime_error(message: str) -> BaseException:
+def runtime_error(message: str, status: str = "INVALID_ARGUMENT") -> BaseException:
     """A runtime error of the active backend that is NOT an OOM (bad input, say).
 
-    TensorFlow: `tf.errors.InvalidArgumentError`; JAX: `JaxRuntimeError`
-    with XLA's `INVALID_ARGUMENT` status.
+    Args:
+        message: The error's message.
+        status: "INVALID_ARGUMENT" or "INTERNAL".
+
+    Returns:
+        TensorFlow: `tf.errors.InvalidArgumentError` (or `InternalError`); JAX:
+        `JaxRuntimeError` with that XLA status.
     """
     if BACKEND == "jax":
         import jax
 
-        return jax.errors.JaxRuntimeError(f"INVALID_ARGUMENT: {message}")
+        return jax.errors.JaxRuntimeError(f"{status}: {message}")
     import tensorflow as tf
 
-    return tf.errors.InvalidArgumentError(None, None, message)
+    cls = {"INVALID_ARGUMENT": tf.errors.InvalidArgumentError,
+           "INTERNAL": tf.errors.InternalError}[status]
+    return cls(None, None, message)
+
+
+# How the backend names the host device in keras_memfit's messages.
+HOST_DEVICE = {"jax": "cpu:0"}.get(BACKEND, "CPU:0")
 
 
 # ---------------------------------------------------------------------------
