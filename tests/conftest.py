@@ -73,8 +73,9 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "tensorflow: exercises TensorFlow itself (its allocator, tf.function steps, "
-        "place); skipped when Keras runs on another backend (KERAS_BACKEND)",
+        "tensorflow(reason=...): exercises TensorFlow itself (its allocator, tf.function "
+        "steps, place, what only Keras on TensorFlow accepts); skipped with the reason "
+        "when Keras runs on another backend (KERAS_BACKEND)",
     )
     config.addinivalue_line(
         "markers",
@@ -136,7 +137,9 @@ def _skip_tensorflow_only(items) -> None:
         return
     for item in items:
         for name, why in _TENSORFLOW_ONLY.items():
-            if item.get_closest_marker(name):
+            marker = item.get_closest_marker(name)
+            if marker:
+                why = marker.kwargs.get("reason", why) if name == "tensorflow" else why
                 item.add_marker(pytest.mark.skip(
                     reason=f"needs KERAS_BACKEND=tensorflow ({why}); Keras runs on {active}"
                 ))

@@ -26,7 +26,13 @@ BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorf
 
 # Tests that exercise TensorFlow itself (its capped BFC allocator, tf.function
 # steps, tf.distribute, place): skipped with this reason under another backend.
+# `@pytest.mark.tensorflow(reason="...")` says why in the skip message.
 requires_tensorflow = pytest.mark.tensorflow
+# Keras on JAX itself has no string or ragged tensors (what Keras's own
+# predict/evaluate take there is what these conformance tests compare with).
+keras_tensorflow_inputs = pytest.mark.tensorflow(
+    reason="string and ragged tensors: Keras itself takes them only on TensorFlow"
+)
 
 
 def backend_module() -> Any:
