@@ -1,5 +1,11 @@
 """Shared test harness: real OOMs under a capped allocator, and fault injection.
 
+The suite runs on Keras's active backend (`KERAS_BACKEND`: tensorflow, or
+jax). Tests that exercise TensorFlow itself carry `@pytest.mark.tensorflow`
+(a reason may be given); they, and the `memory_cap`, `two_devices` and `gpu`
+tests (TensorFlow's allocator and devices), are skipped with that reason on
+another backend. JAX's real OOMs are tests/test_jax_real_oom.py's.
+
 Real OOMs
     `@pytest.mark.memory_cap(mb)` runs the test in a fresh subprocess whose
     CPU device sits behind TensorFlow's BFC allocator capped at `mb` MiB
@@ -11,9 +17,12 @@ Real OOMs
 
 Fault injection
     The `inject_oom` fixture makes every compiled step keras_memfit builds
-    raise a real `tf.errors.ResourceExhaustedError` when its batch has more
-    rows than a threshold, either before the step runs or after it ran (to
-    check that state a failed step touched is rolled back). It logs every
+    raise a real OOM error of the active backend (`support.oom_error`:
+    TensorFlow's `ResourceExhaustedError`, JAX's `RESOURCE_EXHAUSTED`
+    `JaxRuntimeError`) when its batch has more rows than a threshold, either
+    before the step runs or after it ran (to check that state a failed step
+    touched is rolled back; on JAX a train step writes nothing before it
+    succeeded, so there a late OOM is raised before it). It logs every
     call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
     raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
     `inject_oom.rows(phase)` (all), the phase being optional. Other fault
@@ -272,8 +281,14 @@ class OOMInjector:
         """Rows of the calls that succeeded, in order; only `phase`'s when given."""
         return [c.rows for c in self.calls if not c.raised and phase in (None, c.phase)]
 
-    def wrap(self, phase, step):
-        """`step`, counted in `calls` and failing as configured, under `phase`."""
+    def wrap(self, phase, step, late_runs_step=True):
+        """`step`, counted in `calls` and failing as configured, under `phase`.
+
+        `late_runs_step=False`: an OOM injected `after` the step is raised
+        before it runs, for steps whose computation and state write are one
+        (JAX's train steps write nothing unless the whole step succeeded, so
+        a late OOM leaves them exactly as an early one does).
+        """
         from support import oom_error, rows_of
 
         def wrapped(data):
@@ -284,7 +299,7 @@ class OOMInjector:
                 and (self.phases is None or phase in self.phases)
             )
             self.calls.append(Call(phase, rows, fail))
-            if fail and not self.after:
+            if fail and (not self.after or not late_runs_step):
                 raise oom_error(rows)
             result = step(data)
             if fail:
@@ -302,46 +317,31 @@ class _InjectedTrainStep:
     It satisfies the same protocol as the step it wraps (`snapshots_itself`,
     `last_outcome`). An OOM injected *before* the step leaves it untouched, as
     a real OOM at allocation time would; one injected *after* a step that
-    snapshots itself ran is settled as a real late OOM would be: on
-    TensorFlow by the step itself (small state restored, `last_outcome`
-    set); on JAX, where a step writes the model's state only once its
-    computation succeeded, by putting back every train-state value the real
-    step wrote (what a real OOM inside its computation leaves), `UNTOUCHED`.
+    snapshots itself ran is settled by the step as a real late OOM would be
+    (TensorFlow: small state restored, `last_outcome` set). On JAX a step
+    writes the model's state only once its whole computation succeeded, so a
+    late OOM is raised before the step, as it leaves the state (`UNTOUCHED`).
     A custom step cannot tell (`last_outcome` stays None).
     """
 
-    def __init__(self, injector, step, model):
+    def __init__(self, injector, step, late_runs_step):
         self._step = step
-        self._model = model
         self.snapshots_itself = step.snapshots_itself
         self.last_outcome = None
-        self._call = injector.wrap("train", self._run)
+        self._call = injector.wrap("train", self._run, late_runs_step)
 
     def _run(self, data):
         self._ran = True
         return self._step(data)
 
-    def _state(self):
-        model = self._model
-        optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
-        return list(model.variables) + optimizer
-
     def __call__(self, data):
         from keras_memfit.backend.base import StepOutcome
-        from support import BACKEND
 
         self._ran = False
-        saved = None
-        if BACKEND == "jax" and self.snapshots_itself:
-            saved = [(v, v.value) for v in self._state()]  # JAX arrays: references
         try:
             return self._call(data)
         except Exception:
-            if self.snapshots_itself and self._ran and saved is not None:
-                for variable, value in saved:
-                    variable.assign(value)
-                self.last_outcome = StepOutcome.UNTOUCHED
-            elif self.snapshots_itself and self._ran:  # failed after the real step ran
+            if self.snapshots_itself and self._ran:  # failed after the real step ran
                 self._step._completed -= 1
                 self.last_outcome = self._step._settle()
             elif self.snapshots_itself:
@@ -357,24 +357,22 @@ def inject_oom(monkeypatch):
     OOM exception objects (`support.oom_error`).
     """
     from keras_memfit import _cache
-    from support import backend_module, wrap_factory
+    from support import BACKEND, backend_module, wrap_factory
 
     backend = backend_module()
+    late_runs_step = BACKEND != "jax"  # see _InjectedTrainStep
     injector = OOMInjector()
     wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
     wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))
 
     for factory in ("make_train_step", "make_custom_train_step"):
-        make = getattr(backend, factory)
-
-        def injected(model, *args, _make=make, **kwargs):
-            return _InjectedTrainStep(injector, _make(model, *args, **kwargs), model)
-
-        monkeypatch.setattr(backend, factory, injected)
+        wrap_factory(
+            monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step, late_runs_step)
+        )
     add = backend.GradientAccumulator.add
 
     def add_micro_batch(self, data, weight):
-        injector.wrap("train", lambda d: add(self, d, weight))(data)
+        injector.wrap("train", lambda d: add(self, d, weight), late_runs_step)(data)
 
     monkeypatch.setattr(backend.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
