@@ -35,6 +35,30 @@ keras_tensorflow_inputs = pytest.mark.tensorflow(
 )
 
 
+def memory_report_unsupported() -> Optional[str]:
+    """None where `memory_report` works on the active backend, else why not.
+
+    The backend's own `NotImplementedError` message (the model analysis is
+    built backend by backend), found by reporting a one-layer model.
+    """
+    from keras_memfit import memory_report
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    try:
+        memory_report(model, 1)
+    except NotImplementedError as err:
+        return str(err)
+    return None
+
+
+def requires_memory_report() -> Any:
+    """A skip marker for tests of `memory_report` where the active backend lacks it."""
+    why = memory_report_unsupported()
+    return pytest.mark.skipif(
+        why is not None, reason=f"memory_report on {BACKEND}: {why}"
+    )
+
+
 def backend_module() -> Any:
     """keras_memfit's package for the active backend (`keras_memfit.backend.get()`)."""
     from keras_memfit import backend

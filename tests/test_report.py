@@ -18,6 +18,9 @@ import pytest
 
 from keras_memfit import memory_report
 from keras_memfit.report import LayerMemory, MemoryReport
+from support import requires_memory_report
+
+pytestmark = requires_memory_report()
 
 F32 = 4
 
