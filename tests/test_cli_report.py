@@ -75,6 +75,9 @@ def test_table_names_every_layer_and_counts_the_saved_optimizer(saved):
 
 
 @requires_memory_report()
+@pytest.mark.tensorflow(
+    reason="compares the CLI worker's report (Keras on TensorFlow, app/env.py) with this process's"
+)
 def test_json_is_the_report_of_the_saved_model(saved):
     import keras
 
