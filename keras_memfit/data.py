@@ -64,7 +64,29 @@ def _is_array_leaf(value: Any) -> bool:
         return True
     if isinstance(value, np.ndarray) or keras.ops.is_tensor(value) or is_sparse(value):
         return True
+    if is_foreign_tf_tensor(value):
+        return True
     return hasattr(value, "to_numpy") and hasattr(value, "shape")  # pandas
+
+
+def is_foreign_tf_tensor(value: Any) -> bool:
+    """Whether `value` is a dense TensorFlow tensor while Keras runs on another backend.
+
+    Keras's `predict`/`evaluate` on JAX accept such tensors as arrays (its
+    array adapter reads them as numpy), so keras_memfit does too: `_to_array`
+    reads them as numpy arrays, which the backend's steps take. Recognised by
+    class, without importing TensorFlow.
+
+    Example:
+        >>> is_foreign_tf_tensor(tf.constant([[1.0]]))  # with KERAS_BACKEND=jax
+        True
+    """
+    cls = type(value)
+    return (
+        cls.__name__ == "EagerTensor"
+        and cls.__module__.startswith("tensorflow")
+        and keras.backend.backend() != "tensorflow"
+    )
 
 
 def is_sparse(value: Any) -> bool:
@@ -89,6 +111,8 @@ def is_array_like(x: Any) -> bool:
 def _to_array(value: Any) -> Any:
     if value is None or isinstance(value, np.ndarray) or keras.ops.is_tensor(value):
         return value
+    if is_foreign_tf_tensor(value):
+        return value.numpy()  # no copy for a tensor in host memory
     if is_sparse(value):
         return value
     return value.to_numpy()

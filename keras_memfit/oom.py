@@ -124,7 +124,8 @@ def is_oom_error(exc: BaseException) -> bool:
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
         return False
     return (
-        is_host_oom(exc)
+        isinstance(exc, _OutOfMemoryErrorBody)  # whatever the backend's message forms
+        or is_host_oom(exc)
         or _backend.get().is_oom_error(exc)
         or is_xla_oom(exc)
         or is_cuda_alloc_failure(exc)

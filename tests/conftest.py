@@ -1,5 +1,11 @@
 """Shared test harness: real OOMs under a capped allocator, and fault injection.
 
+The suite runs on Keras's active backend (`KERAS_BACKEND`: tensorflow, or
+jax). Tests that exercise TensorFlow itself carry `@pytest.mark.tensorflow`
+(a reason may be given); they, and the `memory_cap`, `two_devices` and `gpu`
+tests (TensorFlow's allocator and devices), are skipped with that reason on
+another backend. JAX's real OOMs are tests/test_jax_real_oom.py's.
+
 Real OOMs
     `@pytest.mark.memory_cap(mb)` runs the test in a fresh subprocess whose
     CPU device sits behind TensorFlow's BFC allocator capped at `mb` MiB
@@ -11,9 +17,12 @@ Real OOMs
 
 Fault injection
     The `inject_oom` fixture makes every compiled step keras_memfit builds
-    raise a real `tf.errors.ResourceExhaustedError` when its batch has more
-    rows than a threshold, either before the step runs or after it ran (to
-    check that state a failed step touched is rolled back). It logs every
+    raise a real OOM error of the active backend (`support.oom_error`:
+    TensorFlow's `ResourceExhaustedError`, JAX's `RESOURCE_EXHAUSTED`
+    `JaxRuntimeError`) when its batch has more rows than a threshold, either
+    before the step runs or after it ran (to check that state a failed step
+    touched is rolled back; on JAX a train step writes nothing before it
+    succeeded, so there a late OOM is raised before it). It logs every
     call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
     raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
     `inject_oom.rows(phase)` (all), the phase being optional. Other fault
@@ -73,6 +82,12 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "tensorflow(reason=...): exercises TensorFlow itself (its allocator, tf.function "
+        "steps, place, what only Keras on TensorFlow accepts); skipped with the reason "
+        "when Keras runs on another backend (KERAS_BACKEND)",
+    )
+    config.addinivalue_line(
+        "markers",
         "compat: the compatibility subset that CI runs on older TensorFlow + Keras "
         "(every test of the modules in conftest.COMPAT_MODULES)",
     )
@@ -82,7 +97,7 @@ def pytest_configure(config):
             f"conftest.COMPAT_MODULES names test modules that do not exist: {missing}; "
             "update the list"
         )
-    if in_two_device_subprocess():
+    if in_two_device_subprocess() and _backend() == "tensorflow":
         import tensorflow as tf
 
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -96,8 +111,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in COMPAT_MODULES:
             item.add_marker(pytest.mark.compat)
+    _skip_tensorflow_only(items)
     gpu_marked = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_marked:
+    if not gpu_marked or _backend() != "tensorflow":
         return
     import tensorflow as tf
 
@@ -105,6 +121,40 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a real GPU; none is visible to TensorFlow")
         for item in gpu_marked:
             item.add_marker(skip)
+
+
+def _backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+# Markers whose tests need Keras on TensorFlow, and why.
+_TENSORFLOW_ONLY = {
+    "tensorflow": "exercises TensorFlow itself",
+    "memory_cap": "real OOMs from TensorFlow's capped BFC allocator (on JAX: "
+                  "tests/test_jax_real_oom.py, under an address-space limit)",
+    "two_devices": "two logical TensorFlow CPU devices",
+    "gpu": "a GPU as TensorFlow sees it",
+}
+
+
+def _skip_tensorflow_only(items) -> None:
+    """Skip, with the reason, the tests that need Keras on TensorFlow under another backend."""
+    if not any(item.get_closest_marker(name) for item in items for name in _TENSORFLOW_ONLY):
+        return  # (tests/test_jax_* alone run where Keras's default backend is absent)
+    active = _backend()
+    if active == "tensorflow":
+        return
+    for item in items:
+        for name, why in _TENSORFLOW_ONLY.items():
+            marker = item.get_closest_marker(name)
+            if marker:
+                why = marker.kwargs.get("reason", why) if name == "tensorflow" else why
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs KERAS_BACKEND=tensorflow ({why}); Keras runs on {active}"
+                ))
+                break
 
 
 def in_capped_subprocess() -> bool:
@@ -233,10 +283,15 @@ class OOMInjector:
         """Rows of the calls that succeeded, in order; only `phase`'s when given."""
         return [c.rows for c in self.calls if not c.raised and phase in (None, c.phase)]
 
-    def wrap(self, phase, step):
-        """`step`, counted in `calls` and failing as configured, under `phase`."""
-        import tensorflow as tf
-        from support import rows_of
+    def wrap(self, phase, step, late_runs_step=True):
+        """`step`, counted in `calls` and failing as configured, under `phase`.
+
+        `late_runs_step=False`: an OOM injected `after` the step is raised
+        before it runs, for steps whose computation and state write are one
+        (JAX's train steps write nothing unless the whole step succeeded, so
+        a late OOM leaves them exactly as an early one does).
+        """
+        from support import oom_error, rows_of
 
         def wrapped(data):
             rows = rows_of(data)
@@ -246,15 +301,11 @@ class OOMInjector:
                 and (self.phases is None or phase in self.phases)
             )
             self.calls.append(Call(phase, rows, fail))
-            if fail and not self.after:
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
-                )
+            if fail and (not self.after or not late_runs_step):
+                raise oom_error(rows)
             result = step(data)
             if fail:
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
-                )
+                raise oom_error(rows)
             return result
 
         # Keep the traced function reachable for output_spec.
@@ -269,15 +320,17 @@ class _InjectedTrainStep:
     `last_outcome`). An OOM injected *before* the step leaves it untouched, as
     a real OOM at allocation time would; one injected *after* a step that
     snapshots itself ran is settled by the step as a real late OOM would be
-    (small state restored, `last_outcome` set). A custom step cannot tell
-    (`last_outcome` stays None).
+    (TensorFlow: small state restored, `last_outcome` set). On JAX a step
+    writes the model's state only once its whole computation succeeded, so a
+    late OOM is raised before the step, as it leaves the state (`UNTOUCHED`).
+    A custom step cannot tell (`last_outcome` stays None).
     """
 
-    def __init__(self, injector, step):
+    def __init__(self, injector, step, late_runs_step):
         self._step = step
         self.snapshots_itself = step.snapshots_itself
         self.last_outcome = None
-        self._call = injector.wrap("train", self._run)
+        self._call = injector.wrap("train", self._run, late_runs_step)
 
     def _run(self, data):
         self._ran = True
@@ -300,23 +353,30 @@ class _InjectedTrainStep:
 
 @pytest.fixture
 def inject_oom(monkeypatch):
-    """An `OOMInjector`; call it with the threshold: `inject_oom(100)`."""
-    from keras_memfit import _cache
-    from keras_memfit.backend import tensorflow as tf_backend
-    from support import wrap_factory
+    """An `OOMInjector`; call it with the threshold: `inject_oom(100)`.
 
+    Works on the active backend: the injected errors are that backend's real
+    OOM exception objects (`support.oom_error`).
+    """
+    from keras_memfit import _cache
+    from support import BACKEND, backend_module, wrap_factory
+
+    backend = backend_module()
+    late_runs_step = BACKEND != "jax"  # see _InjectedTrainStep
     injector = OOMInjector()
     wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
     wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))
 
     for factory in ("make_train_step", "make_custom_train_step"):
-        wrap_factory(monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step))
-    add = tf_backend.GradientAccumulator.add
+        wrap_factory(
+            monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step, late_runs_step)
+        )
+    add = backend.GradientAccumulator.add
 
     def add_micro_batch(self, data, weight):
-        injector.wrap("train", lambda d: add(self, d, weight))(data)
+        injector.wrap("train", lambda d: add(self, d, weight), late_runs_step)(data)
 
-    monkeypatch.setattr(tf_backend.GradientAccumulator, "add", add_micro_batch)
+    monkeypatch.setattr(backend.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()

@@ -20,6 +20,118 @@ REF_BATCH = 16  # the batch size of the `reference` predictions
 
 
 # ---------------------------------------------------------------------------
+# The active backend: its errors and its keras_memfit package
+# ---------------------------------------------------------------------------
+BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorflow, jax)
+
+# Tests that exercise TensorFlow itself (its capped BFC allocator, tf.function
+# steps, tf.distribute, place): skipped with this reason under another backend.
+# `@pytest.mark.tensorflow(reason="...")` says why in the skip message.
+requires_tensorflow = pytest.mark.tensorflow
+# Keras on JAX itself has no string or ragged tensors (what Keras's own
+# predict/evaluate take there is what these conformance tests compare with).
+keras_tensorflow_inputs = pytest.mark.tensorflow(
+    reason="string and ragged tensors: Keras itself takes them only on TensorFlow"
+)
+
+
+def memory_report_unsupported() -> Optional[str]:
+    """None where `memory_report` works on the active backend, else why not.
+
+    The backend's own `NotImplementedError` message (the model analysis is
+    built backend by backend), found by reporting a one-layer model.
+    """
+    from keras_memfit import memory_report
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    try:
+        memory_report(model, 1)
+    except NotImplementedError as err:
+        return str(err)
+    return None
+
+
+def requires_memory_report() -> Any:
+    """A skip marker for tests of `memory_report` where the active backend lacks it."""
+    why = memory_report_unsupported()
+    return pytest.mark.skipif(
+        why is not None, reason=f"memory_report on {BACKEND}: {why}"
+    )
+
+
+def backend_module() -> Any:
+    """keras_memfit's package for the active backend (`keras_memfit.backend.get()`)."""
+    from keras_memfit import backend
+
+    return backend.get()
+
+
+def oom_error_class() -> type:
+    """The class of the active backend's real OOM errors.
+
+    TensorFlow: `tf.errors.ResourceExhaustedError`; JAX:
+    `jax.errors.JaxRuntimeError` (a `RESOURCE_EXHAUSTED` status).
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError
+    import tensorflow as tf
+
+    return tf.errors.ResourceExhaustedError
+
+
+def oom_error(rows: Any = "N") -> BaseException:
+    """A real OOM exception object of the active backend, as its allocator raises it.
+
+    TensorFlow: `ResourceExhaustedError("OOM when allocating tensor ...")`;
+    JAX: `JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating N
+    bytes.")`, the form XLA's CPU and GPU clients raise.
+
+    Example:
+        >>> raise oom_error(64)
+    """
+    if BACKEND == "jax":
+        import jax
+
+        size = rows * 4096 if isinstance(rows, int) else 4096
+        return jax.errors.JaxRuntimeError(
+            f"RESOURCE_EXHAUSTED: Out of memory allocating {size} bytes. (injected, {rows} rows)"
+        )
+    import tensorflow as tf
+
+    return tf.errors.ResourceExhaustedError(
+        None, None, f"OOM when allocating tensor with shape[{rows},...] (injected)"
+    )
+
+
+def runtime_error(message: str, status: str = "INVALID_ARGUMENT") -> BaseException:
+    """A runtime error of the active backend that is NOT an OOM (bad input, say).
+
+    Args:
+        message: The error's message.
+        status: "INVALID_ARGUMENT" or "INTERNAL".
+
+    Returns:
+        TensorFlow: `tf.errors.InvalidArgumentError` (or `InternalError`); JAX:
+        `JaxRuntimeError` with that XLA status.
+    """
+    if BACKEND == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError(f"{status}: {message}")
+    import tensorflow as tf
+
+    cls = {"INVALID_ARGUMENT": tf.errors.InvalidArgumentError,
+           "INTERNAL": tf.errors.InternalError}[status]
+    return cls(None, None, message)
+
+
+# How the backend names the host device in keras_memfit's messages.
+HOST_DEVICE = {"jax": "cpu:0"}.get(BACKEND, "CPU:0")
+
+
+# ---------------------------------------------------------------------------
 # Swapping what the backend builds (fault injection)
 # ---------------------------------------------------------------------------
 def wrap_factory(monkeypatch: Any, factory: str, wrap: Callable[[Any], Any]) -> None:

@@ -149,6 +149,9 @@ def test_multi_input_npz_maps_arrays_by_input_name(files):
     _assert_labels(labels, files["two"])
 
 
+@pytest.mark.tensorflow(
+    reason="the application's worker runs Keras on TensorFlow (app/env.py), capped"
+)
 def test_memory_limit_adapts_a_batch_that_does_not_fit(files, tmp_path):
     import keras
 

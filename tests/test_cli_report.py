@@ -18,6 +18,7 @@ import pytest
 
 from cli_support import assert_one_line_error, run_cli
 from keras_memfit.app import cli
+from support import requires_memory_report
 
 DENSE_WEIGHT_BYTES = (784 * 10 + 10) * 4  # kernel + bias, float32
 
@@ -73,6 +74,10 @@ def test_table_names_every_layer_and_counts_the_saved_optimizer(saved):
     assert "batch_size=64" in result.stdout
 
 
+@requires_memory_report()
+@pytest.mark.tensorflow(
+    reason="compares the CLI worker's report (Keras on TensorFlow, app/env.py) with this process's"
+)
 def test_json_is_the_report_of_the_saved_model(saved):
     import keras
 

@@ -16,7 +16,19 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import safe_predict
-from support import Recorder, assert_same_result, requires_keras, optional_input_model
+from support import (
+    Recorder,
+    assert_same_result,
+    keras_tensorflow_inputs,
+    optional_input_model,
+    requires_keras,
+)
+
+# On JAX, Keras's numpy iterator hands keras_memfit sparse batches densified,
+# and a dense batch can be split: only on TensorFlow is a batch a SparseTensor.
+SPARSE_BATCHES_ARE_TENSORFLOWS = pytest.mark.tensorflow(
+    reason="sparse batches stay tf.SparseTensor (unsplittable) only on TensorFlow"
+)
 
 _OLD_KERAS = requires_keras(
     (3, 13),
@@ -135,6 +147,7 @@ def assert_conforms(model, make_x, *args, **kwargs):
 # Input dtypes (item 1)
 # ---------------------------------------------------------------------------
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_string_dataset_as_keras():
     def make():
         return tf.data.Dataset.from_tensor_slices(_strings()).batch(2)
@@ -143,6 +156,7 @@ def test_string_dataset_as_keras():
     assert got.dtype == np.int64 and got.ravel().tolist() == [1, 2, 0, 1, 2, 0, 1]
 
 
+@keras_tensorflow_inputs
 def test_string_dataset_split_after_oom_as_keras(inject_oom):
     model = _string_model()
     want = model.predict(tf.data.Dataset.from_tensor_slices(_strings()).batch(4), verbose=0)
@@ -156,7 +170,7 @@ def test_string_dataset_split_after_oom_as_keras(inject_oom):
 @pytest.mark.parametrize(
     "dtype, make",
     [
-        ("string", lambda: _strings()),
+        pytest.param("string", lambda: _strings(), marks=keras_tensorflow_inputs),
         ("bool", lambda: np.arange(14).reshape(7, 2) % 3 == 0),
         ("int64", lambda: np.arange(14, dtype="int64").reshape(7, 2)),
     ],
@@ -175,6 +189,7 @@ def test_array_dtypes_as_keras(dtype, make):
 # Ragged inputs
 # ---------------------------------------------------------------------------
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_dataset_as_keras():
     assert_conforms(
         _ragged_input_model(), lambda: tf.data.Dataset.from_tensor_slices(_ragged()).batch(3)
@@ -182,11 +197,13 @@ def test_ragged_dataset_as_keras():
 
 
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_tensor_input_as_keras():
     assert_conforms(_ragged_input_model(), _ragged, 3)
 
 
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_input_split_after_oom_as_keras(inject_oom):
     model = _ragged_input_model()
     want = model.predict(_ragged(), batch_size=4, verbose=0)
@@ -211,6 +228,7 @@ def test_sparse_dataset_as_keras():
     )
 
 
+@SPARSE_BATCHES_ARE_TENSORFLOWS
 def test_sparse_input_that_runs_out_of_memory_says_it_cannot_be_split(inject_oom):
     inject_oom(1)
     with pytest.raises(TypeError) as excinfo:
@@ -261,17 +279,20 @@ def test_optional_none_input_split_after_oom_as_keras(inject_oom):
 # Ragged outputs (item 3)
 # ---------------------------------------------------------------------------
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_output_is_a_ragged_tensor_as_keras():
     got, _ = assert_conforms(_ragged_output_model(), _counts, 3)
     assert got.to_list()[:2] == [[0], [0, 1]]
 
 
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_output_in_one_batch_as_keras():
     assert_conforms(_ragged_output_model(), lambda: _counts(3), 8)
 
 
 @_OLD_KERAS
+@keras_tensorflow_inputs
 def test_ragged_output_split_after_oom_as_keras(inject_oom):
     model = _ragged_output_model()
     want = model.predict(_counts(), batch_size=4, verbose=0)

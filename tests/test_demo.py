@@ -287,6 +287,9 @@ def _check_demo(output, stdout):
     return used
 
 
+@pytest.mark.tensorflow(
+    reason="the application's worker runs Keras on TensorFlow (app/env.py), capped"
+)
 def test_demo_plain_predict_ooms_and_safe_predict_writes_the_submission(tmp_path):
     output, stdout = _run_cli_demo(tmp_path, "--device", "cpu")
     used = _check_demo(output, stdout)

@@ -116,6 +116,61 @@ def child_evaluate():
     )
 
 
+def _state(model):
+    """Every variable of the model and its optimizer, read (readable: not donated)."""
+    return [np.array(v.value) for v in model.variables + list(model.optimizer.variables)]
+
+
+def _assert_same_state(before, model):
+    after = _state(model)
+    assert len(after) == len(before)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def child_train_step_and_accumulator_oom_leave_the_model():
+    """A real OOM in keras_memfit's own train step and in an accumulated
+    micro-batch: weights, optimizer variables, iterations and metrics are
+    readable and exactly as before; the next, smaller step trains as plain
+    Keras's does."""
+    import jax
+
+    from keras_memfit import backend, is_oom_error
+    from keras_memfit.backend.base import StepOutcome
+
+    jax_backend = backend.get()
+    model, reference = _model(), _model()
+    x, y = _data()
+    model.fit(x[:FITS], y[:FITS], batch_size=FITS, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x[:FITS], y[:FITS], batch_size=FITS, epochs=1, shuffle=False, verbose=0)
+    before = _state(model)
+    step = jax_backend.make_train_step(model)
+    try:
+        step((x, y))
+    except jax.errors.JaxRuntimeError as err:
+        assert is_oom_error(err), str(err)[:300]
+    else:
+        raise AssertionError("the full batch trained under the limit: the test proves nothing")
+    assert step.last_outcome is StepOutcome.UNTOUCHED
+    _assert_same_state(before, model)
+    accumulator = jax_backend.make_accumulator(model)
+    accumulator.reset()
+    try:
+        accumulator.add((x, y, None), 1.0)
+    except jax.errors.JaxRuntimeError as err:
+        assert is_oom_error(err), str(err)[:300]
+    else:
+        raise AssertionError("the full micro-batch ran under the limit: the test proves nothing")
+    _assert_same_state(before, model)
+    # The model trains on from where it was, as plain Keras's copy does.
+    step((x[FITS:2 * FITS], y[FITS:2 * FITS]))
+    reference.fit(x[FITS:2 * FITS], y[FITS:2 * FITS], batch_size=FITS, epochs=1,
+                  shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.value) == int(reference.optimizer.iterations.value) == 2
+
+
 def child_fit():
     """Fits with MemFit; writes weights, optimizer variables and History to $OUT."""
     import keras_memfit
@@ -174,3 +229,8 @@ def test_memfit_fit_under_a_real_oom_equals_the_unlimited_fit(tmp_path):
     assert expected.files == got.files
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-4, atol=1e-6)
+
+
+def test_an_oom_in_a_train_step_or_micro_batch_leaves_the_model_as_it_was():
+    run_in_jax(__file__, "child_train_step_and_accumulator_oom_leave_the_model",
+               address_space_gb=LIMIT_GB)

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from keras_memfit import MemFit
 from keras_memfit._legacy import is_legacy_keras, legacy_keras_error, refuse
+from support import requires_tensorflow
 
 THRESHOLD = 5
 
@@ -137,6 +138,7 @@ def _out_of_memory(*args, **kwargs):
     raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
 
 
+@requires_tensorflow  # tf.SparseTensor input, TensorFlow's train_function(iterator)
 def test_unsplittable_batch_that_runs_out_of_memory_names_what_was_received():
     inputs = keras.Input((4,), sparse=True)
     model = keras.Model(inputs, keras.layers.Dense(3)(inputs))

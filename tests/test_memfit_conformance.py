@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from support import Recorder, requires_keras
+from support import BACKEND, Recorder, requires_keras
 
 _OPTIONAL_INPUTS = requires_keras(
     (3, 15),
@@ -73,8 +73,21 @@ def _optional_input_model():
 class CustomStepModel(keras.Sequential):
     """Overrides train_step (the same computation)."""
 
-    def train_step(self, data):
-        return super().train_step(data)
+    if BACKEND == "jax":  # JAX's train_step is functional: (state, data) -> (logs, state)
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+    else:
+        def train_step(self, data):
+            return super().train_step(data)
+
+
+# MemFit hands a batch it cannot split (sparse) to Keras's own step function,
+# called in TensorFlow's convention (`train_function(iterator)`); Keras's JAX
+# function takes `(state, iterator)` and donates the state. Not done on JAX yet.
+PASSES_SPARSE_BATCHES_TO_KERAS = pytest.mark.tensorflow(
+    reason="MemFit's pass-through of unsplittable (sparse) batches to Keras's own "
+    "step function speaks only TensorFlow's calling convention so far"
+)
 
 
 def _values(value):
@@ -156,10 +169,12 @@ def _sparse_dataset():
     return (tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(8),)
 
 
+@PASSES_SPARSE_BATCHES_TO_KERAS
 def test_fit_with_sparse_inputs_and_memfit_is_kerass_fit():
     _assert_same_fit(_sparse_model, _sparse_dataset, epochs=2)
 
 
+@PASSES_SPARSE_BATCHES_TO_KERAS
 def test_fit_with_sparse_validation_data_and_memfit_is_kerass_fit():
     def data():
         x, y = _xy()
@@ -169,6 +184,7 @@ def test_fit_with_sparse_validation_data_and_memfit_is_kerass_fit():
                      validation_data=_sparse_dataset()[0])
 
 
+@PASSES_SPARSE_BATCHES_TO_KERAS
 def test_evaluate_and_predict_with_sparse_inputs_and_memfit_are_kerass():
     model = _sparse_model()
     (dataset,) = _sparse_dataset()

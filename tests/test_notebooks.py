@@ -243,6 +243,7 @@ def _text(nb):
     )
 
 
+@pytest.mark.tensorflow(reason="the notebook runs Keras on TensorFlow and uses place()")
 def test_embeddings_on_cpu_pins_the_table_to_the_host(tmp_path, monkeypatch):
     nb = _execute("embeddings_on_cpu.ipynb", tmp_path, monkeypatch)
     assert _errors(nb) == []

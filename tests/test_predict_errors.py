@@ -14,12 +14,15 @@ import tensorflow as tf
 from keras_memfit import OutOfMemoryError, safe_predict
 from support import (
     Batches,
+    HOST_DEVICE,
     assert_same_result,
     batches,
     dense_model,
+    oom_error_class,
     random_data,
     reference,
     rows_of,
+    runtime_error,
     two_input_model,
     wrap_factory,
 )
@@ -187,7 +190,7 @@ class FailsAbove(keras.layers.Layer):
 
     def call(self, x):
         rows = x.shape[0]
-        if rows is not None and rows > self.limit:
+        if isinstance(rows, int) and rows > self.limit:  # None, or a JAX symbolic dimension
             err = ValueError(f"batch of {rows} rows is too large for this layer")
             FailsAbove.raised.append(err)
             raise err
@@ -214,9 +217,9 @@ def test_non_oom_error_inside_the_model_propagates_unchanged():
 
 
 def test_non_oom_error_from_the_step_is_the_same_object(raising_step):
-    original = tf.errors.InvalidArgumentError(None, None, "Matrix size-incompatible")
+    original = runtime_error("Matrix size-incompatible")
     state = raising_step(original, above=0)
-    with pytest.raises(tf.errors.InvalidArgumentError) as excinfo:
+    with pytest.raises(type(original)) as excinfo:
         safe_predict(dense_model(), random_data(50), batch_size=25, verbose=0)
     assert excinfo.value is original
     assert excinfo.value.__cause__ is None
@@ -256,12 +259,12 @@ def test_single_sample_failing_raises_out_of_memory_error(inject_oom):
     with pytest.raises(OutOfMemoryError) as excinfo:
         safe_predict(model, random_data(64), batch_size=64, verbose=0)
     err = excinfo.value
-    assert isinstance(err, tf.errors.ResourceExhaustedError)
+    assert isinstance(err, oom_error_class())
     assert err.model_name == "too_big"
     assert err.phase == "predict"
     assert err.batch_shape == ((1, 4),)
-    assert err.device == "CPU:0"
-    assert isinstance(err.__cause__, tf.errors.ResourceExhaustedError)
+    assert err.device == HOST_DEVICE
+    assert isinstance(err.__cause__, oom_error_class())
     assert not isinstance(err.__cause__, OutOfMemoryError)
     assert "injected" in str(err.__cause__)
     assert inject_oom.ooms()[-1] == 1

@@ -15,7 +15,6 @@ import weakref
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_memfit import safe_predict
 from support import (
@@ -23,6 +22,7 @@ from support import (
     batches,
     dense_model,
     identity_model,
+    oom_error,
     random_data,
     reference,
     rows_data,
@@ -57,9 +57,7 @@ def fault_at(monkeypatch):
             ids = np.asarray(x)[:, 0].astype(int).tolist()
             if fault.poison in ids and len(ids) > fault.max_rows:
                 fault.failed.append(ids)
-                raise tf.errors.ResourceExhaustedError(
-                    None, None, f"OOM when allocating tensor with shape[{len(ids)},2]"
-                )
+                raise oom_error(len(ids))
             fault.pieces.append(ids)
             return real(x)
 

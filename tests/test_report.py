@@ -18,6 +18,9 @@ import pytest
 
 from keras_memfit import memory_report
 from keras_memfit.report import LayerMemory, MemoryReport
+from support import HOST_DEVICE, requires_memory_report
+
+pytestmark = requires_memory_report()
 
 F32 = 4
 
@@ -74,7 +77,7 @@ def test_sequential_embedding_model_matches_hand_computed_values():
     assert (emb.flops, flat.flops, head.flops) == (0, 0, 10 * 2 * 32 * 3)
     # Cutting after a layer sends its output across; after the last, nothing.
     assert [r.cut_bytes_per_sample for r in report.rows] == [32 * F32, 32 * F32, 0]
-    assert emb.device.endswith("CPU:0") and flat.device == "-"
+    assert emb.device.endswith(HOST_DEVICE) and flat.device == "-"
     assert report.slot_bytes == 0  # not compiled: no optimizer
     assert report.input_bytes_per_sample == 4 * 4  # four int32 ids
 
@@ -315,8 +318,8 @@ def test_one_device_model_reports_that_device_and_refuses_others():
     # Multi-device models: tests/test_placement.py (two logical devices).
     model = embedding_model()
     report = memory_report(model, batch_size=10, budget=1 << 20)
-    assert report.device == "CPU:0" and list(report.per_device) == ["CPU:0"]
-    only = report.per_device["CPU:0"]
+    assert report.device == HOST_DEVICE and list(report.per_device) == [HOST_DEVICE]
+    only = report.per_device[HOST_DEVICE]
     params = 100 * 8 + 32 * 3 + 3
     assert (only.param_bytes, only.slot_bytes) == (params * F32, 2 * params * F32)
     assert (only.fixed_bytes, only.bytes_per_sample) == (
@@ -325,11 +328,11 @@ def test_one_device_model_reports_that_device_and_refuses_others():
     assert (same.fixed_bytes, same.bytes_per_sample) == (
         report.fixed_bytes, report.bytes_per_sample)
     assert report.max_batch_size(device="cpu:0") == report.max_batch_size()
-    assert report.peak_bytes_on("CPU:0") == report.peak_bytes
+    assert report.peak_bytes_on(HOST_DEVICE) == report.peak_bytes
     assert "Estimated peak at batch_size=10" in str(report)
     assert "Per device" not in str(report)
-    assert report.to_dict()["per_device"]["CPU:0"]["fixed_bytes"] == report.fixed_bytes
-    with pytest.raises(ValueError, match=r"\(CPU:0\); received device='/GPU:3'"):
+    assert report.to_dict()["per_device"][HOST_DEVICE]["fixed_bytes"] == report.fixed_bytes
+    with pytest.raises(ValueError, match=rf"\({HOST_DEVICE}\); received device='/GPU:3'"):
         memory_report(model, device="/GPU:3")
     with pytest.raises(ValueError, match="received device=5"):
         memory_report(model, device=5)

@@ -104,8 +104,11 @@ class PredictStep(_Step):
         rows = int(first.shape[0])
 
         def at(n: int) -> Any:
-            xs = keras.tree.map_structure(
-                lambda a: jax.ShapeDtypeStruct((n,) + tuple(a.shape[1:]), a.dtype), x
+            xs = keras.tree.map_structure(  # None: an optional input left out
+                lambda a: None if a is None else jax.ShapeDtypeStruct(
+                    (n,) + tuple(a.shape[1:]), a.dtype
+                ),
+                x,
             )
             return jax.eval_shape(self._fn, *state, xs)[0]
 
