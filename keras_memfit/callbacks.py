@@ -205,7 +205,7 @@ class MemFit(keras.callbacks.Callback):
         function = self._originals.get(f"{kind}_function")
         if function is None:  # not made yet: Keras makes it as its loop would
             function = getattr(self.model, f"make_{kind}_function")(force=True)
-        return function(batches if kind == "predict" else iter(batches))
+        return _backend.get().call_keras_function(self.model, kind, function, batches)
 
     # Keras looks the step functions up right after the `on_*_batch_begin`
     # calls, so MemFit installs its own there and removes them as soon as they

@@ -202,6 +202,7 @@ def test_overhead_section_is_replaced_in_place(tmp_path):
 
 BENCHMARK_MODULES = (
     "common", "jobs", "hostmem", "seed", "training", "report", "plot", "overhead", "run",
+    "replicas", "gpu",
 )
 
 

@@ -160,7 +160,7 @@ class ModelAnalysis:
         def row(op, name, class_name, output_shape, weights, **per_sample) -> Row:
             devices = set()
             for v in weights:
-                device = (variable_device(v) or "").lstrip("/")
+                device = short_device(variable_device(v) or "")  # JAX: "cpu:0" -> "CPU:0"
                 devices.add(device)
                 self.variables.append(VariableBytes(
                     device, self.counter.variable(v), self.slot_bytes_of(v), bool(v.trainable)))

@@ -54,9 +54,10 @@ def _publish(model: keras.Model, kind: str, state: tuple) -> None:
     succeeded are kept, as on TensorFlow) keeps every sync current. Set
     without Keras's attribute tracking, which would wrap the lists (Keras
     itself then sets it with tracking after the step function returned).
+    Set also when the trainer has none yet (the first step of a call failed):
+    else Keras's closing sync would leave the variables it detached empty.
     """
-    if hasattr(model, "_jax_state"):
-        object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
+    object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
 
 
 def step_function(
@@ -102,6 +103,27 @@ def step_function(
         return result, state
 
     return function
+
+
+def call_keras_function(
+    model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
+) -> Any:
+    """Refused on JAX: batches MemFit cannot split (sparse BCOO) are not run.
+
+    Keras's JAX `<kind>_function` takes and donates the state tuple that
+    MemFit's step function threads (and its guards hold), so handing it over
+    would delete arrays keras_memfit still uses, and an OOM in it would lose
+    the model. Not done yet: such batches raise a clear error instead.
+
+    Raises:
+        NotImplementedError: Always, naming what MemFit received.
+    """
+    described = _batches.unsplittable(_batches.as_chunk(batches[0])) or "a batch"
+    raise NotImplementedError(
+        f"MemFit on JAX cannot run batches it cannot split into pieces; received "
+        f"{described} in {kind}. Densify those inputs (or pass them as numpy "
+        "arrays), or call without MemFit."
+    )
 
 
 def is_end_of_data(exc: BaseException) -> bool:

@@ -69,6 +69,20 @@ def step_function(
     return function
 
 
+def call_keras_function(
+    model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
+) -> Any:
+    """Keras's own `<kind>_function` on `batches` (those MemFit cannot split).
+
+    TensorFlow's convention: the predict function takes the list of batches,
+    the train and test functions an iterator over them.
+
+    Example:
+        >>> logs = call_keras_function(model, "train", keras_train_function, batches)
+    """
+    return function(batches if kind == "predict" else iter(batches))
+
+
 def is_end_of_data(exc: BaseException) -> bool:
     """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, (StopIteration, tf.errors.OutOfRangeError))
