@@ -17,17 +17,14 @@ import keras
 import numpy as np
 
 from keras_memfit import _keras_compat
-from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
+from keras_memfit.backend._layer_calls import CallRecorder, Info, traced_calls
+from keras_memfit.backend.base import Trace, TracedTensor
 
 # Two batch sizes unlikely to equal a model's other dimensions.
 _BATCHES = (7, 11)
 
-_Info = Tuple[str, Tuple[int, ...], str]
-
-
-def _record_forward(model: keras.Model, batch: int) -> Dict[str, Any]:
+def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
     """One traced forward pass at `batch` rows: the calls, inputs and outputs."""
-    Layer, Operation = _keras_compat.layer_and_operation_classes()
     struct, positional = _keras_compat.input_structure(model)
     specs = keras.tree.map_structure(
         lambda t: jax.ShapeDtypeStruct((batch,) + tuple(t.shape[1:]), np.dtype(t.dtype)),
@@ -35,11 +32,8 @@ def _record_forward(model: keras.Model, batch: int) -> Dict[str, Any]:
     )
     keys: Dict[int, str] = {}
     alive: List[Any] = []  # the traced arrays, kept so that their ids stay unique
-    records: List[Dict[str, Any]] = []
-    stack: List[int] = []
-    result: Dict[str, Any] = {}
 
-    def info(value: Any) -> Optional[_Info]:
+    def describe(value: Any) -> Optional[Info]:
         if not isinstance(value, (jax.Array, jax.core.Tracer)):
             return None
         key = keys.get(id(value))
@@ -48,52 +42,13 @@ def _record_forward(model: keras.Model, batch: int) -> Dict[str, Any]:
             alive.append(value)
         return key, tuple(int(d) for d in value.shape), np.dtype(value.dtype).name
 
-    def infos(values: Any) -> List[_Info]:
-        return [i for i in map(info, keras.tree.flatten(values)) if i is not None]
-
-    layer_call, op_call = Layer.__call__, Operation.__call__
-
-    def record(op, original, args, kwargs):
-        index = len(records)
-        entry = {"op": op, "depth": len(stack), "parent": stack[-1] if stack else None,
-                 "inputs": infos((args, kwargs)), "outputs": []}
-        records.append(entry)
-        stack.append(index)
-        try:
-            outputs = original(op, *args, **kwargs)
-        finally:
-            stack.pop()
-        entry["outputs"] = infos(outputs)
-        return outputs
-
-    def patched_layer_call(self, *args, **kwargs):
-        return record(self, layer_call, args, kwargs)
-
-    def patched_op_call(self, *args, **kwargs):
-        if isinstance(self, Layer):  # already recorded by Layer.__call__
-            return op_call(self, *args, **kwargs)
-        return record(self, op_call, args, kwargs)
-
-    def forward(inputs):
-        result["inputs"] = infos(inputs)
-        with keras.StatelessScope():
-            if positional:
-                outputs = model(inputs, training=False)
-            else:
-                outputs = model(**inputs, training=False)
-        result["outputs"] = [i[0] for i in infos(outputs)]
-        return outputs
-
-    Layer.__call__, Operation.__call__ = patched_layer_call, patched_op_call
-    try:
-        jax.eval_shape(forward, specs)
-    finally:
-        Layer.__call__, Operation.__call__ = layer_call, op_call
-    result["records"] = records
-    return result
+    recorder = CallRecorder(describe)
+    with recorder.patched():
+        jax.eval_shape(lambda inputs: recorder.forward(model, inputs, positional), specs)
+    return recorder
 
 
-def _merge(a: List[_Info], b: List[_Info]) -> Tuple[TracedTensor, ...]:
+def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
     """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
     out = []
     for (key, shape, dtype), other in zip(a, b):
@@ -128,7 +83,7 @@ def trace_layer_calls(model: keras.Model) -> Trace:
         ['Conv2D', 'Conv2D']
     """
     first, second = (_record_forward(model, n) for n in _BATCHES)
-    records, others = first["records"], second["records"]
+    records, others = first.records, second.records
     if len(records) != len(others) or any(
         a["op"] is not b["op"] for a, b in zip(records, others)
     ):
@@ -137,16 +92,9 @@ def trace_layer_calls(model: keras.Model) -> Trace:
             f"sizes {_BATCHES[0]} and {_BATCHES[1]} (received {len(records)} and "
             f"{len(others)} calls); memory_report needs one call graph for every batch size"
         )
-    calls = []
-    remap: Dict[int, int] = {}
-    for index, (entry, other) in enumerate(zip(records, others)):
-        if entry["depth"] == 0:  # the model's own call: keep its descendants, one level up
-            continue
-        remap[index] = len(calls)
-        calls.append(TracedCall(
-            entry["op"], remap.get(entry["parent"]),
-            _merge(entry["inputs"], other["inputs"]),
-            _merge(entry["outputs"], other["outputs"]),
-        ))
-    return Trace(_merge(first["inputs"], second["inputs"]), tuple(first["outputs"]),
-                 tuple(calls))
+
+    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
+        return _merge(records[index][which], others[index][which])
+
+    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs),
+                 traced_calls(records, tensors))

@@ -8,7 +8,8 @@ import keras
 import tensorflow as tf
 
 from keras_memfit import _keras_compat
-from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
+from keras_memfit.backend._layer_calls import CallRecorder, traced_calls
+from keras_memfit.backend.base import Trace, TracedTensor
 
 
 def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
@@ -55,77 +56,22 @@ def trace_layer_calls(model: keras.Model) -> Trace:
     Raises:
         ValueError: If the model has not been built.
     """
-    Layer, Operation = _keras_compat.layer_and_operation_classes()
-
     spec, positional = _model_input_specs(model)
     flat_spec = keras.tree.flatten(spec)
-    records: list = []
-    stack: list = []
-    result: dict = {}
-    layer_call, op_call = Layer.__call__, Operation.__call__
-
-    def record(op, original, args, kwargs):
-        index = len(records)
-        entry = {
-            "op": op,
-            "depth": len(stack),
-            "parent": stack[-1] if stack else None,
-            "inputs": [
-                info for info in map(_tensor_info, keras.tree.flatten((args, kwargs)))
-                if info is not None
-            ],
-            "outputs": [],
-        }
-        records.append(entry)
-        stack.append(index)
-        try:
-            outputs = original(op, *args, **kwargs)
-        finally:
-            stack.pop()
-        infos = [_tensor_info(t) for t in keras.tree.flatten(outputs)]
-        entry["outputs"] = [info for info in infos if info is not None]
-        return outputs
-
-    def patched_layer_call(self, *args, **kwargs):
-        return record(self, layer_call, args, kwargs)
-
-    def patched_op_call(self, *args, **kwargs):
-        if isinstance(self, Layer):  # already recorded by Layer.__call__
-            return op_call(self, *args, **kwargs)
-        return record(self, op_call, args, kwargs)
+    recorder = CallRecorder(_tensor_info)
 
     def forward(*flat):
-        inputs = keras.tree.pack_sequence_as(spec, flat)
-        result["inputs"] = [_tensor_info(t) for t in flat]
-        with keras.StatelessScope():
-            if positional:
-                outputs = model(inputs, training=False)
-            else:
-                outputs = model(**inputs, training=False)
-        result["outputs"] = [
-            info[0] for info in map(_tensor_info, keras.tree.flatten(outputs)) if info
-        ]
-        return outputs
+        return recorder.forward(model, keras.tree.pack_sequence_as(spec, flat), positional)
 
-    Layer.__call__, Operation.__call__ = patched_layer_call, patched_op_call
-    try:
+    with recorder.patched():
         tf.function(forward, autograph=False).get_concrete_function(*flat_spec)
-    finally:
-        Layer.__call__, Operation.__call__ = layer_call, op_call
-    # The model's own call is depth 0: keep its descendants, one level up.
-    calls = []
-    remap = {}
-    for index, entry in enumerate(records):
-        if entry["depth"] == 0:
-            continue
-        remap[index] = len(calls)
-        calls.append(TracedCall(
-            entry["op"], remap.get(entry["parent"]),
-            tuple(TracedTensor(*info) for info in entry["inputs"]),
-            tuple(TracedTensor(*info) for info in entry["outputs"]),
-        ))
+    records = recorder.records
+
+    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
+        return tuple(TracedTensor(*info) for info in records[index][which])
+
     return Trace(
-        tuple(TracedTensor(*info) for info in result["inputs"]),
-        tuple(result["outputs"]),
-        tuple(calls),
+        tuple(TracedTensor(*info) for info in recorder.inputs),
+        tuple(recorder.outputs),
+        traced_calls(records, tensors),
     )

@@ -1,0 +1,117 @@
+"""Recording every layer and operation call of one symbolic forward pass.
+
+Shared by the backends' `tracing` modules: the recording itself is Keras's
+(wrapping `Layer.__call__` and `Operation.__call__` for the length of one
+forward pass inside a `keras.StatelessScope`); each backend only says how it
+traces the pass (TensorFlow: a throw-away `tf.function`; JAX:
+`jax.eval_shape`) and how it describes one of its symbolic tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import keras
+
+from keras_memfit import _keras_compat
+from keras_memfit.backend.base import TracedCall, TracedTensor
+
+# (key, shape, dtype name) of one symbolic tensor.
+Info = Tuple[str, Tuple[Optional[int], ...], str]
+
+
+class CallRecorder:
+    """The calls of one forward pass, each with its depth, parent, inputs and outputs.
+
+    Attributes:
+        records: One dict per call, in call order: `op`, `depth`, `parent`
+            (index of the enclosing call, or None), `inputs`, `outputs`
+            (lists of `Info`).
+        inputs: The `Info`s of the model's inputs.
+        outputs: The keys of the model's outputs.
+
+    Example:
+        >>> recorder = CallRecorder(describe)
+        >>> with recorder.patched():
+        ...     trace_somehow(lambda inputs: recorder.forward(model, inputs, positional))
+    """
+
+    def __init__(self, describe: Callable[[Any], Optional[Info]]) -> None:
+        self._describe = describe
+        self.records: List[Dict[str, Any]] = []
+        self.inputs: List[Info] = []
+        self.outputs: List[str] = []
+        self._stack: List[int] = []
+
+    def infos(self, values: Any) -> List[Info]:
+        """The `Info` of every symbolic tensor in the structure `values`."""
+        return [i for i in map(self._describe, keras.tree.flatten(values)) if i is not None]
+
+    def _record(self, op: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+        index = len(self.records)
+        entry = {"op": op, "depth": len(self._stack),
+                 "parent": self._stack[-1] if self._stack else None,
+                 "inputs": self.infos((args, kwargs)), "outputs": []}
+        self.records.append(entry)
+        self._stack.append(index)
+        try:
+            outputs = original(op, *args, **kwargs)
+        finally:
+            self._stack.pop()
+        entry["outputs"] = self.infos(outputs)
+        return outputs
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator["CallRecorder"]:
+        """Record every layer and operation call made in the block."""
+        Layer, Operation = _keras_compat.layer_and_operation_classes()
+        layer_call, op_call = Layer.__call__, Operation.__call__
+        record = self._record
+
+        def patched_layer_call(layer, *args, **kwargs):
+            return record(layer, layer_call, args, kwargs)
+
+        def patched_op_call(op, *args, **kwargs):
+            if isinstance(op, Layer):  # already recorded by Layer.__call__
+                return op_call(op, *args, **kwargs)
+            return record(op, op_call, args, kwargs)
+
+        Layer.__call__, Operation.__call__ = patched_layer_call, patched_op_call
+        try:
+            yield self
+        finally:
+            Layer.__call__, Operation.__call__ = layer_call, op_call
+
+    def forward(self, model: keras.Model, inputs: Any, positional: bool) -> Any:
+        """Call `model` on symbolic `inputs` (no variable changes), recording its inputs and outputs."""
+        self.inputs = self.infos(inputs)
+        with keras.StatelessScope():
+            outputs = model(inputs, training=False) if positional else model(
+                **inputs, training=False)
+        self.outputs = [info[0] for info in self.infos(outputs)]
+        return outputs
+
+
+def traced_calls(
+    records: List[Dict[str, Any]],
+    tensors: Callable[[int, str], Tuple[TracedTensor, ...]],
+) -> Tuple[TracedCall, ...]:
+    """The calls below the model's own (depth 0), one level up, as `TracedCall`s.
+
+    Args:
+        records: `CallRecorder.records`.
+        tensors: `tensors(index, "inputs" | "outputs")`, the traced tensors
+            of the call at `index`.
+    """
+    calls: List[TracedCall] = []
+    remap: Dict[int, int] = {}
+    for index, entry in enumerate(records):
+        if entry["depth"] == 0:
+            continue
+        remap[index] = len(calls)
+        calls.append(TracedCall(
+            entry["op"], remap.get(entry["parent"]),
+            tensors(index, "inputs"), tensors(index, "outputs"),
+        ))
+    return tuple(calls)
