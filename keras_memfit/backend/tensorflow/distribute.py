@@ -35,12 +35,7 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
-from keras_memfit.backend.tensorflow.training import (
-    _forward_loss,
-    _track_loss,
-    _unpack,
-    flagged_train_step,
-)
+from keras_memfit.backend.tensorflow.training import add_gradients, flagged_train_step
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
@@ -306,18 +301,7 @@ class ReplicaAccumulator:
         self._traced = traced
 
         def replica_add(data, weight):
-            model = model_ref()
-            x, y, sample_weight = _unpack(data)
-            with tf.GradientTape() as tape:
-                y_pred, loss = _forward_loss(model, x, y, sample_weight)
-                scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
-            gradients = tape.gradient(scaled, model.trainable_weights)
-            for total, g in zip(sums, gradients):
-                if g is not None:
-                    total.assign_add(tf.convert_to_tensor(g))
-            _track_loss(model, loss, x)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            traced["mask"] = tuple(g is None for g in gradients)
+            traced["mask"] = add_gradients(model_ref(), data, weight, sums, densify=True)
 
         def add(data, weight):
             strategy.run(replica_add, args=(data, weight))

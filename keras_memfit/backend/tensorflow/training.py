@@ -11,7 +11,7 @@ object satisfies its protocol in `keras_memfit.backend.base`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -205,6 +205,37 @@ def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
     return CustomTrainStep(model)
 
 
+def add_gradients(
+    model: keras.Model, data: Any, weight: Any, sums: Sequence[Any], *, densify: bool
+) -> Tuple[bool, ...]:
+    """One micro-batch of Keras's default train step, its gradients added to `sums`.
+
+    Forward pass and loss; the gradients of the loss scaled by `weight` (the
+    micro-batch's share of the batch) added to `sums` (sparse gradients
+    scattered in, or `densify`d first for sums that cannot scatter); the
+    loss tracker and metrics updated. Traced inside a step (on one device,
+    or per replica).
+
+    Returns:
+        For each trainable weight, whether it got no gradient.
+    """
+    x, y, sample_weight = _unpack(data)
+    with tf.GradientTape() as tape:
+        y_pred, loss = _forward_loss(model, x, y, sample_weight)
+        scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
+    gradients = tape.gradient(scaled, model.trainable_weights)
+    for total, g in zip(sums, gradients):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) and not densify:
+            total.scatter_add(g)
+        else:
+            total.assign_add(tf.convert_to_tensor(g))
+    _track_loss(model, loss, x)
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return tuple(g is None for g in gradients)
+
+
 class GradientAccumulator:
     """Sums weighted micro-batch gradients in place and applies them once.
 
@@ -227,20 +258,7 @@ class GradientAccumulator:
         sums = self._sums
 
         def add_step(data, weight):
-            model = model_ref()
-            x, y, sample_weight = _unpack(data)
-            with tf.GradientTape() as tape:
-                y_pred, loss = _forward_loss(model, x, y, sample_weight)
-                scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
-            gradients = tape.gradient(scaled, model.trainable_weights)
-            for total, g in zip(sums, gradients):
-                if isinstance(g, tf.IndexedSlices):
-                    total.scatter_add(g)
-                elif g is not None:
-                    total.assign_add(g)
-            _track_loss(model, loss, x)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            traced["mask"] = tuple(g is None for g in gradients)
+            traced["mask"] = add_gradients(model_ref(), data, weight, sums, densify=False)
 
         def apply_step(mask):
             model = model_ref()
