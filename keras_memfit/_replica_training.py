@@ -47,7 +47,7 @@ from keras_memfit import data as _data
 from keras_memfit._batches import as_batch, concatenate, unsplittable
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
-from keras_memfit.runner import Accumulation, run_in_pieces
+from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
 
 
 def replicas_of(model: keras.Model) -> Optional[Any]:
@@ -169,13 +169,7 @@ class ReplicaRun:
         run, model = self.run, self.run.model
         parts = self._parts(batch)
         planner = run._planner("train", batch.signature, batch.slots)
-        logs: Dict[str, Any] = {}
-        pieces = [0]
-
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            logs["value"] = result
-            pieces[0] += 1
-            return False
+        pieces = Pieces()
 
         step = parts["step"]
 
@@ -192,19 +186,19 @@ class ReplicaRun:
             accumulation = self._accumulation(parts, batch, planner, pieces)
         try:
             run_in_pieces(
-                model, "train", [batch.chunk], run_step, on_piece, requested=None,
+                model, "train", [batch.chunk], run_step, pieces, requested=None,
                 planner=planner, guard=parts["guard"], accumulation=accumulation,
                 detail=self.state_kept,
             )
             planner.finish_batch()
-            run.epoch_split = max(run.epoch_split, pieces[0])
-            run._note_pieces("train", pieces[0], batch.rows)
+            run.epoch_split = max(run.epoch_split, pieces.count)
+            run._note_pieces("train", pieces.count, batch.rows)
         finally:
             run._note_events(batch.slots)
-        return logs["value"]
+        return pieces.result
 
     def _accumulation(
-        self, parts: Dict[str, Any], batch: _Batch, planner: Any, pieces: List[int]
+        self, parts: Dict[str, Any], batch: _Batch, planner: Any, pieces: Pieces
     ) -> Accumulation:
         model, replicas = self.run.model, self.replicas
 
@@ -212,14 +206,14 @@ class ReplicaRun:
             if parts["accumulator"] is None:
                 parts["accumulator"] = replicas.accumulator(model)
             parts["accumulator"].reset()
-            pieces[0] = -1  # on_piece counts the batch once more
+            pieces.count = -1  # on_piece counts the batch once more
 
         def add(piece: tuple, share: float) -> None:
             chunks, shares = batch.parts(piece)
             parts["accumulator"].add(
                 replicas.distribute([as_batch(c) for c in chunks]), replicas.scalars(shares)
             )
-            pieces[0] += 1
+            pieces.count += 1
 
         def finish() -> Any:
             try:
@@ -244,13 +238,7 @@ class ReplicaRun:
         if self._unsplittable(batches):
             return self.run._keras("test", batches)
         run, model = self.run, self.run.model
-        logs: Dict[str, Any] = {}
-        pieces = [0]
-
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            logs["value"] = result
-            pieces[0] += 1
-            return False
+        pieces = Pieces()
 
         for raw in batches:
             batch = _Batch(self.replicas, raw)
@@ -258,18 +246,18 @@ class ReplicaRun:
                 self._test = self._test_parts(batch)
             step, guard = self._test
             planner = run._planner("evaluate", batch.signature, batch.slots)
-            pieces[0] = 0
+            pieces.count = 0
             try:
                 run_in_pieces(
                     model, "evaluate", [batch.chunk],
                     lambda piece, batch=batch: step(batch.distributed(piece)),
-                    on_piece, requested=None, guard=guard, planner=planner,
+                    pieces, requested=None, guard=guard, planner=planner,
                 )
                 planner.finish_batch()
-                run._note_pieces("evaluate", pieces[0], batch.rows)
+                run._note_pieces("evaluate", pieces.count, batch.rows)
             finally:
                 run._note_events(batch.slots)
-        return logs.get("value", {})
+        return pieces.result if pieces.ran else {}
 
     def _test_parts(self, batch: _Batch) -> Tuple[Callable, Any]:
         """The test step on a distributed batch and a guard over the metric state, cached."""

@@ -45,7 +45,7 @@ from keras_memfit.evaluate import test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planner import BatchPlanner, Event
 from keras_memfit.predict import predict_step
-from keras_memfit.runner import Accumulation, run_in_pieces
+from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
 
 logger = logging.getLogger("keras_memfit")
 
@@ -157,30 +157,24 @@ class Run:
         parts = self._train_parts_for(chunk)
         n = _data.num_rows(chunk)
         planner = self._planner("train", _data.signature(chunk[0]), n)
-        logs: Dict[str, Any] = {}
-        pieces = [0]  # pieces of this batch: train steps, or accumulated micro-batches
-
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            logs["value"] = result
-            pieces[0] += 1
-            return False
+        pieces = Pieces()  # pieces of this batch: train steps, or accumulated micro-batches
 
         accumulation = None
         if self.mode == "accumulate":
             accumulation = self._accumulation(parts, chunk, planner, pieces)
         try:
             run_in_pieces(
-                self.model, "train", [chunk], self._step_runner(parts.step, planner), on_piece,
+                self.model, "train", [chunk], self._step_runner(parts.step, planner), pieces,
                 requested=None, planner=planner,
                 guard=None if parts.step.snapshots_itself else parts.guard,
                 accumulation=accumulation, detail=STATE_KEPT,
             )
             planner.finish_batch()
-            self.epoch_split = max(self.epoch_split, pieces[0])
-            self._note_pieces("train", pieces[0], n)
+            self.epoch_split = max(self.epoch_split, pieces.count)
+            self._note_pieces("train", pieces.count, n)
         finally:
             self._note_events(n)
-        return logs["value"]
+        return pieces.result
 
     def _step_runner(self, step: TrainStep, planner: BatchPlanner) -> Callable[[tuple], Any]:
         """`step` on a piece; an OOM after its optimizer update began is final."""
@@ -196,11 +190,11 @@ class Run:
         return run
 
     def _accumulation(
-        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner, pieces: List[int]
+        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner, pieces: Pieces
     ) -> Accumulation:
         """The batch `chunk` as micro-batches whose summed gradients make one update.
 
-        `pieces[0]` ends as the number of micro-batches (the chunk's
+        `pieces.count` ends as the number of micro-batches (the chunk's
         `on_piece` then adds one: the apply).
         """
         model = self.model
@@ -209,11 +203,11 @@ class Run:
             if parts.accumulator is None:
                 parts.accumulator = _backend.get().make_accumulator(model)
             parts.accumulator.reset()
-            pieces[0] = -1  # on_piece counts the chunk once more
+            pieces.count = -1  # on_piece counts the chunk once more
 
         def add(piece: tuple, share: float) -> None:
             parts.accumulator.add(as_batch(piece), share)
-            pieces[0] += 1
+            pieces.count += 1
 
         def finish() -> Any:
             try:
@@ -267,13 +261,7 @@ class Run:
         if self._passed_through("test", batches):
             return self._keras("test", batches)
         model = self.model
-        logs: Dict[str, Any] = {}
-        pieces = [0]
-
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            logs["value"] = result
-            pieces[0] += 1
-            return False
+        pieces = Pieces()
 
         for batch in batches:
             chunk = as_chunk(batch)
@@ -282,17 +270,17 @@ class Run:
             step, guard = self._test_parts
             n = _data.num_rows(chunk)
             planner = self._planner("evaluate", _data.signature(chunk[0]), n)
-            pieces[0] = 0
+            pieces.count = 0
             try:
                 run_in_pieces(
                     model, "evaluate", [chunk], lambda piece: step(as_batch(piece)),
-                    on_piece, requested=None, guard=guard, planner=planner,
+                    pieces, requested=None, guard=guard, planner=planner,
                 )
                 planner.finish_batch()
-                self._note_pieces("evaluate", pieces[0], n)
+                self._note_pieces("evaluate", pieces.count, n)
             finally:
                 self._note_events(n)
-        return logs.get("value", {})
+        return pieces.result if pieces.ran else {}
 
     # -------------------------------------------------------------- predict
     def predict(self, batches: List[Any]) -> Any:

@@ -55,6 +55,32 @@ class Accumulation:
     guard: Guard
 
 
+class Pieces:
+    """An `on_piece` for `run_in_pieces` that keeps the last result and counts pieces.
+
+    Attributes:
+        result: The last successful piece's result (None before any).
+        count: Pieces so far (callers may reset or adjust it, e.g. per batch).
+        ran: Whether any piece succeeded.
+
+    Example:
+        >>> pieces = Pieces()
+        >>> run_in_pieces(model, "evaluate", chunks, step, pieces, requested=None)
+        >>> logs = pieces.result
+    """
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.count = 0
+        self.ran = False
+
+    def __call__(self, size: int, piece: Any, result: Any) -> bool:
+        self.result = result
+        self.count += 1
+        self.ran = True
+        return False
+
+
 def run_in_pieces(
     model: Any,
     phase: str,
