@@ -35,7 +35,11 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
-from keras_memfit.backend.tensorflow.training import add_gradients, flagged_train_step
+from keras_memfit.backend.tensorflow.training import (
+    add_gradients,
+    apply_sums,
+    flagged_train_step,
+)
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
@@ -307,13 +311,7 @@ class ReplicaAccumulator:
             strategy.run(replica_add, args=(data, weight))
 
         def replica_apply(mask):
-            model = model_ref()
-            pairs = [
-                (total.read_value(), w)
-                for total, w, missing in zip(sums, model.trainable_weights, mask)
-                if not missing
-            ]
-            model.optimizer.apply_gradients(pairs)
+            apply_sums(model_ref(), sums, mask)
 
         def apply(mask):
             strategy.run(replica_apply, args=(mask,))

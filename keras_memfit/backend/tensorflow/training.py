@@ -236,6 +236,16 @@ def add_gradients(
     return tuple(g is None for g in gradients)
 
 
+def apply_sums(model: keras.Model, sums: Sequence[Any], mask: Sequence[bool]) -> None:
+    """One optimizer step with the summed gradients (`mask`: weights that got none)."""
+    pairs = [
+        (total.read_value(), w)
+        for total, w, missing in zip(sums, model.trainable_weights, mask)
+        if not missing
+    ]
+    model.optimizer.apply_gradients(pairs)
+
+
 class GradientAccumulator:
     """Sums weighted micro-batch gradients in place and applies them once.
 
@@ -261,13 +271,7 @@ class GradientAccumulator:
             traced["mask"] = add_gradients(model_ref(), data, weight, sums, densify=False)
 
         def apply_step(mask):
-            model = model_ref()
-            pairs = [
-                (total.read_value(), w)
-                for total, w, missing in zip(sums, model.trainable_weights, mask)
-                if not missing
-            ]
-            model.optimizer.apply_gradients(pairs)
+            apply_sums(model_ref(), sums, mask)
 
         @tf.function
         def reset():
