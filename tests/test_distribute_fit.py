@@ -94,14 +94,14 @@ def _data(n, seed=0):
 
 
 class OneReplicaInjector:
-    """OOMs from MemFit's replica steps when replica 1 holds more than `threshold` rows.
+    """OOMs from MemFit's replica steps when replica `replica` (default 1) holds more than `threshold` rows.
 
     `after=True` raises after the real micro-batch or test step ran (its
     metric updates happened: the guard must undo them). Records every call as
     (kind, rows per replica, raised).
     """
 
-    def __init__(self, monkeypatch, strategy, threshold, after=False):
+    def __init__(self, monkeypatch, strategy, threshold, after=False, replica=1):
         from keras_memfit import _cache
         from keras_memfit.backend.tensorflow import distribute
 
@@ -112,17 +112,17 @@ class OneReplicaInjector:
         def wrap(kind, call):
             def wrapped(self_, data, *args):
                 rows = inject.rows(data)
-                over = rows[1] > threshold
+                over = rows[replica] > threshold
                 # A train step that ran has applied its update: an OOM after
                 # it is UPDATE_BEGAN, not retried; so "after" is for the
                 # accumulator's micro-batches and the test step only.
                 if over and (not after or kind == "train"):
                     inject.calls.append((kind, rows, True))
-                    inject.raise_oom(rows)
+                    inject.raise_oom(rows[replica])
                 result = call(self_, data, *args)
                 inject.calls.append((kind, rows, over))
                 if over:
-                    inject.raise_oom(rows)
+                    inject.raise_oom(rows[replica])
                 return result
 
             return wrapped
@@ -154,7 +154,7 @@ class OneReplicaInjector:
         import tensorflow as tf
 
         raise tf.errors.ResourceExhaustedError(
-            None, None, f"OOM when allocating tensor with shape[{rows[1]},16] (injected)"
+            None, None, f"OOM when allocating tensor with shape[{rows},16] (injected)"
         )
 
     def of(self, kind):
@@ -235,6 +235,33 @@ def test_a_replica_with_fewer_rows_than_pieces_runs_an_empty_piece(monkeypatch):
     _assert_same_training(model, history, ref, ref_history)
     ok = [r for r, raised in inject.of("add") if not raised]
     assert [1, 0] in ok and len(ok) == 8 + 7
+
+
+@pytest.mark.two_devices
+def test_one_device_strategy_accumulates_as_keras(monkeypatch):
+    """`OneDeviceStrategy` (accepted as MirroredStrategy is): its one replica's batches
+    of 16 accumulated from pieces of at most 5 rows, validation batches of 20 split
+    too; the same training as plain Keras under the same strategy."""
+    import tensorflow as tf
+
+    from keras_memfit import MemFit
+
+    strategy = tf.distribute.OneDeviceStrategy("/CPU:1")
+    x, y = _data(45)
+    vx, vy = _data(40, seed=1)
+    ref = _model(strategy)
+    ref_history = ref.fit(x, y, validation_data=(vx, vy), validation_batch_size=20, **FIT)
+
+    inject = OneReplicaInjector(monkeypatch, strategy, threshold=5, replica=0)
+    model = _model(strategy)
+    history = model.fit(
+        x, y, validation_data=(vx, vy), validation_batch_size=20, callbacks=[MemFit()], **FIT
+    )
+    _assert_same_training(model, history, ref, ref_history)
+    adds = inject.of("add")
+    assert any(raised for _, raised in adds), adds
+    assert all(r[0] <= 5 for r, raised in adds if not raised), adds
+    assert any(raised for _, raised in inject.of("test"))
 
 
 @pytest.mark.two_devices
