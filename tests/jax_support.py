@@ -76,6 +76,45 @@ def run_in_jax(
     return output
 
 
+# The real-OOM scenario under an address-space limit: the full batch of
+# REAL_OOM_ROWS rows needs about 4.3 GB of activations (JAX's own address space
+# is about 1.5 GB of the REAL_OOM_LIMIT_GB); a sixteenth, REAL_OOM_FITS, fits.
+REAL_OOM_LIMIT_GB = 5
+REAL_OOM_ROWS = 65536
+REAL_OOM_FITS = REAL_OOM_ROWS // 16
+
+
+def real_oom_model():
+    """Dense(16384, relu), Dense(3, softmax) on 8 features, compiled (sgd), seeded."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16384, activation="relu"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def assert_same_training(model, history, reference, expected, iterations):
+    """`model` trained as `reference`: `iterations` optimizer steps each, History
+    `history` equal to `expected`, the same weights and optimizer variables."""
+    import numpy as np
+
+    assert int(model.optimizer.iterations.value) == int(
+        reference.optimizer.iterations.value
+    ) == iterations
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def _child_main(target: str, limit: int) -> None:
     if limit:
         import resource

@@ -394,3 +394,26 @@ def optional_input_model(loss: Optional[str] = None) -> keras.Model:
     if loss is not None:
         model.compile(loss=loss)
     return model
+
+
+class CustomStepModel(keras.Sequential):
+    """Overrides train_step (the same computation): MemFit cannot split it into
+    micro-batches, so it trains as shrink."""
+
+    if BACKEND == "jax":  # JAX's train_step is functional: (state, data) -> (logs, state)
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+    else:
+        def train_step(self, data):
+            return super().train_step(data)
+
+
+# The drop-in conformance tests (predict and evaluate) that compare with a
+# Keras whose own behaviour differs before 3.13.
+KERAS_DROPIN_SINCE_3_13 = requires_keras(
+    (3, 13),
+    "Keras's own predict/evaluate differs here before 3.13 (measured on 3.8.0: tensors instead "
+    "of numpy for bool/int/string/sparse outputs, no keras.Input(ragged=True), optional None "
+    "inputs rejected by its data adapter, batch_end index 0 with steps_per_execution; passes "
+    "on 3.13.2 and 3.15.1)",
+)

@@ -33,6 +33,7 @@ from keras_memfit.planner import Event
 from support import (
     BACKEND,
     Batches,
+    CustomStepModel,
     backend_module,
     oom_error_class,
     requires_tensorflow,
@@ -108,17 +109,6 @@ def _two_output_model():
         metrics={"reg": ["mae"], "cls": ["accuracy"]},
     )
     return model
-
-
-class CustomStepModel(keras.Sequential):
-    """Overrides train_step (same computation): not splittable into micro-batches."""
-
-    if BACKEND == "jax":  # JAX's train_step is functional: (state, data) -> (logs, state)
-        def train_step(self, state, data):
-            return super().train_step(state, data)
-    else:
-        def train_step(self, data):
-            return super().train_step(data)
 
 
 def _fit_pair(build, inject_oom, fit_kwargs, threshold=THRESHOLD, phases=None,

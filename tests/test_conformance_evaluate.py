@@ -17,20 +17,13 @@ import tensorflow as tf
 
 from keras_memfit import backend, safe_evaluate
 from support import (
+    KERAS_DROPIN_SINCE_3_13,
     Batches,
     Recorder,
     keras_tensorflow_inputs,
     optional_input_model,
-    requires_keras,
 )
 
-_OLD_KERAS = requires_keras(
-    (3, 13),
-    "Keras's own predict/evaluate differs here before 3.13 (measured on 3.8.0: tensors instead "
-    "of numpy for bool/int/string/sparse outputs, no keras.Input(ragged=True), optional None "
-    "inputs rejected by its data adapter, batch_end index 0 with steps_per_execution; passes "
-    "on 3.13.2 and 3.15.1)",
-)
 
 RTOL = 1e-5
 
@@ -286,7 +279,7 @@ def test_sparse_input_that_runs_out_of_memory_says_it_cannot_be_split(inject_oom
         safe_evaluate(_sparse_regressor(), x, y, 4, 0)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_optional_none_input_as_keras(inject_oom):
     x = {"a": np.arange(14, dtype="float32").reshape(7, 2), "o": None}
     y = np.ones((7, 2), "float32")
@@ -303,7 +296,7 @@ def test_optional_none_input_as_keras(inject_oom):
 # ---------------------------------------------------------------------------
 # steps_per_execution, positional arguments, unknown keywords (item 3)
 # ---------------------------------------------------------------------------
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_callbacks_as_keras():
     x, y = _data(28)
     got, want, safe_rec, keras_rec = both(

@@ -17,11 +17,11 @@ import tensorflow as tf
 
 from keras_memfit import safe_predict
 from support import (
+    KERAS_DROPIN_SINCE_3_13,
     Recorder,
     assert_same_result,
     keras_tensorflow_inputs,
     optional_input_model,
-    requires_keras,
 )
 
 # On JAX, Keras's numpy iterator hands keras_memfit sparse batches densified,
@@ -30,13 +30,6 @@ SPARSE_BATCHES_ARE_TENSORFLOWS = pytest.mark.tensorflow(
     reason="sparse batches stay tf.SparseTensor (unsplittable) only on TensorFlow"
 )
 
-_OLD_KERAS = requires_keras(
-    (3, 13),
-    "Keras's own predict/evaluate differs here before 3.13 (measured on 3.8.0: tensors instead "
-    "of numpy for bool/int/string/sparse outputs, no keras.Input(ragged=True), optional None "
-    "inputs rejected by its data adapter, batch_end index 0 with steps_per_execution; passes "
-    "on 3.13.2 and 3.15.1)",
-)
 
 
 # ---------------------------------------------------------------------------
@@ -146,7 +139,7 @@ def assert_conforms(model, make_x, *args, **kwargs):
 # ---------------------------------------------------------------------------
 # Input dtypes (item 1)
 # ---------------------------------------------------------------------------
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_string_dataset_as_keras():
     def make():
@@ -166,7 +159,7 @@ def test_string_dataset_split_after_oom_as_keras(inject_oom):
     assert inject_oom.ooms("predict") and max(inject_oom.ok_rows("predict")) <= 2
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @pytest.mark.parametrize(
     "dtype, make",
     [
@@ -188,7 +181,7 @@ def test_array_dtypes_as_keras(dtype, make):
 # ---------------------------------------------------------------------------
 # Ragged inputs
 # ---------------------------------------------------------------------------
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_dataset_as_keras():
     assert_conforms(
@@ -196,13 +189,13 @@ def test_ragged_dataset_as_keras():
     )
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_tensor_input_as_keras():
     assert_conforms(_ragged_input_model(), _ragged, 3)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_input_split_after_oom_as_keras(inject_oom):
     model = _ragged_input_model()
@@ -216,12 +209,12 @@ def test_ragged_input_split_after_oom_as_keras(inject_oom):
 # ---------------------------------------------------------------------------
 # Sparse inputs (item 3): Keras batches them, each batch runs whole
 # ---------------------------------------------------------------------------
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_sparse_tensor_input_as_keras():
     assert_conforms(_sparse_model(), _sparse, 2)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_sparse_dataset_as_keras():
     assert_conforms(
         _sparse_model(), lambda: tf.data.Dataset.from_tensor_slices(_sparse()).batch(3)
@@ -252,12 +245,12 @@ def _with_none(n=7):
     return {"a": np.arange(2 * n, dtype="float32").reshape(n, 2), "o": None}
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_optional_none_input_as_keras():
     assert_conforms(optional_input_model(), _with_none, 3)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_optional_none_input_from_a_generator_as_keras():
     def make():
         return (({"a": np.ones((3, 2), "float32") * k, "o": None},) for k in range(3))
@@ -265,7 +258,7 @@ def test_optional_none_input_from_a_generator_as_keras():
     assert_conforms(optional_input_model(), make)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_optional_none_input_split_after_oom_as_keras(inject_oom):
     model = optional_input_model()
     want = model.predict(_with_none(), batch_size=4, verbose=0)
@@ -278,20 +271,20 @@ def test_optional_none_input_split_after_oom_as_keras(inject_oom):
 # ---------------------------------------------------------------------------
 # Ragged outputs (item 3)
 # ---------------------------------------------------------------------------
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_output_is_a_ragged_tensor_as_keras():
     got, _ = assert_conforms(_ragged_output_model(), _counts, 3)
     assert got.to_list()[:2] == [[0], [0, 1]]
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_output_in_one_batch_as_keras():
     assert_conforms(_ragged_output_model(), lambda: _counts(3), 8)
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 @keras_tensorflow_inputs
 def test_ragged_output_split_after_oom_as_keras(inject_oom):
     model = _ragged_output_model()
@@ -310,7 +303,7 @@ def _executing(model, per_execution=3):
     return model
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_callbacks_as_keras():
     got, _ = assert_conforms(_executing(_dense_model()), _rows, 4)  # 7 batches
     keras_rec = Recorder()
@@ -318,7 +311,7 @@ def test_steps_per_execution_callbacks_as_keras():
     assert [b for b, _ in keras_rec.of("predict_batch_begin")] == [0, 3, 6]
 
 
-@_OLD_KERAS
+@KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_with_a_dataset_as_keras():
     assert_conforms(
         _executing(_dense_model()),

@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 
-from tests.jax_support import requires_jax, run_in_jax
+from tests.jax_support import assert_same_training, requires_jax, run_in_jax
 
 pytestmark = requires_jax
 
@@ -201,16 +201,7 @@ def child_memfit_accumulate_equals_keras():
         ).history
         assert max(calls) == 120 and any(rows <= 50 for rows in calls)
         assert history["memfit_split"][0] > 1 and history["memfit_ooms"][0] >= 1
-        assert int(model.optimizer.iterations.value) == int(
-            reference.optimizer.iterations.value
-        ) == 4
-        for name, values in expected.items():
-            np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
-        for a, b in zip(model.get_weights(), reference.get_weights()):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
-            np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value),
-                                       rtol=1e-5, atol=1e-6)
+        assert_same_training(model, history, reference, expected, iterations=4)
         from keras_memfit.backend.jax import training
 
         import importlib

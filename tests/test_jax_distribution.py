@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.jax_support import requires_jax, run_in_jax
+from tests.jax_support import (
+    REAL_OOM_FITS,
+    REAL_OOM_LIMIT_GB,
+    REAL_OOM_ROWS,
+    assert_same_training,
+    real_oom_model,
+    requires_jax,
+    run_in_jax,
+)
 
 pytestmark = requires_jax
 
@@ -190,16 +198,7 @@ def child_memfit_accumulate():
             _assert_laid_out(calls, 40)
             assert {c[0] for c in calls if c[0] <= 40} >= {24, 4, 8}, calls
             assert history["memfit_split"][0] == 5 and history["memfit_ooms"][0] >= 2
-            assert int(model.optimizer.iterations.value) == int(
-                reference.optimizer.iterations.value
-            ) == 6
-            for name, values in expected.items():
-                np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
-            for a, b in zip(model.get_weights(), reference.get_weights()):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-            for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
-                np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value),
-                                           rtol=1e-5, atol=1e-6)
+            assert_same_training(model, history, reference, expected, iterations=6)
 
 
 def child_memfit_shrink():
@@ -281,22 +280,9 @@ def child_memfit_refuses_other_distributions():
 # consistent program state`), which no Python code can catch. Under the
 # shared address-space limit one device's allocation fails alone; the fault
 # injection above covers evaluate and fit.
-LIMIT_GB = 5
-ROWS = 65536
-FITS = ROWS // 16
-
-
-def _big_model():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16384, activation="relu"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
-    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+LIMIT_GB = REAL_OOM_LIMIT_GB
+ROWS = REAL_OOM_ROWS
+FITS = REAL_OOM_FITS
 
 
 def child_real_oom_predict():
@@ -321,7 +307,7 @@ def child_real_oom_predict():
 
     logging.getLogger("keras_memfit").addHandler(Handler(logging.WARNING))
     with keras.distribution.DataParallel().scope():
-        model = _big_model()
+        model = real_oom_model()
         expected = model.predict(x, batch_size=FITS, verbose=0)
         weights = model.get_weights()
         calls = _inject(above=ROWS)  # records the layouts; injects nothing

@@ -15,27 +15,21 @@ import os
 
 import numpy as np
 
-from tests.jax_support import requires_jax, run_in_jax
+from tests.jax_support import (
+    REAL_OOM_FITS,
+    REAL_OOM_LIMIT_GB,
+    REAL_OOM_ROWS,
+    real_oom_model,
+    requires_jax,
+    run_in_jax,
+)
 
 pytestmark = requires_jax
 
-LIMIT_GB = 5  # JAX's own address space is about 1.5 GB of it
-ROWS = 65536  # the full batch needs about 4.3 GB of activations; an eighth fits
-HIDDEN = 16384
-FITS = ROWS // 16
-
-
-def _model():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(HIDDEN, activation="relu"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
-    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+LIMIT_GB = REAL_OOM_LIMIT_GB  # see tests/jax_support.py for the scenario's sizes
+ROWS = REAL_OOM_ROWS
+FITS = REAL_OOM_FITS
+_model = real_oom_model
 
 
 def _data(rows=ROWS):

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from support import BACKEND, Recorder, requires_keras
+from support import BACKEND, CustomStepModel, Recorder, requires_keras
 
 _OPTIONAL_INPUTS = requires_keras(
     (3, 15),
@@ -68,17 +68,6 @@ def _optional_input_model():
     model = keras.Model({"a": a, "o": o}, keras.layers.Dense(3)(a))
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     return model
-
-
-class CustomStepModel(keras.Sequential):
-    """Overrides train_step (the same computation)."""
-
-    if BACKEND == "jax":  # JAX's train_step is functional: (state, data) -> (logs, state)
-        def train_step(self, state, data):
-            return super().train_step(state, data)
-    else:
-        def train_step(self, data):
-            return super().train_step(data)
 
 
 # MemFit hands a batch it cannot split (sparse) to Keras's own step function.
