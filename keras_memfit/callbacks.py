@@ -368,20 +368,13 @@ _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
 def _check_distribution(model: Any) -> None:
     """Refuse a distribution MemFit cannot split for, with a clear error.
 
-    Reached when the backend's `uses_distribution(model)` is True. TensorFlow:
-    `tf.distribute.MirroredStrategy` (and `OneDeviceStrategy`) are supported,
-    every replica split alike, and `training_replicas(model)` names what is not. (JAX
-    answers False under a single-process `DataParallel` and raises its own
-    error for the other distributions.) Any other backend: refused.
+    Reached when the backend's `uses_distribution(model)` is True; its
+    `training_replicas(model)` raises `NotImplementedError` naming what it
+    cannot split for (TensorFlow: every strategy but `MirroredStrategy` and
+    `OneDeviceStrategy`; JAX answers False under a single-process
+    `DataParallel` and raises its own error for the other distributions).
     """
-    if _backend.name() == "tensorflow":
-        _backend.get().training_replicas(model)  # raises NotImplementedError for the others
-        return
-    raise NotImplementedError(
-        f"MemFit does not support distributed training on the {_backend.name()} backend; "
-        f"received model '{model.name}' under a distribution. Train without the "
-        "distribution, or without MemFit."
-    )
+    _backend.get().training_replicas(model)
 
 
 def _keras2_message(model: Any) -> str:
