@@ -30,6 +30,7 @@ one of those runs out of memory does MemFit raise, naming what it received.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -39,6 +40,7 @@ from keras_memfit import _cache, _model_state
 from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
 from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
+from keras_memfit._deferred import PendingBatch, SettlingLogs, StartedSteps
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
 from keras_memfit.evaluate import test_step_and_guard
@@ -127,6 +129,7 @@ class Run:
         self._test_parts: Optional[Tuple[Any, Guard]] = None
         self._predict_step: Any = None
         self._unsplittable: Optional[str] = None
+        self._started = StartedSteps(self._rerun)  # train steps started, not settled
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
         # Under a tf.distribute strategy, batches are split per replica.
@@ -143,7 +146,24 @@ class Run:
 
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
-        """Train on each Keras batch; returns the last one's logs."""
+        """Train on each Keras batch; returns the last one's logs.
+
+        A single batch that the planner lets run whole, on a step that can be
+        started without waiting (`StartableTrainStep`), is only started (see
+        `keras_memfit._deferred`): until the first OOM, before the previous
+        batch's step is settled, so that the two overlap as in Keras's own
+        loop; after it, once the previous one is settled (one copy of the
+        training state less).
+        """
+        started = self._started
+        if len(batches) == 1 and self._replicas is None:
+            if not started.overlap:
+                started.settle()
+            logs = self._start_whole(as_chunk(batches[0]))
+            if logs is not None:
+                started.settle(keep_newest=True)
+                return logs
+        started.settle()
         if self._replicas is not None:
             return self._replicas.train(batches)
         if self._passed_through("train", batches):
@@ -152,6 +172,66 @@ class Run:
         for batch in batches:
             logs = self._train_batch(as_chunk(batch))
         return logs
+
+    @property
+    def pending(self) -> bool:
+        """Whether a started train step is not settled yet."""
+        return bool(self._started)
+
+    def settle(self) -> None:
+        """Wait for the started train steps (see `keras_memfit._deferred.StartedSteps`)."""
+        self._started.settle()
+
+    def _start_whole(self, chunk: tuple) -> Optional[Any]:
+        """Start `chunk` as one train step and return its settling logs; or None."""
+        if unsplittable(chunk) is not None:
+            return None
+        parts = self._train_parts_for(chunk)
+        step = parts.step
+        if not (getattr(step, "can_defer", False) and step.snapshots_itself):
+            return None
+        n = _data.num_rows(chunk)
+        planner = self._planner("train", _data.signature(chunk[0]), n)
+        if planner.next_size() < n:
+            return None
+        planner.started(n)
+        batch = PendingBatch(chunk, n, planner, step, self.step)
+        try:
+            step_logs = step.start(as_batch(chunk))
+        except Exception as exc:
+            if not is_oom_error(exc) or isinstance(exc, OutOfMemoryError):
+                raise
+            return self._started.run_again(batch)
+        batch.logs = SettlingLogs(step_logs, self.settle)
+        self._started.add(batch)
+        return batch.logs
+
+    def _rerun(self, batch: PendingBatch, failed: bool, learn: bool) -> Any:
+        """Run a started step's batch again (see `StartedSteps`); its logs.
+
+        With `learn`, as `run_in_pieces` does after an OOM of a whole batch:
+        the planner learns the failure (or there is no smaller size:
+        `OutOfMemoryError`), then the batch runs as pieces. Without, it is
+        tried whole first. Events are located at the batch's own step.
+        """
+        step, self.step = self.step, batch.index
+        try:
+            if failed and not learn:
+                self.epoch_ooms += 1
+                logger.warning(
+                    "MemFit: batch %d of epoch %d (%d samples) ran out of memory while its "
+                    "step overlapped the previous one; running it again whole, with no "
+                    "overlap from now on (one copy of the training state less)",
+                    batch.index, self.epoch, batch.rows,
+                )
+            if learn and not batch.planner.failed(batch.rows):
+                raise self._oom_error(batch.chunk, batch.planner, STATE_KEPT)
+            if failed:
+                gc.collect()
+            return self._train_batch(batch.chunk)
+        finally:
+            self._note_events(batch.rows)
+            self.step = step
 
     def _train_batch(self, chunk: tuple) -> Any:
         parts = self._train_parts_for(chunk)

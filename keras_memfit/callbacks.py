@@ -26,6 +26,13 @@ has not touched them), and the small state a failed step may have updated
 (iteration counters, metric and loss-tracker variables, BatchNorm moving
 statistics, RNG seed states) is snapshotted before every step and restored.
 
+On JAX, whose steps run asynchronously, a batch that runs whole is started
+and settled after the next batch's step has started, as Keras's own loop
+overlaps its steps; whatever reads its result (Keras syncing its state, a
+callback reading its logs) settles it first, and a step that ran out of
+memory is undone and its batch run again before anything sees it
+(`keras_memfit._deferred`).
+
 Not exact, by nature: layers that compute batch statistics (BatchNormalization
 in training) see each micro-batch on its own, and their moving statistics are
 updated once per micro-batch; dropout masks are drawn per micro-batch. An OOM
@@ -219,6 +226,7 @@ class MemFit(keras.callbacks.Callback):
         self._epochs = 0
 
     def on_train_end(self, logs=None):
+        self._run.settle()  # Keras's last state sync settled it already
         self._uninstall_all()
         self._in_fit = False
         self._summarize("fit")
@@ -332,7 +340,8 @@ class MemFit(keras.callbacks.Callback):
         # step), twice per step for nothing; MemFit's functions take the state
         # Keras hands them.
         model = self._model
-        function = backend.step_function(model, kind, run_batches)
+        deferred = self._run if kind == "train" else None  # see keras_memfit._deferred
+        function = backend.step_function(model, kind, run_batches, deferred)
 
         def installed(*args, **kwargs):
             try:

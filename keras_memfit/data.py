@@ -20,7 +20,7 @@ sparse leaf runs whole (`rows` raises a clear error when asked for part of it).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import keras
 import numpy as np
@@ -168,11 +168,24 @@ def _leaf_rows(leaf: Any, start: int, stop: int, n: int) -> Any:
     return leaf[start:stop]
 
 
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """Keras's name of `dtype`; numpy object arrays (strings from a numpy iterator) are "string"."""
-    if dtype == np.dtype(object):
-        return "string"
-    return keras.backend.standardize_dtype(dtype)
+    """Keras's name of `dtype`; numpy object arrays (strings from a numpy iterator) are "string".
+
+    Remembered per dtype: MemFit asks for every batch.
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = "string" if dtype == np.dtype(object) else keras.backend.standardize_dtype(dtype)
+    try:
+        _DTYPE_NAMES[dtype] = name
+    except TypeError:  # an unhashable dtype object
+        pass
+    return name
 
 
 def signature(x: Any) -> Tuple:

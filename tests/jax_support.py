@@ -84,18 +84,36 @@ REAL_OOM_ROWS = 65536
 REAL_OOM_FITS = REAL_OOM_ROWS // 16
 
 
-def real_oom_model():
-    """Dense(16384, relu), Dense(3, softmax) on 8 features, compiled (sgd), seeded."""
+def _classifier(features, hidden, optimizer):
+    """Dense(hidden, relu), Dense(3, softmax) on `features` inputs, compiled, seeded."""
     import keras
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16384, activation="relu"),
+        keras.Input((features,)),
+        keras.layers.Dense(hidden, activation="relu"),
         keras.layers.Dense(3, activation="softmax"),
     ])
-    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+def real_oom_model():
+    """Dense(16384, relu), Dense(3, softmax) on 8 features, compiled (sgd), seeded."""
+    return _classifier(8, 16384, "sgd")
+
+
+def small_model():
+    """Dense(32, relu), Dense(3, softmax) on 12 features, compiled (adam, accuracy), seeded."""
+    return _classifier(12, 32, "adam")
+
+
+def small_data(n=160):
+    """`n` rows of 12 normal features and 3 integer classes, for `small_model`."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, n).astype("int32")
 
 
 def assert_same_training(model, history, reference, expected, iterations):

@@ -11,27 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.jax_support import requires_jax, run_in_jax
+from tests.jax_support import requires_jax, run_in_jax, small_data, small_model
 
 pytestmark = requires_jax
 
 
-def _model():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((12,)),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(3, activation="softmax"),
-    ])
-    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
-def _data(n=160):
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+_model = small_model
+_data = small_data
 
 
 def child_memfit_threads_keras_state_and_donates_only_spare_buffers():

@@ -147,6 +147,43 @@ class TrainStep(Protocol):
 
 
 @runtime_checkable
+class StartableTrainStep(TrainStep, Protocol):
+    """A `TrainStep` that can also be started without waiting for its result.
+
+    Where a backend's steps run asynchronously (JAX), waiting for every step
+    costs the overlap of one step's computation with the next one's
+    dispatch; `start` and `settle` keep it (see `keras_memfit._deferred`).
+
+    Attributes:
+        can_defer: Whether `start` may be used now (e.g. once a step ran to
+            its end, so that what `settle` raises is what a computation
+            raised).
+    """
+
+    can_defer: bool
+
+    def start(self, data: Any) -> Dict[str, Any]:
+        """Start one step on `data`; its new state is the model's at once."""
+
+    def settle(self) -> None:
+        """Wait for the started step; if it failed, put the state back and raise."""
+
+
+@runtime_checkable
+class Settles(Protocol):
+    """What holds a started, unsettled train step (MemFit's run), for the trainer hook.
+
+    Attributes:
+        pending: Whether a started step is not settled yet.
+    """
+
+    pending: bool
+
+    def settle(self) -> None:
+        """Wait for the started step; run its batch again if it failed."""
+
+
+@runtime_checkable
 class Accumulator(Protocol):
     """Sums weighted micro-batch gradients and applies them as one optimizer step."""
 
@@ -205,8 +242,11 @@ class Backend(Protocol):
     def make_accumulator(self, model: Any) -> Accumulator: ...
 
     # trainer: Keras's step functions in this backend's calling convention.
+    # `deferred`: MemFit's run, when its train steps may be left unsettled
+    # (`StartableTrainStep`); the hook settles it before Keras may read them.
     def step_function(
-        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
+        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any],
+        deferred: Optional[Settles] = None,
     ) -> Callable: ...
     def is_end_of_data(self, exc: BaseException) -> bool: ...
     # Keras's own step function (saved before MemFit installed its own) on

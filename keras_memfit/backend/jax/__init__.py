@@ -7,7 +7,8 @@ devices). This module exports the names of the `Backend` protocol.
 
 Keras's JAX trainer donates the model's state to its compiled steps, so an
 out-of-memory error loses the model. Every step here is compiled without
-donation and writes the new state only once it succeeded (see `steps`);
+donation and writes the new state only once it succeeded (see `steps`), or
+keeps the state it started from until it is settled (`training.TrainStep`);
 inside Keras's loops they work on Keras's own state tuple (see `state`).
 `memory_report` traces the model with `jax.eval_shape` (`tracing`). Not
 implemented yet: `place` (`devices`) raises `NotImplementedError`.

@@ -267,10 +267,25 @@ class ShardedTrainStep:
     def last_outcome(self) -> Any:
         return self.__wrapped__.last_outcome
 
-    def __call__(self, data: Any) -> Any:
+    @property
+    def can_defer(self) -> bool:
+        return self.__wrapped__.can_defer
+
+    def _laid_out(self, data: Any) -> Any:
         if _leaves_rows(data) % self._multiple:
-            return self.__wrapped__(_replicate(data, self._distribution))
-        return self.__wrapped__(_lay_out(data, self._distribution))
+            return _replicate(data, self._distribution)
+        return _lay_out(data, self._distribution)
+
+    def __call__(self, data: Any) -> Any:
+        return self.__wrapped__(self._laid_out(data))
+
+    def start(self, data: Any) -> Any:
+        """`TrainStep.start` on the piece laid out over the devices."""
+        return self.__wrapped__.start(self._laid_out(data))
+
+    def settle(self) -> None:
+        """`TrainStep.settle`."""
+        self.__wrapped__.settle()
 
 
 class ShardedAccumulator:

@@ -14,17 +14,22 @@ at the end of the epoch (`jax_state_sync`).
 batches and runs them with keras_memfit's steps working on `state` itself,
 as Keras's own steps do (`state.threaded`: the variables are not touched on
 the way), and returns the result with the new state. The steps donate
-nothing, so whatever they raise, the state Keras holds is whole.
+nothing of the state they start from, so whatever they raise, the state
+Keras holds is whole. A train step MemFit started and left unsettled
+(`keras_memfit._deferred`) is settled before Keras can write the state into
+the variables: the hook makes `jax_state_sync` settle it first.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 
 from keras_memfit import _batches
+from keras_memfit.backend.base import Settles
 from keras_memfit.backend.jax import state as _state
 
 _KINDS = ("train", "test", "predict")
@@ -61,7 +66,10 @@ def _publish(model: keras.Model, kind: str, state: tuple) -> None:
 
 
 def step_function(
-    model: keras.Model, kind: str, run_batches: Callable[[List[Any]], Any]
+    model: keras.Model,
+    kind: str,
+    run_batches: Callable[[List[Any]], Any],
+    deferred: Optional[Settles] = None,
 ) -> Callable[[Any, Any], Any]:
     """A replacement for `model.<kind>_function` that runs `run_batches`.
 
@@ -70,6 +78,13 @@ def step_function(
         kind: "train", "test" or "predict".
         run_batches: Runs a list of Keras batches; returns what Keras expects
             of the function (the logs; for "predict", the batches' outputs).
+        deferred: What holds the train steps `run_batches` may leave
+            unsettled (MemFit's run; see `keras_memfit._deferred`), which
+            settles them itself when it runs the next batches. The hook
+            settles them when the iterator has no batch left, and, while one
+            is unsettled after a call, before Keras writes the state into the
+            model's variables (`jax_state_sync`: at the end of an epoch, or
+            when a callback reads `Callback.model`).
 
     Returns:
         `function(state, iterator) -> (result, state)`, pulling up to
@@ -93,16 +108,62 @@ def step_function(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
-        with _state.threaded(model, kind, state) as call:
-            try:
-                result = run_batches(next_batches(iterator, model.steps_per_execution))
-            finally:
-                state = call.state()
-                call.finish()
-                _publish(model, kind, state)
+        if deferred is not None:
+            model.__dict__.pop("jax_state_sync", None)  # settled here instead
+        try:
+            with _state.threaded(model, kind, state) as call:
+                try:
+                    try:
+                        batches = next_batches(iterator, model.steps_per_execution)
+                    except BaseException:
+                        if deferred is not None:
+                            deferred.settle()  # the end of the epoch's data
+                        raise
+                    result = run_batches(batches)
+                finally:
+                    state = call.state()
+                    call.finish()
+                    _publish(model, kind, state)
+        finally:
+            if deferred is not None and deferred.pending:
+                _settle_before_sync(model, kind, deferred)
         return result, state
 
     return function
+
+
+def _settle_before_sync(model: keras.Model, kind: str, deferred: Settles) -> None:
+    """Until the next call, make Keras's `jax_state_sync` settle `deferred` first.
+
+    Keras writes its state tuple into the model's variables with
+    `jax_state_sync` (at the end of an epoch, in `fit`'s closing `finally`,
+    and when a callback reads `Callback.model`); the step left unsettled
+    must be settled (and its batch run again if it failed) before that. An
+    attribute of the model that shadows the method, removed at its first use
+    or at the next call of the step function.
+    """
+    model_ref = weakref.ref(model)
+    loop_thread = threading.get_ident()
+
+    def jax_state_sync():
+        model = model_ref()
+        if threading.get_ident() != loop_thread:  # a callback's thread: wait for the loop's
+            deferred.settle()
+            return type(model).jax_state_sync(model)
+        model.__dict__.pop("jax_state_sync", None)
+        keras_state = getattr(model, "_jax_state", None)
+        if deferred.pending and keras_state:
+            state = tuple(keras_state[key] for key in _STATE_KEYS[kind])
+            with _state.threaded(model, kind, state) as call:
+                try:
+                    deferred.settle()
+                finally:
+                    state = call.state()
+                    call.finish()
+                    _publish(model, kind, state)
+        return type(model).jax_state_sync(model)
+
+    object.__setattr__(model, "jax_state_sync", jax_state_sync)
 
 
 def call_keras_function(

@@ -9,7 +9,10 @@ without donating it, waits for the result and only then writes the new
 state: a step that raises has touched nothing (`StepOutcome.UNTOUCHED`), so
 it can always be retried, and callers need no `Guard` around it. The old and
 new weights and optimizer slots coexist during the step (one extra copy of
-the training state).
+the training state). A step can also be started without waiting
+(`TrainStep.start`) and settled later (`settle`), keeping the state it
+started from until then, so that it overlaps the next step's dispatch as in
+Keras's own loop (see `keras_memfit._deferred`).
 
 Every returned object satisfies its protocol in `keras_memfit.backend.base`.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +95,15 @@ class TrainStep:
             if self._step is not train_fn else None
         )
         self._spare: Optional[List[List[Any]]] = None
+        # (the state it started from, its outputs) per started, unsettled step, oldest first
+        self._pending: List[Tuple[List[List[Any]], Any]] = []
+        self._proven = False  # a step has run to its end (compiled, donation accepted)
         self.last_outcome: Optional[StepOutcome] = None
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether `start` may be used: once a step has run to its end (see `start`)."""
+        return self._proven
 
     def __call__(self, data: Any) -> Dict[str, Any]:
         model = self._model_ref()
@@ -108,7 +119,73 @@ class TrainStep:
             raise
         _state.put(model, TRAIN_STATE, state)
         self._spare = current  # superseded: its buffers can take a later step's state
+        self._proven = True
         return logs
+
+    def start(self, data: Any) -> Dict[str, Any]:
+        """Start the step on `data` without waiting for it; `settle()` waits.
+
+        The new state is the model's at once (the next step, or Keras, takes
+        it as the input of what it dispatches next, as in Keras's own loop),
+        while the state it started from is kept until the step is settled:
+        if the step failed, `settle()` puts that back and raises. A step may
+        be started while the one before is unsettled (its result is then the
+        new step's input); the new state is then written into the buffers of
+        the state two steps back, so three copies of the training state
+        exist until the older step is settled (two when each step is settled
+        before the next starts). Used once a step has run to its end
+        (`can_defer`: compiled, its donation accepted), so what `settle()`
+        can raise is what a computation raised (an OOM).
+
+        Returns:
+            The step's logs (arrays that may still be computing).
+        """
+        model = self._model_ref()
+        current = _state.get(model, TRAIN_STATE)
+        spare = self._spare_buffers(current)
+        try:
+            if spare is None:
+                logs, state = self._step(*current, data)
+            else:
+                logs, state = self._step_into(*current, data, spare)
+        except Exception:
+            self.last_outcome = StepOutcome.UNTOUCHED
+            raise
+        _state.put(model, TRAIN_STATE, state)
+        self._pending.append((current, (logs, state)))
+        return logs
+
+    @property
+    def started(self) -> int:
+        """How many started steps are not settled yet."""
+        return len(self._pending)
+
+    def settle(self) -> None:
+        """Wait for the oldest started step; if it failed, undo it and raise its error.
+
+        Raises:
+            Whatever the step's computation raised (an OOM). The model's
+            state is then put back to where that step started
+            (`StepOutcome.UNTOUCHED`), and the steps started after it, which
+            took its result as their input, are dropped with it.
+        """
+        if not self._pending:
+            return
+        current, outputs = self._pending[0]
+        try:
+            jax.block_until_ready(outputs)
+        except Exception:
+            self._roll_back()
+            raise
+        del self._pending[0]
+        self._spare = current  # superseded: its buffers can take a later step's state
+
+    def _roll_back(self) -> None:
+        """Put back the state the oldest started step began from; drop every started step."""
+        current = self._pending[0][0]
+        self._pending = []
+        _state.put(self._model_ref(), TRAIN_STATE, current)
+        self.last_outcome = StepOutcome.UNTOUCHED
 
     def _run_into(self, current: List[List[Any]], data: Any, spare: List[Any]) -> Any:
         try:

@@ -18,7 +18,7 @@ replacement writes `state` into the model's variables, calls
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -34,7 +34,10 @@ def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
 
 
 def step_function(
-    model: keras.Model, kind: str, run_batches: Callable[[List[Any]], Any]
+    model: keras.Model,
+    kind: str,
+    run_batches: Callable[[List[Any]], Any],
+    deferred: Optional[Any] = None,
 ) -> Callable[[Any], Any]:
     """A replacement for `model.<kind>_function` that runs `run_batches`.
 
@@ -43,6 +46,8 @@ def step_function(
         kind: "train", "test" or "predict".
         run_batches: Runs a list of Keras batches; returns what Keras expects
             of the function (the logs; for "predict", the batches' outputs).
+        deferred: Unused: TensorFlow's train steps finish before they return
+            (they are not `StartableTrainStep`s), so none is left unsettled.
 
     Returns:
         `function(iterator)` for "train" and "test" (pulls up to

@@ -1,0 +1,226 @@
+"""MemFit's started, not yet settled, train steps on JAX (`keras_memfit/_deferred.py`).
+
+Keras's JAX loop never waits for a step; MemFit starts a whole batch's step
+and settles it one step later (before the next batch, before Keras writes
+the state into the variables, when anyone reads its logs). These tests make
+a started step fail when it is settled, as a computation that ran out of
+memory after it was dispatched does, and check that the training equals
+Keras's own fit: the batch ran again, the logs every callback read are the
+reference's, the events name the failed batch. One test does it with a real
+out-of-memory error under an address-space limit. Each runs in a child
+process with Keras on JAX (`tests/jax_support.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from tests.jax_support import (
+    REAL_OOM_FITS,
+    REAL_OOM_LIMIT_GB,
+    REAL_OOM_ROWS,
+    assert_same_training,
+    real_oom_model,
+    requires_jax,
+    run_in_jax,
+    small_data,
+    small_model,
+)
+
+pytestmark = requires_jax
+
+_ALLOC = "RESOURCE_EXHAUSTED: Out of memory allocating 6400000000 bytes."
+
+
+_model = small_model
+_data = small_data
+
+
+def _fail_settles(numbers):
+    """Make the started train steps numbered `numbers` (1-based, in settling order)
+    fail when settled, as a step whose computation ran out of memory does: the
+    step's own failure path (state put back, later steps dropped), then a JAX OOM."""
+    import jax
+
+    from keras_memfit.backend.jax import training
+
+    settle = training.TrainStep.settle
+    count = [0]
+
+    def failing_settle(self):
+        if not self._pending:
+            return settle(self)
+        count[0] += 1
+        if count[0] in numbers:
+            self._roll_back()
+            raise jax.errors.JaxRuntimeError(_ALLOC)
+        return settle(self)
+
+    training.TrainStep.settle = failing_settle
+    return count
+
+
+def _log_readers():
+    import keras
+
+    class Reader(keras.callbacks.Callback):
+        """Reads every batch's logs on Keras's loop thread (a batch-end hook)."""
+
+        def __init__(self):
+            super().__init__()
+            self.logs = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.logs.append(dict(logs))
+
+    class AsyncReader(Reader):
+        """The same, on Keras's callback thread pool (`async_safe`)."""
+
+        async_safe = True
+
+    return Reader(), AsyncReader()
+
+
+def _assert_same_logs(got, expected):
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected):
+        assert set(mine) == set(theirs)
+        for name in theirs:
+            np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-5, err_msg=name)
+
+
+def child_a_step_that_fails_when_settled_runs_its_batch_again():
+    import logging
+
+    import keras_memfit
+    from keras_memfit.backend.jax import training
+
+    x, y = _data()  # 10 batches of 16 per epoch
+    reference = _model()
+    reader, _ = _log_readers()
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                             callbacks=[reader]).history
+    expected_logs = reader.logs
+    settle = training.TrainStep.settle
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("keras_memfit").addHandler(handler)
+
+    # The first batch runs unstarted (it compiles); batch k >= 1 is settled k-th. A
+    # reader on Keras's loop thread settles each batch as it reads its logs: settle 3
+    # fails before batch 4 starts; settle 8 is an OOM of batch 8 (the overlap ended).
+    # With the reader on Keras's callback threads, batches are settled one call later:
+    # settle 3 fails while batch 4 overlaps it (both run again, batch 3 whole once
+    # more); settle 8 is batch 9's, when Keras syncs the state at the end of epoch 0.
+    sync_reader, async_reader = _log_readers()
+    for readers, oom_batch in ((sync_reader, 8), (async_reader, 9)):
+        count = _fail_settles({3, 8})
+        warnings.clear()
+        model = _model()
+        memfit = keras_memfit.MemFit()
+        try:
+            history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                callbacks=[memfit, readers]).history
+        finally:
+            training.TrainStep.settle = settle
+        assert count[0] >= 8, count[0]
+        ooms = [(e["epoch"], e["step"]) for e in memfit.events if e["kind"] == "oom"]
+        assert ooms == [(0, oom_batch)], memfit.events
+        assert any("batch 3 of epoch 0" in w and "overlap" in w for w in warnings), warnings
+        assert history["memfit_ooms"] == [2, 0], history
+        assert_same_training(model, {k: v for k, v in history.items() if k in expected},
+                             reference, expected, iterations=20)
+        _assert_same_logs(readers.logs, expected_logs)
+
+
+def child_settled_steps_leave_nothing_behind_and_equal_keras():
+    import keras
+
+    import keras_memfit
+
+    x, y = _data()
+    reference = _model()
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                             validation_data=(x[:48], y[:48])).history
+    model = _model()
+    memfit = keras_memfit.MemFit()
+
+    class Stopper(keras.callbacks.Callback):
+        """Reads the model in the middle of an epoch (Keras syncs the state then)."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                assert np.all(np.isfinite(self.model.get_weights()[0]))
+
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        validation_data=(x[:48], y[:48]),
+                        callbacks=[memfit, Stopper()]).history
+    assert memfit.events == [] and not memfit._run.pending
+    assert "jax_state_sync" not in model.__dict__  # the settling hook is gone
+    assert_same_training(model, history, reference, expected, iterations=20)
+
+
+def child_real_oom_on_a_started_step(out):
+    """A fit whose third batch is larger than the limit allows, after two that fit."""
+    import keras
+
+    import keras_memfit
+
+    sizes = [REAL_OOM_FITS, REAL_OOM_FITS, REAL_OOM_ROWS // 2, REAL_OOM_FITS]
+    rng = np.random.default_rng(0)
+    rows = sum(sizes)
+    x, y = rng.random((rows, 8), dtype=np.float32), rng.integers(0, 3, rows)
+    bounds = np.cumsum([0] + sizes)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return len(sizes)
+
+        def __getitem__(self, i):
+            return x[bounds[i]:bounds[i + 1]], y[bounds[i]:bounds[i + 1]]
+
+    model = real_oom_model()
+    memfit = keras_memfit.MemFit()
+    history = model.fit(Batches(), epochs=1, shuffle=False, verbose=0, callbacks=[memfit])
+    np.savez(out + ".npz", *model.get_weights(),
+             *[np.asarray(v.value) for v in model.optimizer.variables])
+    with open(out + ".json", "w") as f:
+        json.dump({
+            "history": {k: v for k, v in history.history.items() if not k.startswith("memfit")},
+            "iterations": int(model.optimizer.iterations.value),
+            "ooms": [e["step"] for e in memfit.events if e["kind"] == "oom"],
+        }, f)
+
+
+def child_real_oom_run():
+    child_real_oom_on_a_started_step(os.environ["KERAS_MEMFIT_JAX_OUT"])
+
+
+def test_a_started_step_that_fails_when_settled_trains_as_keras():
+    run_in_jax(__file__, "child_a_step_that_fails_when_settled_runs_its_batch_again")
+
+
+def test_started_steps_are_settled_by_the_end_of_fit_and_train_as_keras():
+    run_in_jax(__file__, "child_settled_steps_leave_nothing_behind_and_equal_keras")
+
+
+def test_a_real_oom_on_a_started_step_equals_the_unlimited_fit(tmp_path):
+    free, limited = str(tmp_path / "free"), str(tmp_path / "limited")
+    run_in_jax(__file__, "child_real_oom_run", env={"KERAS_MEMFIT_JAX_OUT": free})
+    run_in_jax(__file__, "child_real_oom_run", address_space_gb=REAL_OOM_LIMIT_GB,
+               env={"KERAS_MEMFIT_JAX_OUT": limited})
+    with open(free + ".json") as f:
+        reference = json.load(f)
+    with open(limited + ".json") as f:
+        result = json.load(f)
+    assert reference["ooms"] == [] and result["ooms"] and set(result["ooms"]) == {2}, result
+    assert result["iterations"] == reference["iterations"] == 4
+    for name, values in reference["history"].items():
+        np.testing.assert_allclose(result["history"][name], values, rtol=1e-4)
+    expected, got = np.load(free + ".npz"), np.load(limited + ".npz")
+    for key in expected.files:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-4, atol=1e-6)
