@@ -14,6 +14,8 @@ hook), and when anyone reads the logs returned for it (`SettlingLogs`). If it
 ran out of memory, the state goes back to where it started and the batch
 runs again as MemFit runs any batch that does not fit, before any later step
 or reader sees it; the logs Keras already holds are then replaced in place.
+Settled outside MemFit's train function (a callback reading the logs), the
+steps work on the state Keras holds then (the backend's `settling(model)`).
 
 Settling belongs to the thread that started the step (Keras's loop). Keras
 may read a batch's logs on a worker thread (its callbacks' asynchronous

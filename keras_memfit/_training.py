@@ -179,8 +179,15 @@ class Run:
         return bool(self._started)
 
     def settle(self) -> None:
-        """Wait for the started train steps (see `keras_memfit._deferred.StartedSteps`)."""
-        self._started.settle()
+        """Wait for the started train steps (see `keras_memfit._deferred.StartedSteps`).
+
+        Called from outside MemFit's train function too (a callback reading a
+        batch's logs, Keras syncing its state): the backend's `settling`
+        context gives the steps the state Keras holds then.
+        """
+        if self._started:
+            with _backend.get().settling(self.model):
+                self._started.settle()
 
     def _start_whole(self, chunk: tuple) -> Optional[Any]:
         """Start `chunk` as one train step and return its settling logs; or None."""

@@ -17,6 +17,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from tests.jax_support import (
     REAL_OOM_FITS,
@@ -55,7 +56,14 @@ def _fail_settles(numbers):
             return settle(self)
         count[0] += 1
         if count[0] in numbers:
+            # A failed computation's outputs are unusable, and so are those of the
+            # steps that took them as input: deleted here, so any use of them raises.
+            inputs = {id(a) for group in self._pending[0][0] for a in group}
+            outputs = [a for _, result in self._pending for a in jax.tree.leaves(result)]
             self._roll_back()
+            for a in outputs:
+                if id(a) not in inputs and not a.is_deleted():
+                    a.delete()
             raise jax.errors.JaxRuntimeError(_ALLOC)
         return settle(self)
 
@@ -185,7 +193,12 @@ def child_real_oom_on_a_started_step(out):
 
     model = real_oom_model()
     memfit = keras_memfit.MemFit()
-    history = model.fit(Batches(), epochs=1, shuffle=False, verbose=0, callbacks=[memfit])
+    callbacks = [memfit]
+    if os.environ.get("KERAS_MEMFIT_SYNC_READER"):
+        # Reads each batch's logs on Keras's loop thread, outside MemFit's train
+        # function: the failed step is settled (and its batch run again) there.
+        callbacks.append(_log_readers()[0])
+    history = model.fit(Batches(), epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     np.savez(out + ".npz", *model.get_weights(),
              *[np.asarray(v.value) for v in model.optimizer.variables])
     with open(out + ".json", "w") as f:
@@ -208,11 +221,12 @@ def test_started_steps_are_settled_by_the_end_of_fit_and_train_as_keras():
     run_in_jax(__file__, "child_settled_steps_leave_nothing_behind_and_equal_keras")
 
 
-def test_a_real_oom_on_a_started_step_equals_the_unlimited_fit(tmp_path):
+@pytest.mark.parametrize("reader", ["", "sync"], ids=["no-reader", "logs-read-by-a-callback"])
+def test_a_real_oom_on_a_started_step_equals_the_unlimited_fit(tmp_path, reader):
     free, limited = str(tmp_path / "free"), str(tmp_path / "limited")
     run_in_jax(__file__, "child_real_oom_run", env={"KERAS_MEMFIT_JAX_OUT": free})
     run_in_jax(__file__, "child_real_oom_run", address_space_gb=REAL_OOM_LIMIT_GB,
-               env={"KERAS_MEMFIT_JAX_OUT": limited})
+               env={"KERAS_MEMFIT_JAX_OUT": limited, "KERAS_MEMFIT_SYNC_READER": reader})
     with open(free + ".json") as f:
         reference = json.load(f)
     with open(limited + ".json") as f:

@@ -249,6 +249,9 @@ class Backend(Protocol):
         deferred: Optional[Settles] = None,
     ) -> Callable: ...
     def is_end_of_data(self, exc: BaseException) -> bool: ...
+    # Where MemFit settles started train steps outside its step function (a
+    # callback reading logs): the state Keras holds then (JAX), or nothing.
+    def settling(self, model: Any) -> ContextManager[Any]: ...
     # Keras's own step function (saved before MemFit installed its own) on
     # batches MemFit passes through unsplit.
     def call_keras_function(

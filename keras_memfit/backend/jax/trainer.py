@@ -22,6 +22,7 @@ the variables: the hook makes `jax_state_sync` settle it first.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any, Callable, Iterator, List, Optional
@@ -140,30 +141,57 @@ def _settle_before_sync(model: keras.Model, kind: str, deferred: Settles) -> Non
     and when a callback reads `Callback.model`); the step left unsettled
     must be settled (and its batch run again if it failed) before that. An
     attribute of the model that shadows the method, removed at its first use
-    or at the next call of the step function.
+    on the loop's thread or at the next call of the step function.
     """
     model_ref = weakref.ref(model)
     loop_thread = threading.get_ident()
 
     def jax_state_sync():
         model = model_ref()
-        if threading.get_ident() != loop_thread:  # a callback's thread: wait for the loop's
-            deferred.settle()
-            return type(model).jax_state_sync(model)
-        model.__dict__.pop("jax_state_sync", None)
-        keras_state = getattr(model, "_jax_state", None)
-        if deferred.pending and keras_state:
-            state = tuple(keras_state[key] for key in _STATE_KEYS[kind])
-            with _state.threaded(model, kind, state) as call:
-                try:
-                    deferred.settle()
-                finally:
-                    state = call.state()
-                    call.finish()
-                    _publish(model, kind, state)
+        if threading.get_ident() == loop_thread:
+            model.__dict__.pop("jax_state_sync", None)
+        with settling(model):
+            deferred.settle()  # on a callback's thread: waits for the loop's
         return type(model).jax_state_sync(model)
 
     object.__setattr__(model, "jax_state_sync", jax_state_sync)
+
+
+@contextlib.contextmanager
+def settling(model: keras.Model) -> Iterator[None]:
+    """Where MemFit settles its started train steps outside its step function.
+
+    Inside MemFit's train function the steps work on the state tuple Keras
+    passed it. Elsewhere during `fit` (a callback reading a batch's logs,
+    Keras's `jax_state_sync`), the state Keras holds is its `_jax_state`,
+    and its variables are detached: this runs the block on that state, and
+    if the block changed it (a started step that failed was undone and its
+    batch run again), gives it to Keras as a callback reading
+    `Callback.model` would: written into the variables, from which Keras's
+    loop then takes it for the next step.
+    """
+    keras_state = getattr(model, "_jax_state", None)
+    call = _state.active()
+    if (call is not None and call.model is model) or not keras_state:
+        yield
+        return
+    kind = "train"
+    state = tuple(keras_state.get(key) for key in _STATE_KEYS[kind])
+    if any(group is None for group in state):
+        yield
+        return
+    with _state.threaded(model, kind, state) as call:
+        try:
+            yield
+        finally:
+            new_state = call.state()
+            call.finish()
+            changed = any(
+                a is not b for old, new in zip(state, new_state) for a, b in zip(old, new)
+            )
+            if changed:
+                _publish(model, kind, new_state)
+                type(model).jax_state_sync(model)
 
 
 def call_keras_function(

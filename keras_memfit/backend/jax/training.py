@@ -167,14 +167,16 @@ class TrainStep:
             Whatever the step's computation raised (an OOM). The model's
             state is then put back to where that step started
             (`StepOutcome.UNTOUCHED`), and the steps started after it, which
-            took its result as their input, are dropped with it.
+            took its result as their input, are dropped with it. The same
+            when the wait is interrupted (KeyboardInterrupt): the state is
+            as before the oldest started step.
         """
         if not self._pending:
             return
         current, outputs = self._pending[0]
         try:
             jax.block_until_ready(outputs)
-        except Exception:
+        except BaseException:  # an interrupt too: the caller forgets every started step
             self._roll_back()
             raise
         del self._pending[0]

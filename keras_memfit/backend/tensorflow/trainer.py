@@ -17,8 +17,9 @@ replacement writes `state` into the model's variables, calls
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -72,6 +73,11 @@ def step_function(
         return run_batches(next_batches(iterator, model_ref().steps_per_execution))
 
     return function
+
+
+def settling(model: keras.Model) -> ContextManager[None]:
+    """Nothing to set up: TensorFlow's train steps are never left unsettled."""
+    return contextlib.nullcontext()
 
 
 def call_keras_function(
