@@ -162,6 +162,11 @@ class StartedSteps:
     def __bool__(self) -> bool:
         return bool(self._batches)
 
+    def owned_here(self) -> bool:
+        """Whether this thread started the steps (True when there are none)."""
+        first = self._batches[:1]  # a slice: the loop's thread may empty the list meanwhile
+        return not first or first[0].owned_here()
+
     def add(self, batch: PendingBatch) -> None:
         """Record a step just started."""
         self._batches.append(batch)
@@ -182,8 +187,9 @@ class StartedSteps:
             keep_newest: Leave the most recently started step unsettled.
         """
         batches = self._batches
-        if batches and not batches[0].owned_here():
-            batches[-1].logs.wait()
+        if not self.owned_here():
+            for newest in batches[-1:]:
+                newest.logs.wait()
             return
         while len(batches) > keep_newest:
             first = batches[0]

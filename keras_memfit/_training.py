@@ -185,9 +185,14 @@ class Run:
         batch's logs, Keras syncing its state): the backend's `settling`
         context gives the steps the state Keras holds then.
         """
-        if self._started:
-            with _backend.get().settling(self.model):
-                self._started.settle()
+        started = self._started
+        if not started:
+            return
+        if not started.owned_here():
+            started.settle()  # waits for the loop's thread (a callback's thread pool)
+            return
+        with _backend.get().settling(self.model):
+            started.settle()
 
     def _start_whole(self, chunk: tuple) -> Optional[Any]:
         """Start `chunk` as one train step and return its settling logs; or None."""
