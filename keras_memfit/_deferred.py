@@ -32,7 +32,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Dict, Hashable, List, Optional
 
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.oom import is_retryable_oom
 
 
 class SettlingLogs(dict):
@@ -198,7 +198,7 @@ class StartedSteps:
             except BaseException as exc:
                 self._batches = []
                 try:
-                    if not self._is_retryable(exc):
+                    if not is_retryable_oom(exc):
                         raise
                     self._run_again(batches)
                 finally:
@@ -220,7 +220,3 @@ class StartedSteps:
         overlapped, self.overlap = self.overlap, False
         for i, batch in enumerate(batches):
             batch.logs.resolve(self._rerun(batch, i == 0, i == 0 and not overlapped))
-
-    @staticmethod
-    def _is_retryable(exc: BaseException) -> bool:
-        return is_oom_error(exc) and not isinstance(exc, OutOfMemoryError)

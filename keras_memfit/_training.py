@@ -44,7 +44,7 @@ from keras_memfit._deferred import PendingBatch, SettlingLogs, StartedSteps
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
 from keras_memfit.evaluate import test_step_and_guard
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.oom import OutOfMemoryError, is_oom_error, is_retryable_oom
 from keras_memfit.planner import BatchPlanner, Event
 from keras_memfit.predict import predict_step
 from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
@@ -211,7 +211,7 @@ class Run:
         try:
             step_logs = step.start(as_batch(chunk))
         except Exception as exc:
-            if not is_oom_error(exc) or isinstance(exc, OutOfMemoryError):
+            if not is_retryable_oom(exc):
                 raise
             return self._started.run_again(batch)
         batch.logs = SettlingLogs(step_logs, self.settle)

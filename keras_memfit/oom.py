@@ -23,6 +23,7 @@ __all__ = [
     "is_cuda_alloc_failure",
     "is_host_oom",
     "is_oom_error",
+    "is_retryable_oom",
     "is_xla_oom",
 ]
 
@@ -130,6 +131,20 @@ def is_oom_error(exc: BaseException) -> bool:
         or is_xla_oom(exc)
         or is_cuda_alloc_failure(exc)
     )
+
+
+def is_retryable_oom(exc: BaseException) -> bool:
+    """Whether `exc` is an OOM that running smaller pieces may avoid.
+
+    `is_oom_error`, less keras_memfit's own `OutOfMemoryError`, which it
+    raises once it judged an OOM final (one sample does not fit, or an
+    optimizer update ran out of memory): the retry loops pass that one on.
+
+    Example:
+        >>> is_retryable_oom(MemoryError())
+        True
+    """
+    return is_oom_error(exc) and not isinstance(exc, _OutOfMemoryErrorBody)
 
 
 def _message(exc: BaseException) -> str:

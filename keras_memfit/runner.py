@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opti
 
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Guard
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.oom import OutOfMemoryError, is_retryable_oom
 from keras_memfit.planner import BatchPlanner, Event
 
 
@@ -148,7 +148,7 @@ def run_in_pieces(
             try:
                 result = step(piece)
             except Exception as exc:
-                if not is_oom_error(exc) or isinstance(exc, OutOfMemoryError):
+                if not is_retryable_oom(exc):
                     raise  # not an OOM, or one already judged final
                 if guard is not None:
                     guard.restore()
@@ -191,7 +191,7 @@ def _all_or_nothing(
                 offset += size
         except Exception as exc:
             guard.restore()
-            if not is_oom_error(exc) or isinstance(exc, OutOfMemoryError):
+            if not is_retryable_oom(exc):
                 raise
             if not planner.failed(size):
                 raise _final_error(model, phase, chunk, planner, detail) from exc

@@ -180,7 +180,11 @@ class Settles(Protocol):
     pending: bool
 
     def settle(self) -> None:
-        """Wait for the started step; run its batch again if it failed."""
+        """Wait for the started step; run its batch again if it failed.
+
+        Called outside the step function (Keras syncing its state), it works
+        on the state Keras holds then, in the backend's `settling(model)`.
+        """
 
 
 @runtime_checkable

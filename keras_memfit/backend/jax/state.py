@@ -25,7 +25,7 @@ layers; outside a threaded call they are taken once per `safe_predict` /
 Example:
     >>> with threaded(model, "predict", state) as call:
     ...     trainable, non_trainable = get(model, ("trainable", "non_trainable"))
-    >>> new_state = call.state()
+    ...     new_state = call.finish()
 """
 
 from __future__ import annotations
@@ -156,12 +156,15 @@ class Threaded:
             return tuple(read(self._variables[name]) for name in self.names)
         return tuple(self._values[name] for name in self.names)
 
-    def finish(self) -> None:
-        """Detach the variables again if Keras had detached them (see `materialize`)."""
+    def finish(self) -> Tuple[List[Any], ...]:
+        """The state tuple to hand back to Keras (`state()`), read before the variables
+        are detached again if Keras had detached them (see `materialize`)."""
+        state = self.state()
         if self.materialized and self._detached:
             for group in self._variables.values():
                 for v in group:
                     v._value = None
+        return state
 
 
 @contextlib.contextmanager

@@ -122,8 +122,7 @@ def step_function(
                         raise
                     result = run_batches(batches)
                 finally:
-                    state = call.state()
-                    call.finish()
+                    state = call.finish()
                     _publish(model, kind, state)
         finally:
             if deferred is not None and deferred.pending:
@@ -150,8 +149,7 @@ def _settle_before_sync(model: keras.Model, kind: str, deferred: Settles) -> Non
         model = model_ref()
         if threading.get_ident() == loop_thread:
             model.__dict__.pop("jax_state_sync", None)
-        with settling(model):
-            deferred.settle()  # on a callback's thread: waits for the loop's
+        deferred.settle()  # in `settling(model)`; on a callback's thread, waits for the loop's
         return type(model).jax_state_sync(model)
 
     object.__setattr__(model, "jax_state_sync", jax_state_sync)
@@ -184,8 +182,7 @@ def settling(model: keras.Model) -> Iterator[None]:
         try:
             yield
         finally:
-            new_state = call.state()
-            call.finish()
+            new_state = call.finish()
             changed = any(
                 a is not b for old, new in zip(state, new_state) for a, b in zip(old, new)
             )

@@ -155,11 +155,6 @@ class TrainStep:
         self._pending.append((current, (logs, state)))
         return logs
 
-    @property
-    def started(self) -> int:
-        """How many started steps are not settled yet."""
-        return len(self._pending)
-
     def settle(self) -> None:
         """Wait for the oldest started step; if it failed, undo it and raise its error.
 
