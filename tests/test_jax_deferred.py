@@ -79,13 +79,24 @@ def _log_readers():
 
         def __init__(self):
             super().__init__()
-            self.logs = []
+            self.read = {}
+            self.epoch = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            self.logs.append(dict(logs))
+            assert (self.epoch, batch) not in self.read, (self.epoch, batch)
+            self.read[self.epoch, batch] = dict(logs)
+
+        @property
+        def logs(self):
+            """The logs read, in (epoch, batch) order."""
+            return [self.read[key] for key in sorted(self.read)]
 
     class AsyncReader(Reader):
-        """The same, on Keras's callback thread pool (`async_safe`)."""
+        """The same, on Keras's callback thread pool (`async_safe`): its workers
+        may read the batches in any order (Keras's epoch end waits for them all)."""
 
         async_safe = True
 
@@ -93,7 +104,7 @@ def _log_readers():
 
 
 def _assert_same_logs(got, expected):
-    assert len(got) == len(expected)
+    assert len(got) == len(expected), (len(got), len(expected))
     for mine, theirs in zip(got, expected):
         assert set(mine) == set(theirs)
         for name in theirs:
