@@ -18,6 +18,11 @@ read after each execution. When nothing runs out of memory the batches are
 the ones Keras runs, so the calls are Keras's. After an OOM splits a batch,
 its pieces are batches for the callbacks (the indices count pieces), so an
 execution then covers `spe` pieces: fewer samples than Keras's would.
+
+When the step can start without waiting (JAX) and no callback has its own
+batch-level hook for the phase, the next piece starts before the last one
+ended (`run_in_pieces`'s `start`), as Keras's loops overlap their steps; the
+(default) batch hooks are then sent when a piece ended.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class BatchLoop:
         self.model = model
         self.phase = phase
         prefix, self._stop_flag = _HOOKS[phase]
+        self._prefix = prefix
         self.num_samples = num_samples
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
@@ -121,6 +127,7 @@ class BatchLoop:
         requested: Optional[int],
         guard: Any = None,
         merge_logs: Optional[Callable[[list], Any]] = None,
+        start: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         """Run `step` over `chunks` with `run_in_pieces`, one callback batch per piece.
 
@@ -136,6 +143,11 @@ class BatchLoop:
             merge_logs: With `steps_per_execution` > 1, makes one execution's
                 logs from the list of its batches' logs; the last batch's by
                 default.
+            start: Starts `step` without waiting (see `run_in_pieces`). It is
+                used only when no callback has a batch-level hook for this
+                phase: a piece starts before the one before it ended, and
+                Keras's order of batch calls (begin, step, end, next begin)
+                cannot hold then; nothing sees that with no such hook.
         """
         spe = self._per_execution
 
@@ -147,6 +159,10 @@ class BatchLoop:
             return step(piece)
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:
+            if self._begun != self.batch:  # a piece started ahead: no hook saw it begin
+                if self.batch % spe == 0:
+                    self._on_batch_begin(self.batch)
+                self._begun = self.batch
             logs, values = on_result(size, result)
             self.batch += 1
             self.done += size
@@ -166,9 +182,20 @@ class BatchLoop:
         run_in_pieces(
             self.model, self.phase, chunks, attempt, on_piece,
             requested=requested, guard=guard,
+            start=start if start is not None and not self._batch_hooks() else None,
         )
         if self._pending:  # a last, shorter execution
             self._end_execution(merge_logs)
+
+    def _batch_hooks(self) -> bool:
+        """Whether any callback has its own `on_{predict,test}_batch_{begin,end}`."""
+        names = [f"on_{self._prefix}_batch_begin", f"on_{self._prefix}_batch_end"]
+        default = keras.callbacks.Callback
+        return any(
+            getattr(getattr(callback, name), "__func__", None) is not getattr(default, name)
+            for callback in self.callbacks.callbacks
+            for name in names
+        )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
         """Send the `on_*_batch_begin` Keras sends when batched input ends early.

@@ -126,11 +126,11 @@ def safe_evaluate(
         last_logs = logs
         return logs, _bar_values(logs)
 
+    run = batches.step(step, lambda piece: test_step_and_guard(model, piece, exact=True)[0])
     loop.run(
         batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
-        batches.step(step, lambda piece: test_step_and_guard(model, piece, exact=True)[0]),
-        on_result,
-        requested=requested, guard=guard,
+        run, on_result, requested=requested, guard=guard,
+        start=run.start if isinstance(run, _backend.StartableStep) else None,
     )
     loop.data_ended(source, steps)
     logs = _pythonify(_metrics_result(model, last_logs))

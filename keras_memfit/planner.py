@@ -211,6 +211,11 @@ class BatchPlanner:
     def device(self) -> str:
         return self._device
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the next pieces measure their memory (each must run alone)."""
+        return bool(self._probes)
+
     # ------------------------------------------------------------------ sizes
     def next_size(self) -> float:
         """The batch size to try next (may be `math.inf` when unbounded)."""

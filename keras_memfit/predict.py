@@ -11,7 +11,7 @@ from keras_memfit import _cache, _keras_compat, _loop, _validate
 from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.backend import Spec
-from keras_memfit.runner import prepend
+from keras_memfit.runner import Then, prepend
 
 
 def safe_predict(
@@ -142,7 +142,9 @@ def safe_predict(
     loop.begin()
 
     def run(piece):
-        outputs = step(piece[0])
+        return to_host(step(piece[0]))
+
+    def to_host(outputs):
         if writer.structure is not None:
             return keras.tree.map_structure(_to_host, outputs)
         for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
@@ -158,9 +160,13 @@ def safe_predict(
         writer.write(result, size, postprocess)
         return {"outputs": result}, None
 
+    def start(piece):  # the backend's steps can start without waiting (JAX)
+        return Then(step.start(piece[0]), to_host)
+
     loop.run(
         chunks, run, on_result, requested=requested,
         merge_logs=_merge_outputs if callbacks else None,
+        start=start if isinstance(step, _backend.StartableStep) else None,
     )
     loop.data_ended(source, steps)
     loop.end()

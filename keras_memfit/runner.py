@@ -14,6 +14,14 @@ With `accumulation`, a chunk that does not fit in one piece is run all or
 nothing instead (MemFit's gradient accumulation: the chunk is one training
 batch, its pieces are micro-batches whose gradients make one update): see
 `Accumulation`.
+
+With `start` (a backend whose steps run asynchronously: JAX), up to `AHEAD`
+pieces are started before the oldest of them is waited for, as Keras's own
+loops overlap their steps. A started piece's new state is the model's at
+once, so the next piece runs on it; when waiting shows that a piece ran out
+of memory, its step put the state back, the pieces started after it are
+dropped, and they all run again, one piece at a time from then on. `on_piece`
+sees the same pieces, in the same order, as without `start`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional
 
 from keras_memfit import data as _data
-from keras_memfit.backend.base import Guard
+from keras_memfit.backend.base import Guard, StartedPiece
 from keras_memfit.oom import OutOfMemoryError, is_retryable_oom
 from keras_memfit.planner import BatchPlanner, Event
 
@@ -94,6 +102,7 @@ def run_in_pieces(
     planner: Optional[BatchPlanner] = None,
     accumulation: Optional[Accumulation] = None,
     detail: str = "",
+    start: Optional[Callable[[Any], StartedPiece]] = None,
 ) -> int:
     """Run `step` over every chunk in adaptive pieces.
 
@@ -115,6 +124,12 @@ def run_in_pieces(
             or nothing (see `Accumulation`); None: piece by piece with `step`.
         detail: Extra sentence for the `OutOfMemoryError` raised when a
             single sample does not fit.
+        start: Starts `step` on a piece without waiting (a backend's
+            `StartableStep.start`; its `StartedPiece` puts back the state of
+            a failed step itself). Given, up to `AHEAD` pieces are started
+            before the oldest is waited for, as Keras's loops overlap their
+            steps; `on_piece` still sees the pieces one by one, in order. After the first OOM, and while the planner measures
+            memory, pieces run one at a time with `step`.
 
     Returns:
         The number of samples processed.
@@ -122,47 +137,165 @@ def run_in_pieces(
     Raises:
         OutOfMemoryError: If a piece of a single sample runs out of memory.
     """
+    run = _Run(model, phase, step, on_piece, guard, detail, start)
     planners: Dict[Hashable, BatchPlanner] = {}
-    done = 0
-    for chunk in chunks:
+    try:
+        for chunk in chunks:
+            sig = _data.signature(chunk[0])
+            current = planner or planners.get(sig)
+            if current is None:
+                current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
+            if run.rows(chunk, current, accumulation):
+                break
+        else:
+            run.settle()
+    finally:
+        run.drop()
+    return run.done
+
+
+# At most this many pieces are left started and not waited for (starting one
+# more waits for the oldest; Keras's own loops never wait). Each holds its
+# outputs until it is waited for. Measured on a
+# small MLP at batch 32 on 2 CPU cores, safe_predict against model.predict:
+# 1 ahead 1.13x, 2 ahead 0.95x, 4 ahead 0.91x.
+AHEAD = 2
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A piece started and not waited for yet."""
+
+    planner: BatchPlanner
+    piece: Any
+    size: int
+    planned: float
+    started: StartedPiece
+
+
+class _Run:
+    """One `run_in_pieces` call: its pieces, retries, and the pieces started ahead."""
+
+    def __init__(self, model: Any, phase: str, step: Callable[[Any], Any],
+                 on_piece: Callable[[int, Any, Any], bool], guard: Optional[Guard],
+                 detail: str, start: Optional[Callable[[Any], StartedPiece]]) -> None:
+        self.model, self.phase, self.detail = model, phase, detail
+        self.step, self.on_piece, self.guard, self.start = step, on_piece, guard, start
+        self.done = 0
+        self.ahead: List[_Ahead] = []  # started, not waited for yet, oldest first
+
+    def finished(self, size: int, piece: Any, result: Any) -> bool:
+        """Count a successful piece and hand it to `on_piece`; True to stop."""
+        self.done += size
+        return bool(self.on_piece(size, piece, result))
+
+    def failed(self, planner: BatchPlanner, piece: Any, size: int, exc: BaseException) -> None:
+        """After an OOM of `piece`: shrink, or raise if a single sample did not fit."""
+        if not planner.failed(size):
+            raise _final_error(self.model, self.phase, piece, planner, self.detail) from exc
+
+    def rows(self, chunk: Any, planner: BatchPlanner,
+             accumulation: Optional[Accumulation] = None) -> bool:
+        """Run all of `chunk`'s rows in pieces, in order; True when `on_piece` stopped.
+
+        With `accumulation`, a chunk whose first piece would be smaller than
+        the chunk (also after its first try ran out of memory) runs all or
+        nothing instead, as one piece.
+        """
         n = _data.num_rows(chunk)
-        sig = _data.signature(chunk[0])
-        current = planner or planners.get(sig)
-        if current is None:
-            current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
         offset = 0
         while offset < n:
-            planned = current.next_size()
+            planned = planner.next_size()
             if accumulation is not None and offset == 0 and planned < n:
-                result = _all_or_nothing(model, phase, chunk, current, accumulation, detail)
-                offset = n
-                done += n
-                if on_piece(n, chunk, result):
-                    return done
-                break
+                if self.settle():
+                    return True
+                result = _all_or_nothing(
+                    self.model, self.phase, chunk, planner, accumulation, self.detail
+                )
+                return self.finished(n, chunk, result)
             size = int(min(planned, n - offset))
             piece = _data.rows(chunk, offset, offset + size)
-            current.started(size)
-            if guard is not None:
-                guard.snapshot()
+            if self.start is not None and not planner.measuring:
+                outcome = self._start(planner, piece, size, planned)
+                if outcome is not None:  # None: it did not start (an OOM), try smaller
+                    offset += size
+                    if outcome:
+                        return True
+                continue
+            if self.settle():
+                return True
+            planner.started(size)
+            if self.guard is not None:
+                self.guard.snapshot()
             try:
-                result = step(piece)
+                result = self.step(piece)
             except Exception as exc:
                 if not is_retryable_oom(exc):
                     raise  # not an OOM, or one already judged final
-                if guard is not None:
-                    guard.restore()
-                if not current.failed(size):
-                    raise _final_error(model, phase, piece, current, detail) from exc
-                del exc
+                if self.guard is not None:
+                    self.guard.restore()
+                self.failed(planner, piece, size, exc)
+                del exc  # its traceback holds the failed piece's buffers
                 gc.collect()
                 continue
-            current.succeeded(size, full=size >= planned)
+            planner.succeeded(size, full=size >= planned)
             offset += size
-            done += size
-            if on_piece(size, piece, result):
-                return done
-    return done
+            if self.finished(size, piece, result):
+                return True
+        return False
+
+    def _start(self, planner: BatchPlanner, piece: Any, size: int,
+               planned: float) -> Optional[bool]:
+        """Start `piece`; then, if more than `AHEAD` pieces are started, wait for the oldest.
+
+        Returns None if `piece` did not start (an OOM at once: the planner
+        shrank), else whether `on_piece` stopped.
+        """
+        planner.started(size)
+        try:
+            started = self.start(piece)
+        except Exception as exc:
+            if not is_retryable_oom(exc):
+                raise
+            self.start = None  # one piece at a time from now on
+            if self.settle():  # the earlier rows first
+                return True
+            self.failed(planner, piece, size, exc)
+            del exc
+            gc.collect()
+            return None
+        self.ahead.append(_Ahead(planner, piece, size, planned, started))
+        return len(self.ahead) > AHEAD and self._wait_oldest()
+
+    def settle(self) -> bool:
+        """Wait for every piece started ahead, in order; True when `on_piece` stopped."""
+        while self.ahead:
+            if self._wait_oldest():
+                return True
+        return False
+
+    def _wait_oldest(self) -> bool:
+        oldest = self.ahead.pop(0)
+        try:
+            result = oldest.started.wait()
+        except BaseException as exc:  # a KeyboardInterrupt too
+            # Its state is back; the pieces started after it (on its state) are dropped.
+            newer, self.ahead = self.ahead, []
+            if not is_retryable_oom(exc):
+                raise
+            self.start = None  # one piece at a time from now on
+            self.failed(oldest.planner, oldest.piece, oldest.size, exc)
+            del exc
+            gc.collect()
+            return any(self.rows(p.piece, p.planner) for p in [oldest] + newer)
+        oldest.planner.succeeded(oldest.size, full=oldest.size >= oldest.planned)
+        return self.finished(oldest.size, oldest.piece, result)
+
+    def drop(self) -> None:
+        """Undo the pieces started ahead, if any (stopped early, or an error)."""
+        newer, self.ahead = self.ahead, []
+        if newer:
+            newer[0].started.undo()  # the state from before all of them
 
 
 def _all_or_nothing(
@@ -215,6 +348,26 @@ def _final_error(
         planner.device,
         detail=detail,
     )
+
+
+class Then:
+    """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too).
+
+    Example:
+        >>> started = Then(step.start(x), to_host)
+        >>> host_outputs = started.wait()
+    """
+
+    __slots__ = ("_started", "_fn")
+
+    def __init__(self, started: StartedPiece, fn: Callable[[Any], Any]) -> None:
+        self._started, self._fn = started, fn
+
+    def wait(self) -> Any:
+        return self._fn(self._started.wait())
+
+    def undo(self) -> None:
+        self._started.undo()
 
 
 def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

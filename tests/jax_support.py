@@ -103,6 +103,28 @@ def real_oom_model():
     return _classifier(8, 16384, "sgd")
 
 
+def real_oom_batches(sizes, with_targets=True):
+    """A `keras.utils.PyDataset` of batches of `sizes` rows for `real_oom_model`
+    (8 uniform features, 3 classes, seeded); returns it and all its `x` and `y`."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = sum(sizes)
+    x, y = rng.random((rows, 8), dtype=np.float32), rng.integers(0, 3, rows)
+    bounds = np.cumsum([0] + list(sizes))
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return len(sizes)
+
+        def __getitem__(self, i):
+            part = slice(bounds[i], bounds[i + 1])
+            return (x[part], y[part]) if with_targets else x[part]
+
+    return Batches(), x, y
+
+
 def small_model():
     """Dense(32, relu), Dense(3, softmax) on 12 features, compiled (adam, accuracy), seeded."""
     return _classifier(12, 32, "adam")

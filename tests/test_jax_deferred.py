@@ -24,6 +24,7 @@ from tests.jax_support import (
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
     assert_same_training,
+    real_oom_batches,
     real_oom_model,
     requires_jax,
     run_in_jax,
@@ -185,23 +186,10 @@ def child_settled_steps_leave_nothing_behind_and_equal_keras():
 
 def child_real_oom_on_a_started_step(out):
     """A fit whose third batch is larger than the limit allows, after two that fit."""
-    import keras
-
     import keras_memfit
 
-    sizes = [REAL_OOM_FITS, REAL_OOM_FITS, REAL_OOM_ROWS // 2, REAL_OOM_FITS]
-    rng = np.random.default_rng(0)
-    rows = sum(sizes)
-    x, y = rng.random((rows, 8), dtype=np.float32), rng.integers(0, 3, rows)
-    bounds = np.cumsum([0] + sizes)
-
-    class Batches(keras.utils.PyDataset):
-        def __len__(self):
-            return len(sizes)
-
-        def __getitem__(self, i):
-            return x[bounds[i]:bounds[i + 1]], y[bounds[i]:bounds[i + 1]]
-
+    batches, _, _ = real_oom_batches(
+        [REAL_OOM_FITS, REAL_OOM_FITS, REAL_OOM_ROWS // 2, REAL_OOM_FITS])
     model = real_oom_model()
     memfit = keras_memfit.MemFit()
     callbacks = [memfit]
@@ -209,7 +197,7 @@ def child_real_oom_on_a_started_step(out):
         # Reads each batch's logs on Keras's loop thread, outside MemFit's train
         # function: the failed step is settled (and its batch run again) there.
         callbacks.append(_log_readers()[0])
-    history = model.fit(Batches(), epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(batches, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     np.savez(out + ".npz", *model.get_weights(),
              *[np.asarray(v.value) for v in model.optimizer.variables])
     with open(out + ".json", "w") as f:

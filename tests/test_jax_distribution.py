@@ -82,8 +82,8 @@ def _inject(above):
 
         setattr(cls, name, wrapped)
 
-    wrap(steps.PredictStep, "__call__")
-    wrap(steps.TestStep, "__call__")
+    wrap(steps.PredictStep, "start")  # __call__ starts, then waits
+    wrap(steps.TestStep, "start")
     wrap(training.TrainStep, "__call__")
     wrap(training.GradientAccumulator, "add")
     return calls

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Tuple
 
 import keras
 
-from keras_memfit.backend.base import NO_SPEC, Spec, StepOutcome
+from keras_memfit.backend.base import NO_SPEC, Spec, StartableStep, StepOutcome
 
 if TYPE_CHECKING:
     from keras_memfit.backend.base import Backend
 
-__all__ = ["NO_SPEC", "Spec", "StepOutcome", "SUPPORTED", "get", "name"]
+__all__ = ["NO_SPEC", "Spec", "StartableStep", "StepOutcome", "SUPPORTED", "get", "name"]
 
 SUPPORTED: Tuple[str, ...] = ("tensorflow", "jax")
 

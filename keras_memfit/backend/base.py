@@ -127,6 +127,39 @@ class Guard(Protocol):
 
 
 @runtime_checkable
+class StartedPiece(Protocol):
+    """A predict or test step started on one piece and not waited for yet.
+
+    Its new state is already the model's (the next piece's step reads it);
+    its result is not known to exist until `wait()` returned.
+    """
+
+    def wait(self) -> Any:
+        """The step's result. If the step failed, the state is put back as it
+        was before the step started, then the error is raised."""
+
+    def undo(self) -> None:
+        """Put the state back as it was before the step started (its result is dropped)."""
+
+
+@runtime_checkable
+class StartableStep(Protocol):
+    """A predict or test step that can also be started without waiting.
+
+    Where a backend's steps run asynchronously (JAX), waiting for each piece
+    before dispatching the next loses the overlap of one piece's computation
+    with the next one's dispatch; `runner.run_in_pieces` keeps one piece
+    started ahead with `start` (see there).
+    """
+
+    def __call__(self, data: Any) -> Any:
+        """Run the step on `data` and wait for it; returns its result."""
+
+    def start(self, data: Any) -> StartedPiece:
+        """Start the step on `data` without waiting for its result."""
+
+
+@runtime_checkable
 class TrainStep(Protocol):
     """One compiled train step on a batch, returning Keras's logs.
 

@@ -200,14 +200,37 @@ class ShardedStep:
         self._multiple = piece_multiple()
 
     def __call__(self, data: Any) -> Any:
+        return self.start(data).wait()
+
+    def start(self, data: Any) -> Any:
+        """Start the step on `data`'s pieces (a `backend.base.StartedPiece`)."""
         step, distribution = self.__wrapped__, self._distribution
         head, tail, _, _ = _split(data, self._multiple)
         if tail is None:
-            return step(_lay_out(head, distribution))
+            return step.start(_lay_out(head, distribution))
         if head is None:
-            return step(_replicate(tail, distribution))
-        first = step(_lay_out(head, distribution))
-        return self._combine(first, step(_replicate(tail, distribution)))
+            return step.start(_replicate(tail, distribution))
+        first = step.start(_lay_out(head, distribution))
+        return _BothStarted(first, step.start(_replicate(tail, distribution)), self._combine)
+
+
+class _BothStarted:
+    """Two steps started one after the other on a piece's rows, waited for as one."""
+
+    def __init__(self, first: Any, second: Any, combine: Callable[[Any, Any], Any]) -> None:
+        self._first, self._second, self._combine = first, second, combine
+
+    def wait(self) -> Any:
+        first = self._first.wait()  # if it failed: the state before both is back
+        try:
+            second = self._second.wait()
+        except BaseException:
+            self._first.undo()  # the second put back the first's state: undo that too
+            raise
+        return self._combine(first, second)
+
+    def undo(self) -> None:
+        self._first.undo()
 
 
 def _concatenate_outputs(first: Any, second: Any) -> Any:

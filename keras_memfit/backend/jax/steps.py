@@ -12,6 +12,11 @@ exactly as it was. The price is that the old and the new state coexist
 during a step (for predict and test, only the non-trainable and metric
 variables, which are small).
 
+A step may also be *started* (`start`: a `backend.base.StartedPiece`): its
+new state is written at once (the arrays still being computed), and
+`wait()` puts the old state back if the computation failed. The runner keeps
+one piece started ahead of the one it waits for, as Keras's own loops do.
+
 JAX compiles once per input shape, so every distinct piece size is compiled
 once (as Keras compiles its last, smaller batch).
 """
@@ -32,6 +37,7 @@ from keras_memfit.backend.jax import state as _state
 
 PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
+_WRITTEN_BY_TEST = ("non_trainable", "metrics")
 
 
 def _compile(model: keras.Model, fn: Callable) -> Callable:
@@ -72,6 +78,41 @@ class _Step:
         return model
 
 
+class Started:
+    """A step started on one piece (see `backend.base.StartedPiece`).
+
+    Args:
+        model: The model whose state the step replaced.
+        names: The parts of the state it wrote (see `state.put`).
+        before: Their values before the step.
+        result: Everything the step returns (waited for by `wait`).
+        output: What `wait` returns (a part of `result`).
+    """
+
+    __slots__ = ("_model", "_names", "_before", "_result", "_output")
+
+    def __init__(self, model: keras.Model, names: Sequence[str], before: Sequence[Any],
+                 result: Any, output: Any) -> None:
+        self._model = model
+        self._names = names
+        self._before = before
+        self._result = result
+        self._output = output
+
+    def wait(self) -> Any:
+        """The step's output, once computed; if it failed, the old state is back first."""
+        try:
+            jax.block_until_ready(self._result)
+        except BaseException:
+            self.undo()
+            raise
+        return self._output
+
+    def undo(self) -> None:
+        """Put back the state the step replaced."""
+        _state.put(self._model, self._names, self._before)
+
+
 class PredictStep(_Step):
     """`x -> outputs`: the model's `predict_step` (then `postprocess`), compiled."""
 
@@ -87,12 +128,15 @@ class PredictStep(_Step):
         super().__init__(model, predict_fn)
 
     def __call__(self, x: Any) -> Any:
+        return self.start(x).wait()
+
+    def start(self, x: Any) -> Started:
+        """Start the step on `x` (see `Started`); `wait()` returns the outputs."""
         model = self._model()
-        outputs, non_trainable = jax.block_until_ready(
-            self._compiled(*_state.get(model, PREDICT_STATE), x)
-        )
-        _state.put(model, ("non_trainable",), (non_trainable,))
-        return outputs
+        state = _state.get(model, PREDICT_STATE)
+        result = self._compiled(*state, x)
+        _state.put(model, ("non_trainable",), (result[1],))
+        return Started(model, ("non_trainable",), (state[1],), result, result[0])
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)` by tracing only (see `output_spec`)."""
@@ -139,12 +183,15 @@ class TestStep(_Step):
         super().__init__(model, test_fn)
 
     def __call__(self, data: Any) -> Any:
+        return self.start(data).wait()
+
+    def start(self, data: Any) -> Started:
+        """Start the step on `data` (see `Started`); `wait()` returns the logs."""
         model = self._model()
-        logs, non_trainable, metrics = jax.block_until_ready(
-            self._compiled(*_state.get(model, TEST_STATE), data)
-        )
-        _state.put(model, ("non_trainable", "metrics"), (non_trainable, metrics))
-        return logs
+        state = _state.get(model, TEST_STATE)
+        result = self._compiled(*state, data)
+        _state.put(model, _WRITTEN_BY_TEST, result[1:])
+        return Started(model, _WRITTEN_BY_TEST, state[1:], result, result[0])
 
 
 def make_predict_step(
