@@ -128,8 +128,9 @@ def run_in_pieces(
             `StartableStep.start`; its `StartedPiece` puts back the state of
             a failed step itself). Given, up to `AHEAD` pieces are started
             before the oldest is waited for, as Keras's loops overlap their
-            steps; `on_piece` still sees the pieces one by one, in order. After the first OOM, and while the planner measures
-            memory, pieces run one at a time with `step`.
+            steps; `on_piece` still sees the pieces one by one, in order.
+            After the first OOM, and while the planner measures memory,
+            pieces run one at a time with `step`.
 
     Returns:
         The number of samples processed.
@@ -156,9 +157,9 @@ def run_in_pieces(
 
 # At most this many pieces are left started and not waited for (starting one
 # more waits for the oldest; Keras's own loops never wait). Each holds its
-# outputs until it is waited for. Measured on a
-# small MLP at batch 32 on 2 CPU cores, safe_predict against model.predict:
-# 1 ahead 1.13x, 2 ahead 0.95x, 4 ahead 0.91x.
+# outputs until it is waited for. Measured on a small MLP at batch 32 on 2 CPU
+# cores, safe_predict against model.predict: 1 ahead 1.13x, 2 ahead 0.95x,
+# 4 ahead 0.91x (benchmarks/RESULTS.md, overhead-jax notes).
 AHEAD = 2
 
 
