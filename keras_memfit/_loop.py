@@ -151,18 +151,18 @@ class BatchLoop:
         """
         spe = self._per_execution
 
-        def attempt(piece: Any) -> Any:
+        def begin() -> None:
             if self._begun != self.batch:  # once per batch, not per retry
                 if self.batch % spe == 0:
                     self._on_batch_begin(self.batch)
                 self._begun = self.batch
+
+        def attempt(piece: Any) -> Any:
+            begin()
             return step(piece)
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:
-            if self._begun != self.batch:  # a piece started ahead: no hook saw it begin
-                if self.batch % spe == 0:
-                    self._on_batch_begin(self.batch)
-                self._begun = self.batch
+            begin()  # a piece started ahead (`start`) began here for the hooks
             logs, values = on_result(size, result)
             self.batch += 1
             self.done += size

@@ -148,7 +148,7 @@ class StartableStep(Protocol):
 
     Where a backend's steps run asynchronously (JAX), waiting for each piece
     before dispatching the next loses the overlap of one piece's computation
-    with the next one's dispatch; `runner.run_in_pieces` keeps one piece
+    with the next one's dispatch; `runner.run_in_pieces` keeps pieces
     started ahead with `start` (see there).
     """
 

@@ -15,7 +15,7 @@ variables, which are small).
 A step may also be *started* (`start`: a `backend.base.StartedPiece`): its
 new state is written at once (the arrays still being computed), and
 `wait()` puts the old state back if the computation failed. The runner keeps
-one piece started ahead of the one it waits for, as Keras's own loops do.
+pieces started ahead of the one it waits for, as Keras's own loops do.
 
 JAX compiles once per input shape, so every distinct piece size is compiled
 once (as Keras compiles its last, smaller batch).
@@ -37,7 +37,6 @@ from keras_memfit.backend.jax import state as _state
 
 PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
-_WRITTEN_BY_TEST = ("non_trainable", "metrics")
 
 
 def _compile(model: keras.Model, fn: Callable) -> Callable:
@@ -76,6 +75,24 @@ class _Step:
         if model is None:
             raise RuntimeError("the model of this compiled step was deleted")
         return model
+
+    def __call__(self, data: Any) -> Any:
+        """Run the step on `data` and wait for its result (the subclass's `start`)."""
+        return self.start(data).wait()
+
+    def _start(self, names: Sequence[str], data: Any) -> "Started":
+        """Start the compiled step on the state groups `names` and `data`.
+
+        The step returns its output, then new values of every group of
+        `names` but the first (the trainable weights, which inference leaves
+        alone); those are written at once (see `Started`).
+        """
+        model = self._model()
+        state = _state.get(model, names)
+        result = self._compiled(*state, data)
+        written = names[1:]
+        _state.put(model, written, result[1:])
+        return Started(model, written, state[1:], result, result[0])
 
 
 class Started:
@@ -127,16 +144,9 @@ class PredictStep(_Step):
 
         super().__init__(model, predict_fn)
 
-    def __call__(self, x: Any) -> Any:
-        return self.start(x).wait()
-
-    def start(self, x: Any) -> Started:
+    def start(self, x: Any) -> "Started":
         """Start the step on `x` (see `Started`); `wait()` returns the outputs."""
-        model = self._model()
-        state = _state.get(model, PREDICT_STATE)
-        result = self._compiled(*state, x)
-        _state.put(model, ("non_trainable",), (result[1],))
-        return Started(model, ("non_trainable",), (state[1],), result, result[0])
+        return self._start(PREDICT_STATE, x)
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)` by tracing only (see `output_spec`)."""
@@ -182,16 +192,9 @@ class TestStep(_Step):
 
         super().__init__(model, test_fn)
 
-    def __call__(self, data: Any) -> Any:
-        return self.start(data).wait()
-
-    def start(self, data: Any) -> Started:
+    def start(self, data: Any) -> "Started":
         """Start the step on `data` (see `Started`); `wait()` returns the logs."""
-        model = self._model()
-        state = _state.get(model, TEST_STATE)
-        result = self._compiled(*state, data)
-        _state.put(model, _WRITTEN_BY_TEST, result[1:])
-        return Started(model, _WRITTEN_BY_TEST, state[1:], result, result[0])
+        return self._start(TEST_STATE, data)
 
 
 def make_predict_step(
