@@ -92,6 +92,25 @@ def unsplittable(chunk: tuple) -> Optional[str]:
     return None
 
 
+def splittable_rows(chunk: tuple) -> Optional[int]:
+    """The rows of `chunk` if every leaf can be split by rows, else None.
+
+    `unsplittable(chunk) is None` and `data.num_rows(chunk)` in one pass over
+    the leaves, for the checks made on every batch of Keras's loop.
+
+    Example:
+        >>> splittable_rows((np.zeros((4, 2)), None, None))
+        4
+    """
+    rows = None
+    for leaf in keras.tree.flatten(chunk):
+        if not _splittable(leaf):
+            return None
+        if rows is None and leaf is not None:
+            rows = int(leaf.shape[0])
+    return 0 if rows is None else rows
+
+
 def concatenate(parts: List[Any]) -> Any:
     """The outputs of consecutive pieces as one structure, in the step's own form.
 

@@ -19,7 +19,10 @@ steps work on the state Keras holds then (the backend's `settling(model)`).
 
 Settling belongs to the thread that started the step (Keras's loop). Keras
 may read a batch's logs on a worker thread (its callbacks' asynchronous
-dispatch); such a reader waits until the loop's thread has settled the step.
+dispatch); such a reader waits for the step's computation, as it would for
+Keras's own logs (the step's `completion`), and reads the logs as they are if
+it succeeded; if it failed, it waits until the loop's thread has run the
+batch again and replaced them.
 
 Example:
     >>> logs = SettlingLogs(step_logs, settle=run.settle)
@@ -40,18 +43,30 @@ class SettlingLogs(dict):
 
     A dict, so Keras and callbacks use it as the logs they always get. Reading
     a value (`[]`, `get`, `items`, `values`, `copy`, `dict(logs)`, printing)
-    first calls `settle()` on the thread that started the step, or waits for
-    that thread to have done so on any other. Keys need no settling (they do
-    not change) and are read as a dict's.
+    first calls `settle()` on the thread that started the step. On any other
+    thread it waits for the step's computation (`completed()`) and reads the
+    values as they are if it succeeded (a step that succeeded is never run
+    again: its logs are final), else waits for that thread to have settled
+    it (and replaced the values). Keys need no settling (they do not change)
+    and are read as a dict's.
 
     Args:
         logs: The step's logs (its not yet finished arrays).
         settle: Settles the step; it calls `resolve` on these logs.
+        completed: Waits, on any thread, for the step's computation and
+            returns whether it succeeded (`StartableTrainStep.completion`);
+            None: readers on other threads always wait for `settle`.
     """
 
-    def __init__(self, logs: Dict[str, Any], settle: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        logs: Dict[str, Any],
+        settle: Callable[[], None],
+        completed: Optional[Callable[[], bool]] = None,
+    ) -> None:
         super().__init__(logs)
         self._settle = settle
+        self._completed = completed
         self._owner = threading.get_ident()
         self.resolved = False
         # Held until resolved: readers on other threads wait on it (cheaper
@@ -66,6 +81,7 @@ class SettlingLogs(dict):
             dict.update(self, logs)
         if not self.resolved:
             self.resolved = True
+            self._completed = None  # holds an array of the step's; not needed now
             self._unresolved.release()
 
     def wait(self) -> None:
@@ -79,7 +95,9 @@ class SettlingLogs(dict):
             return
         if threading.get_ident() == self._owner:
             self._settle()  # resolves these logs, if their step is still pending
-        else:
+            return
+        completed = self._completed  # read once: the owner may clear it meanwhile
+        if completed is None or not completed():
             self.wait()
 
     def __getitem__(self, key: Hashable) -> Any:

@@ -39,7 +39,8 @@ import keras
 from keras_memfit import _cache, _model_state
 from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
-from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
+from keras_memfit._batches import as_batch, as_chunk, concatenate, splittable_rows
+from keras_memfit._batches import unsplittable
 from keras_memfit._deferred import PendingBatch, SettlingLogs, StartedSteps
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
@@ -196,13 +197,13 @@ class Run:
 
     def _start_whole(self, chunk: tuple) -> Optional[Any]:
         """Start `chunk` as one train step and return its settling logs; or None."""
-        if unsplittable(chunk) is not None:
+        n = splittable_rows(chunk)
+        if n is None:
             return None
         parts = self._train_parts_for(chunk)
         step = parts.step
         if not (getattr(step, "can_defer", False) and step.snapshots_itself):
             return None
-        n = _data.num_rows(chunk)
         planner = self._planner("train", _data.signature(chunk[0]), n)
         if planner.next_size() < n:
             return None
@@ -214,7 +215,7 @@ class Run:
             if not is_retryable_oom(exc):
                 raise
             return self._started.run_again(batch)
-        batch.logs = SettlingLogs(step_logs, self.settle)
+        batch.logs = SettlingLogs(step_logs, self.settle, step.completion())
         self._started.add(batch)
         return batch.logs
 

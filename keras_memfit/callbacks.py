@@ -162,6 +162,7 @@ class MemFit(keras.callbacks.Callback):
         self._placed: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()
         self._originals: Dict[str, Any] = {}
         self._wrappers: Dict[str, Any] = {}
+        self._built: Dict[str, Any] = {}  # the functions made for the current call
         self._run: Optional[Run] = None
         self._kept_events: List[Any] = []  # the last call's, across pickling
         self._in_fit = False
@@ -182,11 +183,14 @@ class MemFit(keras.callbacks.Callback):
         """
         state = dict(self.__dict__)
         state["_kept_events"] = list(self._run.events) if self._run else self._kept_events
-        state.update(_run=None, _originals={}, _wrappers={}, _placed=None, _in_fit=False)
+        state.update(
+            _run=None, _originals={}, _wrappers={}, _built={}, _placed=None, _in_fit=False
+        )
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_built", {})  # pickled by an older keras_memfit
         self._placed = weakref.WeakSet()
 
     def set_model(self, model: Any) -> None:
@@ -204,6 +208,7 @@ class MemFit(keras.callbacks.Callback):
     def _start(self, mode: Optional[str] = None, fallback: Optional[str] = None) -> None:
         """Start a new call: Keras's own functions back, nothing remembered."""
         self._uninstall_all()
+        self._built = {}
         self._kept_events = []
         self._run = Run(self.model, mode or self.mode, self._keras_function, fallback)
 
@@ -334,12 +339,23 @@ class MemFit(keras.callbacks.Callback):
         name = f"{kind}_function"
         if name in self._originals:
             return
-        backend = _backend.get()
         # `self._model`, not `self.model`: on JAX, Callback.model makes Keras
         # write its state into the variables (and read it back at the next
         # step), twice per step for nothing; MemFit's functions take the state
         # Keras hands them.
         model = self._model
+        installed = self._built.get(name)
+        if installed is None:  # once per call and kind: Keras looks it up at every step
+            installed = self._built[name] = self._build(model, name, kind, run_batches)
+        self._originals[name] = getattr(model, name, None)
+        self._wrappers[name] = installed
+        setattr(model, name, installed)
+
+    def _build(
+        self, model: Any, name: str, kind: str, run_batches: Callable[[List[Any]], Any]
+    ) -> Callable[..., Any]:
+        """MemFit's `model.<kind>_function`, which removes itself when it returns or raises."""
+        backend = _backend.get()
         deferred = self._run if kind == "train" else None  # see keras_memfit._deferred
         function = backend.step_function(model, kind, run_batches, deferred)
 
@@ -353,9 +369,7 @@ class MemFit(keras.callbacks.Callback):
             finally:
                 self._uninstall(name)
 
-        self._originals[name] = getattr(model, name, None)
-        self._wrappers[name] = installed
-        setattr(model, name, installed)
+        return installed
 
     def _uninstall(self, name: str) -> None:
         if name not in self._originals:

@@ -83,6 +83,45 @@ def test_a_reader_on_another_thread_waits_until_the_step_is_settled(read):
     assert not settles
 
 
+def test_a_reader_on_another_thread_reads_a_step_that_succeeded_without_waiting():
+    settles, waited = [], threading.Event()
+
+    def completed():  # the step's computation: waited for, and it succeeded
+        waited.set()
+        return True
+
+    logs = SettlingLogs({"loss": 1.0}, lambda: settles.append(True), completed)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(dict(logs)))
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive() and got == [{"loss": 1.0}] and waited.is_set()
+    assert not settles and not logs.resolved  # the loop's thread settles it later
+
+
+def test_a_reader_on_another_thread_waits_for_the_rerun_of_a_step_that_failed():
+    logs = SettlingLogs({"loss": 1.0}, lambda: None, lambda: False)  # the computation failed
+    got = []
+    reader = threading.Thread(target=lambda: got.append(logs["loss"]))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive() and not got  # waits for the loop's thread
+    logs.resolve({"loss": 4.0})  # the batch ran again
+    reader.join(5)
+    assert not reader.is_alive() and got == [4.0]
+
+
+def test_resolving_drops_the_completion_and_readers_then_read_at_once():
+    calls = []
+    logs = SettlingLogs({"loss": 1.0}, lambda: None, lambda: calls.append(True) or True)
+    logs.resolve()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(logs["loss"]))
+    reader.start()
+    reader.join(5)
+    assert got == [1.0] and not calls
+
+
 def test_a_failed_settle_runs_the_batch_and_the_dropped_ones_again():
     reruns = []
 

@@ -44,13 +44,24 @@ _data = small_data
 def _fail_settles(numbers):
     """Make the started train steps numbered `numbers` (1-based, in settling order)
     fail when settled, as a step whose computation ran out of memory does: the
-    step's own failure path (state put back, later steps dropped), then a JAX OOM."""
+    step's own failure path (state put back, later steps dropped), then a JAX OOM.
+
+    The computations themselves succeed, so no reader may trust them: a step's
+    `completion` says "not known", and readers on Keras's callback threads wait
+    for the loop's thread to settle the step (as they do for a real failure)."""
     import jax
 
-    from keras_memfit.backend.jax import training
+    from keras_memfit.backend.jax import state, training
 
-    settle = training.TrainStep.settle
+    start, settle = training.TrainStep.start, training.TrainStep.settle
     count = [0]
+    outputs_of = {}  # id of a started step's witness -> every array it returned
+
+    def recording_start(self, data):
+        logs = start(self, data)
+        new_state = state.get(self._model_ref(), training.TRAIN_STATE)
+        outputs_of[id(self._pending[-1][1])] = jax.tree.leaves((logs, new_state))
+        return logs
 
     def failing_settle(self):
         if not self._pending:
@@ -60,7 +71,7 @@ def _fail_settles(numbers):
             # A failed computation's outputs are unusable, and so are those of the
             # steps that took them as input: deleted here, so any use of them raises.
             inputs = {id(a) for group in self._pending[0][0] for a in group}
-            outputs = [a for _, result in self._pending for a in jax.tree.leaves(result)]
+            outputs = [a for _, witness in self._pending for a in outputs_of[id(witness)]]
             self._roll_back()
             for a in outputs:
                 if id(a) not in inputs and not a.is_deleted():
@@ -68,8 +79,18 @@ def _fail_settles(numbers):
             raise jax.errors.JaxRuntimeError(_ALLOC)
         return settle(self)
 
+    training.TrainStep.start = recording_start
     training.TrainStep.settle = failing_settle
+    training.TrainStep.completion = lambda self: lambda: False
     return count
+
+
+def _restore_train_step(start, settle, completion):
+    from keras_memfit.backend.jax import training
+
+    training.TrainStep.start = start
+    training.TrainStep.settle = settle
+    training.TrainStep.completion = completion
 
 
 def _log_readers():
@@ -124,7 +145,8 @@ def child_a_step_that_fails_when_settled_runs_its_batch_again():
     expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                              callbacks=[reader]).history
     expected_logs = reader.logs
-    settle = training.TrainStep.settle
+    originals = (training.TrainStep.start, training.TrainStep.settle,
+                 training.TrainStep.completion)
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -146,7 +168,7 @@ def child_a_step_that_fails_when_settled_runs_its_batch_again():
             history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
                                 callbacks=[memfit, readers]).history
         finally:
-            training.TrainStep.settle = settle
+            _restore_train_step(*originals)
         assert count[0] >= 8, count[0]
         ooms = [(e["epoch"], e["step"]) for e in memfit.events if e["kind"] == "oom"]
         assert ooms == [(0, oom_batch)], memfit.events
@@ -193,10 +215,15 @@ def child_real_oom_on_a_started_step(out):
     model = real_oom_model()
     memfit = keras_memfit.MemFit()
     callbacks = [memfit]
-    if os.environ.get("KERAS_MEMFIT_SYNC_READER"):
-        # Reads each batch's logs on Keras's loop thread, outside MemFit's train
-        # function: the failed step is settled (and its batch run again) there.
-        callbacks.append(_log_readers()[0])
+    reader = {"": None, "sync": 0, "async": 1}[os.environ.get("KERAS_MEMFIT_READER", "")]
+    if reader is not None:
+        # "sync" reads each batch's logs on Keras's loop thread, outside MemFit's
+        # train function: the failed step is settled (and its batch run again)
+        # there. "async" reads them on Keras's callback threads: a reader there
+        # waits for the step's computation, and for a failed one, until the loop's
+        # thread has run the batch again.
+        reader = _log_readers()[reader]
+        callbacks.append(reader)
     history = model.fit(batches, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     np.savez(out + ".npz", *model.get_weights(),
              *[np.asarray(v.value) for v in model.optimizer.variables])
@@ -205,6 +232,8 @@ def child_real_oom_on_a_started_step(out):
             "history": {k: v for k, v in history.history.items() if not k.startswith("memfit")},
             "iterations": int(model.optimizer.iterations.value),
             "ooms": [e["step"] for e in memfit.events if e["kind"] == "oom"],
+            "logs": None if reader is None else [
+                {k: float(v) for k, v in logs.items()} for logs in reader.logs],
         }, f)
 
 
@@ -220,12 +249,14 @@ def test_started_steps_are_settled_by_the_end_of_fit_and_train_as_keras():
     run_in_jax(__file__, "child_settled_steps_leave_nothing_behind_and_equal_keras")
 
 
-@pytest.mark.parametrize("reader", ["", "sync"], ids=["no-reader", "logs-read-by-a-callback"])
+@pytest.mark.parametrize("reader", ["", "sync", "async"], ids=[
+    "no-reader", "logs-read-by-a-callback", "logs-read-on-keras-callback-threads"])
 def test_a_real_oom_on_a_started_step_equals_the_unlimited_fit(tmp_path, reader):
     free, limited = str(tmp_path / "free"), str(tmp_path / "limited")
-    run_in_jax(__file__, "child_real_oom_run", env={"KERAS_MEMFIT_JAX_OUT": free})
+    run_in_jax(__file__, "child_real_oom_run",
+               env={"KERAS_MEMFIT_JAX_OUT": free, "KERAS_MEMFIT_READER": reader})
     run_in_jax(__file__, "child_real_oom_run", address_space_gb=REAL_OOM_LIMIT_GB,
-               env={"KERAS_MEMFIT_JAX_OUT": limited, "KERAS_MEMFIT_SYNC_READER": reader})
+               env={"KERAS_MEMFIT_JAX_OUT": limited, "KERAS_MEMFIT_READER": reader})
     with open(free + ".json") as f:
         reference = json.load(f)
     with open(limited + ".json") as f:
@@ -237,3 +268,6 @@ def test_a_real_oom_on_a_started_step_equals_the_unlimited_fit(tmp_path, reader)
     expected, got = np.load(free + ".npz"), np.load(limited + ".npz")
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-4, atol=1e-6)
+    if reader:  # every batch's logs as the reader read them, the failed batch's rerun too
+        assert len(result["logs"]) == len(reference["logs"]) == 4
+        _assert_same_logs(result["logs"], reference["logs"])

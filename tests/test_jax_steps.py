@@ -120,3 +120,35 @@ def test_memfit_works_on_keras_state_and_donates_only_buffers_nothing_else_holds
 
 def test_safe_predict_takes_the_variable_lists_anew_for_each_call():
     run_in_jax(__file__, "child_safe_predict_sees_variables_added_between_calls")
+
+
+def child_settle_waits_for_every_array_the_step_writes():
+    import keras
+
+    from keras_memfit.backend.jax import state, training
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((1024,)), keras.layers.Dense(1024), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    rng = np.random.default_rng(0)
+    data = (rng.random((2048, 1024), dtype=np.float32), rng.random((2048, 1), dtype=np.float32))
+    model.fit(data[0][:8], data[1][:8], verbose=0)  # builds the optimizer and the metrics
+    step = training.make_train_step(model)
+    step(data)  # compiles; a step that ran to its end may be started
+    assert step.can_defer
+    unready_after_start = 0
+    for _ in range(3):
+        logs = step.start(data)
+        written = [a for group in state.get(model, training.TRAIN_STATE) for a in group]
+        written += list(logs.values())
+        unready_after_start += not all(a.is_ready() for a in written)
+        step.settle()
+        assert all(a.is_ready() for a in written)
+    # The step runs asynchronously, so the check above could have failed.
+    assert unready_after_start, "every start finished before it returned: nothing tested"
+
+
+def test_settle_waits_for_every_array_the_step_writes():
+    run_in_jax(__file__, "child_settle_waits_for_every_array_the_step_writes")

@@ -201,6 +201,15 @@ class StartableTrainStep(TrainStep, Protocol):
     def settle(self) -> None:
         """Wait for the started step; if it failed, put the state back and raise."""
 
+    def completion(self) -> Callable[[], bool]:
+        """For the step started last: a function that waits for its computation to end.
+
+        It may be called on any thread, changes nothing, and returns whether
+        the computation succeeded (its logs are then final: a callback's
+        thread reads them as it reads Keras's own, without waiting for the
+        loop's thread to settle the step).
+        """
+
 
 @runtime_checkable
 class Settles(Protocol):

@@ -310,6 +310,10 @@ class ShardedTrainStep:
         """`TrainStep.settle`."""
         self.__wrapped__.settle()
 
+    def completion(self) -> Any:
+        """`TrainStep.completion`."""
+        return self.__wrapped__.completion()
+
 
 class ShardedAccumulator:
     """An `Accumulator` whose micro-batches are laid out over the devices.

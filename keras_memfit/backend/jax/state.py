@@ -30,10 +30,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
@@ -111,7 +110,9 @@ class Threaded:
 
     def holds(self, names: Sequence[str]) -> bool:
         """Whether the tuple (not the variables) holds every group in `names`."""
-        return not self.materialized and all(n in self._values for n in names)
+        if self.materialized:
+            return False
+        return names is self.names or all(n in self._values for n in names)
 
     def get(self, names: Sequence[str]) -> List[List[Any]]:
         # New lists: a caller that keeps them (a train step's spare buffers)
@@ -167,8 +168,29 @@ class Threaded:
         return state
 
 
-@contextlib.contextmanager
-def threaded(model: Any, kind: str, state: Sequence[Any]) -> Iterator[Threaded]:
+class _Scope:
+    """The block of `threaded`: makes its call the one in progress on this thread.
+
+    A class rather than a generator-based context manager: entered once per
+    step of Keras's loop, where microseconds count.
+    """
+
+    __slots__ = ("_call", "_outer")
+
+    def __init__(self, call: Threaded) -> None:
+        self._call = call
+        self._outer: Optional[Threaded] = None
+
+    def __enter__(self) -> Threaded:
+        self._outer = getattr(_local, "call", None)
+        _local.call = self._call
+        return self._call
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _local.call = self._outer
+
+
+def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Threaded]:
     """Run keras_memfit's steps on Keras's state tuple `state` for the block.
 
     Raises:
@@ -176,13 +198,7 @@ def threaded(model: Any, kind: str, state: Sequence[Any]) -> Iterator[Threaded]:
     """
     if kind not in GROUPS:
         raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
-    call = Threaded(model, kind, state)
-    outer = getattr(_local, "call", None)
-    _local.call = call
-    try:
-        yield call
-    finally:
-        _local.call = outer
+    return _Scope(Threaded(model, kind, state))
 
 
 def active() -> Optional[Threaded]:

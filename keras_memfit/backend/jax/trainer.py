@@ -100,16 +100,19 @@ def step_function(
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
     model_ref = weakref.ref(model)
+    groups = _state.GROUPS[kind]
+    # Made once, set as the model's `jax_state_sync` after each call that left
+    # a step unsettled (see `_SettleBeforeSync`).
+    sync_hook = None if deferred is None else _SettleBeforeSync(model, deferred)
 
     def function(state, iterator):
         model = model_ref()
-        groups = _state.GROUPS[kind]
         if len(state) != len(groups):
             raise ValueError(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
-        if deferred is not None:
+        if sync_hook is not None:
             model.__dict__.pop("jax_state_sync", None)  # settled here instead
         try:
             with _state.threaded(model, kind, state) as call:
@@ -125,34 +128,42 @@ def step_function(
                     state = call.finish()
                     _publish(model, kind, state)
         finally:
-            if deferred is not None and deferred.pending:
-                _settle_before_sync(model, kind, deferred)
+            if sync_hook is not None and deferred.pending:
+                sync_hook.install(model)
         return result, state
 
     return function
 
 
-def _settle_before_sync(model: keras.Model, kind: str, deferred: Settles) -> None:
-    """Until the next call, make Keras's `jax_state_sync` settle `deferred` first.
+class _SettleBeforeSync:
+    """Until the next call, Keras's `jax_state_sync` settles `deferred` first.
 
     Keras writes its state tuple into the model's variables with
     `jax_state_sync` (at the end of an epoch, in `fit`'s closing `finally`,
     and when a callback reads `Callback.model`); the step left unsettled
-    must be settled (and its batch run again if it failed) before that. An
-    attribute of the model that shadows the method, removed at its first use
-    on the loop's thread or at the next call of the step function.
+    must be settled (and its batch run again if it failed) before that.
+    `install` sets this as an attribute of the model that shadows the
+    method; it is removed at its first use on the loop's thread or at the
+    next call of the step function.
     """
-    model_ref = weakref.ref(model)
-    loop_thread = threading.get_ident()
 
-    def jax_state_sync():
-        model = model_ref()
-        if threading.get_ident() == loop_thread:
+    def __init__(self, model: keras.Model, deferred: Settles) -> None:
+        self._model_ref = weakref.ref(model)
+        self._deferred = deferred
+        self._loop_thread: Optional[int] = None
+
+    def install(self, model: keras.Model) -> None:
+        """Shadow `model.jax_state_sync` (called on the loop's thread)."""
+        self._loop_thread = threading.get_ident()
+        object.__setattr__(model, "jax_state_sync", self)
+
+    def __call__(self) -> Any:
+        model = self._model_ref()
+        if threading.get_ident() == self._loop_thread:
             model.__dict__.pop("jax_state_sync", None)
-        deferred.settle()  # in `settling(model)`; on a callback's thread, waits for the loop's
+        # In `settling(model)`; on a callback's thread, waits for the loop's.
+        self._deferred.settle()
         return type(model).jax_state_sync(model)
-
-    object.__setattr__(model, "jax_state_sync", jax_state_sync)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,7 @@ class TrainStep:
             return train_fn(trainable, non_trainable, optimizer, metrics, data)
 
         self._step = _compile(model, train_fn)
+        self._compiled = self._step is not train_fn
         # The same step, writing its new state into the buffers of `spare`
         # (donated; unused otherwise): see `_spare_buffers`.
         self._step_into = (
@@ -95,7 +96,8 @@ class TrainStep:
             if self._step is not train_fn else None
         )
         self._spare: Optional[List[List[Any]]] = None
-        # (the state it started from, its outputs) per started, unsettled step, oldest first
+        # (the state it started from, what settles it waits for: see `_witness`)
+        # per started, unsettled step, oldest first
         self._pending: List[Tuple[List[List[Any]], Any]] = []
         self._proven = False  # a step has run to its end (compiled, donation accepted)
         self.last_outcome: Optional[StepOutcome] = None
@@ -152,8 +154,44 @@ class TrainStep:
             self.last_outcome = StepOutcome.UNTOUCHED
             raise
         _state.put(model, TRAIN_STATE, state)
-        self._pending.append((current, (logs, state)))
+        self._pending.append((current, self._witness(current, logs, state)))
         return logs
+
+    def completion(self) -> Callable[[], bool]:
+        """For the step started last: waits for its computation; whether it succeeded.
+
+        Waits as a reader of Keras's own logs waits (for the arrays), on any
+        thread, and changes nothing: the state is put back only by `settle`,
+        on the thread that started the step.
+        """
+        witness = self._pending[-1][1]
+
+        def succeeded() -> bool:
+            try:
+                jax.block_until_ready(witness)
+            except Exception:  # what it raised is `settle`'s to handle
+                return False
+            return True
+
+        return succeeded
+
+    def _witness(self, current: List[List[Any]], logs: Any, state: Any) -> Any:
+        """What `settle` waits for: one array the step's computation wrote, or all its outputs.
+
+        A compiled step is one XLA computation: its outputs become ready
+        together, and all carry its error if it failed. So waiting for one
+        of them is waiting for the step, at a fraction of the cost of
+        walking all of them (JAX returns an input the step passed through
+        unchanged as the same array, which the computation did not write,
+        so the array chosen is one that differs from the state it started
+        from). A step that runs eagerly is many computations: all outputs.
+        """
+        if self._compiled:
+            for old_group, group in zip(current, state):
+                for old, new in zip(old_group, group):
+                    if new is not old:
+                        return new
+        return (logs, state)
 
     def settle(self) -> None:
         """Wait for the oldest started step; if it failed, undo it and raise its error.
@@ -168,9 +206,9 @@ class TrainStep:
         """
         if not self._pending:
             return
-        current, outputs = self._pending[0]
+        current, witness = self._pending[0]
         try:
-            jax.block_until_ready(outputs)
+            jax.block_until_ready(witness)
         except BaseException:  # an interrupt too: the caller forgets every started step
             self._roll_back()
             raise

@@ -1,0 +1,246 @@
+"""Where MemFit's time per training step goes on JAX, against Keras's own step.
+
+MemFit's fit overhead (`benchmarks/overhead.py`) is one number. This splits it,
+timing three loops over the same batches in one process, interleaved:
+
+- "Keras's step": Keras's compiled train step (`jax.jit(model.train_step,
+  donate_argnums=0)`, as `make_train_function` compiles it), called on Keras's
+  state tuple batch after batch, never waited for until the end, as Keras's
+  loop calls it. The reference.
+- "keras_memfit's step": keras_memfit's `TrainStep` on the same state tuple
+  (inside `state.threaded`, as in MemFit's train function), each step started
+  and settled (waited for) after the next one started: MemFit's steady state
+  without Keras's loop or MemFit's bookkeeping. What it costs over the
+  reference is what keeping the state through an OOM costs (a step that does
+  not donate the state it starts from, and the wait that catches its OOM
+  before anything depends on its result).
+- `model.fit` with `callbacks=[MemFit()]` against the same `model.fit` without:
+  everything, as `benchmarks/overhead.py` measures it.
+
+Two models: the overhead benchmark's MLP (784-256-128-10, adam) and a tiny
+Dense(1) model, whose step is almost all host time (the case of a small model
+on a GPU, where the host dispatches and the device waits). Reported per loop:
+median seconds, the ratio of medians to its reference, and the extra
+microseconds per step.
+
+Usage (from the repository root; JAX needed, TensorFlow not):
+    python -m benchmarks.jax_floor            # full run; writes its section
+                                              # of benchmarks/RESULTS.md
+    python -m benchmarks.jax_floor --quick    # seconds-long smoke run; writes
+                                              # nothing unless --write is given
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+KEY = "jax-floor"
+MODELS = ("mlp", "tiny")
+BATCH = {"mlp": 32, "tiny": 8}
+
+
+def _model(name: str):
+    import keras
+
+    from benchmarks.overhead import build
+
+    keras.utils.set_random_seed(0)
+    if name == "mlp":
+        return build("mlp")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _data(name: str, steps: int) -> Tuple[np.ndarray, np.ndarray]:
+    from benchmarks.overhead import make_data
+
+    n = steps * BATCH[name]
+    if name == "mlp":
+        return make_data("mlp", n)
+    rng = np.random.default_rng(0)
+    return rng.random((n, 4), dtype=np.float32), rng.random((n, 1), dtype=np.float32)
+
+
+def _loops(name: str, steps: int) -> Tuple[Callable[[], None], Dict[str, Callable[[], float]]]:
+    """A check that the two step loops agree, and the timed loops of one model."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_memfit import MemFit
+    from keras_memfit.backend.jax import state as state_lib
+    from keras_memfit.backend.jax import training
+
+    x, y = _data(name, steps)
+    model = _model(name)
+    b = BATCH[name]
+    model.fit(x[:b], y[:b], batch_size=b, verbose=0)  # builds the optimizer and metrics
+    initial = [list(state_lib.read(training.train_state(model)[i])) for i in range(4)]
+    batches = [(jnp.asarray(x[i:i + b]), jnp.asarray(y[i:i + b])) for i in range(0, len(x), b)]
+    keras_step = jax.jit(model.train_step, donate_argnums=0)
+    memfit_step = training.TrainStep(model)
+    memfit_step(batches[0])  # compiles; a step that ran to its end may be started
+
+    finals: Dict[str, list] = {}  # each step loop's last trainable weights
+
+    def fresh_state() -> tuple:
+        return tuple([jnp.copy(a) for a in group] for group in initial)
+
+    def keras_loop() -> float:
+        state = fresh_state()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for batch in batches:
+            _, state = keras_step(state, batch)
+        jax.block_until_ready(state)
+        seconds = time.perf_counter() - start
+        finals["keras"] = state[0]
+        return seconds
+
+    def memfit_loop() -> float:
+        state = fresh_state()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        with state_lib.threaded(model, "train", state) as call:
+            for i, batch in enumerate(batches):
+                memfit_step.start(batch)
+                if i:
+                    memfit_step.settle()  # the step before: MemFit's steady state
+            memfit_step.settle()
+            state = call.finish()
+            jax.block_until_ready(state)
+        seconds = time.perf_counter() - start
+        finals["memfit"] = state[0]
+        return seconds
+
+    def check() -> None:
+        """Both step loops trained the same weights (run after each has run once)."""
+        for got, expected in zip(finals["memfit"], finals["keras"]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected),
+                                       rtol=1e-4, atol=1e-6)
+
+    def fit(callbacks: Callable[[], list]) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks())
+            return time.perf_counter() - start
+        return run
+
+    return check, {
+        "Keras's step": keras_loop,
+        "keras_memfit's step": memfit_loop,
+        "model.fit": fit(list),
+        "model.fit + MemFit": fit(lambda: [MemFit()]),
+    }
+
+
+REFERENCE = {"keras_memfit's step": "Keras's step", "model.fit + MemFit": "model.fit"}
+
+
+def measure(name: str, steps: int, repeats: int) -> List[Tuple[str, float, float, float]]:
+    """Rows of (loop, median seconds, ratio to its reference, extra us/step)."""
+    check, loops = _loops(name, steps)
+    for loop in loops.values():  # warm-up: compilation, first-call caches
+        loop()
+    check()
+    times: Dict[str, List[float]] = {label: [] for label in loops}
+    order = list(loops)
+    for r in range(repeats):
+        for label in order if r % 2 == 0 else order[::-1]:
+            gc.collect()
+            times[label].append(loops[label]())
+    medians = {label: float(np.median(t)) for label, t in times.items()}
+    rows = []
+    for label in loops:
+        ref = REFERENCE.get(label, label)
+        extra = (medians[label] - medians[ref]) / steps * 1e6
+        rows.append((label, medians[label], medians[label] / medians[ref], extra))
+    return rows
+
+
+def section_markdown(results: Dict[str, list], info: Dict[str, str], argv: List[str],
+                     steps: int, repeats: int) -> str:
+    command = "python -m benchmarks.jax_floor" + ("" if not argv else " " + " ".join(argv))
+    machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+    table = ["| Model | Batch | Loop | Median s | Ratio to its reference | Extra us/step |",
+             "|---|---:|---|---:|---:|---:|"]
+    for name, rows in results.items():
+        for label, median, ratio, extra in rows:
+            table.append(f"| {name} | {BATCH[name]} | {label} | {median:.3f} | "
+                         f"**{ratio:.3f}** | {extra:+.1f} |")
+    table_text = "\n".join(table)
+    return f"""## Where MemFit's time per training step goes, JAX backend
+
+Generated by `{command}`.
+
+{steps} training steps per loop, {repeats} timed runs of each loop, interleaved
+(alternating the order); the references are "Keras's step" (Keras's compiled,
+state-donating train step, never waited for until the end, as Keras's loop calls
+it) and `model.fit` without the callback. "keras_memfit's step" is MemFit's steady
+state without Keras's loop: keras_memfit's train step, which does not donate the
+state it starts from, each step settled after the next one started. See the
+module docstring of `benchmarks/jax_floor.py`.
+
+| Machine | |
+|---|---|
+{machine}
+
+{table_text}
+"""
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="steps per loop (default 1000)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 9)")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--write", action="store_true",
+                        help="write the section (the default without --quick)")
+    parser.add_argument("--output", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import keras
+
+    if keras.backend.backend() != "jax":
+        print(f"error: benchmarks.jax_floor needs KERAS_BACKEND=jax; received "
+              f"KERAS_BACKEND={keras.backend.backend()}", file=sys.stderr)
+        return 2
+    steps = args.steps or (20 if args.quick else 1000)
+    repeats = args.repeats or (2 if args.quick else 9)
+    info = {"Date (UTC)": common.now_utc(), "CPU": common.cpu_model(),
+            "CPU count (usable / total)": common.usable_cpus(),
+            "Load average at start (1/5/15 min)": common.load_average(), **common.versions()}
+    results = {}
+    for name in args.models:
+        results[name] = rows = measure(name, steps, repeats)
+        for label, median, ratio, extra in rows:
+            print(f"{name:5s} {label:22s} {median:8.3f} s  ratio {ratio:.3f}  "
+                  f"extra {extra:+7.1f} us/step")
+    if args.write or not args.quick:
+        common.write_section(args.output, KEY, section_markdown(
+            results, info, argv, steps, repeats))
+        print(f"\nwrote section '{KEY}' of {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
