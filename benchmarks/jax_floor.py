@@ -87,7 +87,7 @@ def _loops(name: str, steps: int) -> Tuple[Callable[[], None], Dict[str, Callabl
     model = _model(name)
     b = BATCH[name]
     model.fit(x[:b], y[:b], batch_size=b, verbose=0)  # builds the optimizer and metrics
-    initial = [list(state_lib.read(training.train_state(model)[i])) for i in range(4)]
+    initial = [state_lib.read(group) for group in training.train_state(model)]
     batches = [(jnp.asarray(x[i:i + b]), jnp.asarray(y[i:i + b])) for i in range(0, len(x), b)]
     keras_step = jax.jit(model.train_step, donate_argnums=0)
     memfit_step = training.TrainStep(model)

@@ -310,7 +310,7 @@ class ShardedTrainStep:
         """`TrainStep.settle`."""
         self.__wrapped__.settle()
 
-    def completion(self) -> Any:
+    def completion(self) -> Callable[[], bool]:
         """`TrainStep.completion`."""
         return self.__wrapped__.completion()
 

@@ -1,0 +1,44 @@
+"""Smoke test: `benchmarks/jax_floor.py` runs end to end on JAX in its quick mode.
+
+Only that it runs, checks its own work (its two step loops train the same
+weights) and writes its section is tested here; what it measures is recorded
+in benchmarks/RESULTS.md, never asserted in a timed unit test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.jax_support import requires_jax
+
+pytestmark = requires_jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_jax_floor_quick_run_checks_its_loops_and_writes_its_section(tmp_path):
+    output = tmp_path / "RESULTS.md"
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.jax_floor", "--quick", "--write",
+         "--output", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = output.read_text()
+    assert text.count("<!-- BEGIN benchmark: jax-floor -->") == 1
+    for model, batch in (("mlp", 32), ("tiny", 8)):
+        for loop in ("Keras's step", "keras_memfit's step", "model.fit", "model.fit + MemFit"):
+            assert f"| {model} | {batch} | {loop} |" in text, (model, loop)
+
+
+def test_jax_floor_refuses_another_backend():
+    env = dict(os.environ, KERAS_BACKEND="numpy")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.jax_floor", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "needs KERAS_BACKEND=jax; received KERAS_BACKEND=numpy" in proc.stderr
