@@ -93,7 +93,7 @@ class TrainStep:
         # (donated; unused otherwise): see `_spare_buffers`.
         self._step_into = (
             jax.jit(train_into_fn, donate_argnums=5, keep_unused=True)
-            if self._step is not train_fn else None
+            if self._compiled else None
         )
         self._spare: Optional[List[List[Any]]] = None
         # (the state it started from, what settles it waits for: see `_witness`)
