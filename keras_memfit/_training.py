@@ -30,7 +30,6 @@ one of those runs out of memory does MemFit raise, naming what it received.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -39,13 +38,11 @@ import keras
 from keras_memfit import _cache, _model_state
 from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
-from keras_memfit._batches import as_batch, as_chunk, concatenate, splittable_rows
-from keras_memfit._batches import unsplittable
-from keras_memfit._deferred import PendingBatch, SettlingLogs, StartedSteps
+from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
 from keras_memfit import data as _data
 from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
 from keras_memfit.evaluate import test_step_and_guard
-from keras_memfit.oom import OutOfMemoryError, is_oom_error, is_retryable_oom
+from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planner import BatchPlanner, Event
 from keras_memfit.predict import predict_step
 from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
@@ -63,7 +60,14 @@ STATE_KEPT = (
 UPDATE_OOM = (
     "The optimizer update itself ran out of memory; its memory does not depend on the "
     "batch size, so splitting the batch cannot help, and the weights and optimizer "
-    "slots may be partly updated."
+    "slots may be partly updated (TensorFlow) or lost (JAX, whose update works in "
+    "place on the state it was given)."
+)
+UPDATE_BEGAN = (
+    "Memory ran out after the optimizer update had begun, so the step cannot be run "
+    "again: the weights and optimizer slots may be partly updated (TensorFlow) or lost "
+    "(JAX, whose update works in place on the state it was given). Restart from a "
+    "checkpoint with a smaller batch_size."
 )
 
 
@@ -130,7 +134,6 @@ class Run:
         self._test_parts: Optional[Tuple[Any, Guard]] = None
         self._predict_step: Any = None
         self._unsplittable: Optional[str] = None
-        self._started = StartedSteps(self._rerun)  # train steps started, not settled
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
         # Under a tf.distribute strategy, batches are split per replica.
@@ -147,24 +150,7 @@ class Run:
 
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
-        """Train on each Keras batch; returns the last one's logs.
-
-        A single batch that the planner lets run whole, on a step that can be
-        started without waiting (`StartableTrainStep`), is only started (see
-        `keras_memfit._deferred`): until the first OOM, before the previous
-        batch's step is settled, so that the two overlap as in Keras's own
-        loop; after it, once the previous one is settled (one copy of the
-        training state less).
-        """
-        started = self._started
-        if len(batches) == 1 and self._replicas is None:
-            if not started.overlap:
-                started.settle()
-            logs = self._start_whole(as_chunk(batches[0]))
-            if logs is not None:
-                started.settle(keep_newest=True)
-                return logs
-        started.settle()
+        """Train on each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.train(batches)
         if self._passed_through("train", batches):
@@ -173,78 +159,6 @@ class Run:
         for batch in batches:
             logs = self._train_batch(as_chunk(batch))
         return logs
-
-    @property
-    def pending(self) -> bool:
-        """Whether a started train step is not settled yet."""
-        return bool(self._started)
-
-    def settle(self) -> None:
-        """Wait for the started train steps (see `keras_memfit._deferred.StartedSteps`).
-
-        Called from outside MemFit's train function too (a callback reading a
-        batch's logs, Keras syncing its state): the backend's `settling`
-        context gives the steps the state Keras holds then.
-        """
-        started = self._started
-        if not started:
-            return
-        if not started.owned_here():
-            started.settle()  # waits for the loop's thread (a callback's thread pool)
-            return
-        with _backend.get().settling(self.model):
-            started.settle()
-
-    def _start_whole(self, chunk: tuple) -> Optional[Any]:
-        """Start `chunk` as one train step and return its settling logs; or None."""
-        n = splittable_rows(chunk)
-        if n is None:
-            return None
-        parts = self._train_parts_for(chunk)
-        step = parts.step
-        if not (getattr(step, "can_defer", False) and step.snapshots_itself):
-            return None
-        planner = self._planner("train", _data.signature(chunk[0]), n)
-        if planner.next_size() < n:
-            return None
-        planner.started(n)
-        batch = PendingBatch(chunk, n, planner, step, self.step)
-        try:
-            step_logs = step.start(as_batch(chunk))
-        except Exception as exc:
-            if not is_retryable_oom(exc):
-                raise
-            return self._started.run_again(batch)
-        batch.logs = SettlingLogs(step_logs, self.settle, step.completion())
-        self._started.add(batch)
-        return batch.logs
-
-    def _rerun(self, batch: PendingBatch, failed: bool, learn: bool) -> Any:
-        """Run a started step's batch again (see `StartedSteps`); its logs.
-
-        With `learn`, as `run_in_pieces` does after an OOM of a whole batch:
-        the planner learns the failure (or there is no smaller size:
-        `OutOfMemoryError`), then the batch runs as pieces. Without, it is
-        tried whole first. Events are located at the batch's own step.
-        """
-        step, self.step = self.step, batch.index
-        try:
-            if failed and not learn:
-                self.epoch_ooms += 1
-                logger.warning(
-                    "MemFit: batch %d of epoch %d (%d samples) ran out of memory while its "
-                    "step overlapped the previous one; running it again whole, with no "
-                    "overlap from now on (one copy of the training state less)",
-                    batch.index, self.epoch, batch.rows,
-                )
-            if learn and not batch.planner.failed(batch.rows):
-                raise self._oom_error(batch.chunk, batch.planner, STATE_KEPT)
-            if failed:
-                gc.collect()
-            return self._train_batch(batch.chunk)
-        finally:
-            self._note_events(batch.rows)
-            self.step = step
 
     def _train_batch(self, chunk: tuple) -> Any:
         parts = self._train_parts_for(chunk)
@@ -277,7 +191,7 @@ class Run:
                 return step(as_batch(piece))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
-                    raise self._oom_error(piece, planner, UPDATE_OOM) from exc
+                    raise self._oom_error(piece, planner, UPDATE_BEGAN) from exc
                 raise
 
         return run

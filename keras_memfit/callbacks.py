@@ -20,18 +20,16 @@ of memory. Then:
   `train_step`s and for users who prefer it. The number of optimizer steps
   then grows with the split.
 
-A step that failed leaves no trace: weights and optimizer slots are updated
-only after every gradient exists (so an OOM in the forward or backward pass
-has not touched them), and the small state a failed step may have updated
-(iteration counters, metric and loss-tracker variables, BatchNorm moving
-statistics, RNG seed states) is snapshotted before every step and restored.
-
-On JAX, whose steps run asynchronously, a batch that runs whole is started
-and settled after the next batch's step has started, as Keras's own loop
-overlaps its steps; whatever reads its result (Keras syncing its state, a
-callback reading its logs) settles it first, and a step that ran out of
-memory is undone and its batch run again before anything sees it
-(`keras_memfit._deferred`).
+A step that failed leaves no trace. The small state a failed step may have
+updated (iteration counters, metric and loss-tracker variables, BatchNorm
+moving statistics, RNG seed states) is put back, and a step tells whether its
+optimizer update had begun when it ran out of memory: such a step is not
+retried (MemFit raises `OutOfMemoryError`, saying so). On JAX the forward and
+backward pass, where an OOM happens, is a program that donates nothing, and
+the optimizer update runs after it, in place (see
+`keras_memfit.backend.jax.training`); on TensorFlow the step tells from
+counters its update sets (see `keras_memfit.backend.tensorflow.training`).
+Either way MemFit's step holds no more memory than Keras's own.
 
 Not exact, by nature: layers that compute batch statistics (BatchNormalization
 in training) see each micro-batch on its own, and their moving statistics are
@@ -231,7 +229,6 @@ class MemFit(keras.callbacks.Callback):
         self._epochs = 0
 
     def on_train_end(self, logs=None):
-        self._run.settle()  # Keras's last state sync settled it already
         self._uninstall_all()
         self._in_fit = False
         self._summarize("fit")
@@ -356,8 +353,7 @@ class MemFit(keras.callbacks.Callback):
     ) -> Callable[..., Any]:
         """MemFit's `model.<kind>_function`, which removes itself when it returns or raises."""
         backend = _backend.get()
-        deferred = self._run if kind == "train" else None  # see keras_memfit._deferred
-        function = backend.step_function(model, kind, run_batches, deferred)
+        function = backend.step_function(model, kind, run_batches)
 
         def installed(*args, **kwargs):
             try:

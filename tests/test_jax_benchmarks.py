@@ -29,7 +29,7 @@ def test_jax_floor_quick_run_checks_its_loops_and_writes_its_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = output.read_text()
     assert text.count("<!-- BEGIN benchmark: jax-floor -->") == 1
-    for model, batch in (("mlp", 32), ("tiny", 8)):
+    for model, batch in (("cnn", 64), ("mlp", 32), ("tiny", 8)):
         for loop in ("Keras's step", "keras_memfit's step", "model.fit", "model.fit + MemFit"):
             assert f"| {model} | {batch} | {loop} |" in text, (model, loop)
 

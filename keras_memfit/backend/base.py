@@ -107,7 +107,8 @@ class StepOutcome(enum.Enum):
             anything); nothing to undo.
         RESTORED: It ran part-way; the small state it touched is back.
         UPDATE_BEGAN: The optimizer update had begun: weights may be partly
-            updated, so the step must not be retried.
+            updated (TensorFlow) or lost (JAX, whose update program works in
+            place on the state it was given), so the step must not be retried.
     """
 
     UNTOUCHED = "untouched"
@@ -180,56 +181,6 @@ class TrainStep(Protocol):
 
 
 @runtime_checkable
-class StartableTrainStep(TrainStep, Protocol):
-    """A `TrainStep` that can also be started without waiting for its result.
-
-    Where a backend's steps run asynchronously (JAX), waiting for every step
-    costs the overlap of one step's computation with the next one's
-    dispatch; `start` and `settle` keep it (see `keras_memfit._deferred`).
-
-    Attributes:
-        can_defer: Whether `start` may be used now (e.g. once a step ran to
-            its end, so that what `settle` raises is what a computation
-            raised).
-    """
-
-    can_defer: bool
-
-    def start(self, data: Any) -> Dict[str, Any]:
-        """Start one step on `data`; its new state is the model's at once."""
-
-    def settle(self) -> None:
-        """Wait for the started step; if it failed, put the state back and raise."""
-
-    def completion(self) -> Callable[[], bool]:
-        """For the step started last: a function that waits for its computation to end.
-
-        It may be called on any thread, changes nothing, and returns whether
-        the computation succeeded (its logs are then final: a callback's
-        thread reads them as it reads Keras's own, without waiting for the
-        loop's thread to settle the step).
-        """
-
-
-@runtime_checkable
-class Settles(Protocol):
-    """What holds a started, unsettled train step (MemFit's run), for the trainer hook.
-
-    Attributes:
-        pending: Whether a started step is not settled yet.
-    """
-
-    pending: bool
-
-    def settle(self) -> None:
-        """Wait for the started step; run its batch again if it failed.
-
-        Called outside the step function (Keras syncing its state), it works
-        on the state Keras holds then, in the backend's `settling(model)`.
-        """
-
-
-@runtime_checkable
 class Accumulator(Protocol):
     """Sums weighted micro-batch gradients and applies them as one optimizer step."""
 
@@ -288,16 +239,10 @@ class Backend(Protocol):
     def make_accumulator(self, model: Any) -> Accumulator: ...
 
     # trainer: Keras's step functions in this backend's calling convention.
-    # `deferred`: MemFit's run, when its train steps may be left unsettled
-    # (`StartableTrainStep`); the hook settles it before Keras may read them.
     def step_function(
-        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any],
-        deferred: Optional[Settles] = None,
+        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
     ) -> Callable: ...
     def is_end_of_data(self, exc: BaseException) -> bool: ...
-    # Where MemFit settles started train steps outside its step function (a
-    # callback reading logs): the state Keras holds then (JAX), or nothing.
-    def settling(self, model: Any) -> ContextManager[Any]: ...
     # Keras's own step function (saved before MemFit installed its own) on
     # batches MemFit passes through unsplit.
     def call_keras_function(

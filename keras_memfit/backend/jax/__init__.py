@@ -6,10 +6,12 @@ One module per concern, the same names in every backend package: `oom`,
 devices). This module exports the names of the `Backend` protocol.
 
 Keras's JAX trainer donates the model's state to its compiled steps, so an
-out-of-memory error loses the model. Every step here is compiled without
-donation and writes the new state only once it succeeded (see `steps`), or
-keeps the state it started from until it is settled (`training.TrainStep`);
-inside Keras's loops they work on Keras's own state tuple (see `state`).
+out-of-memory error loses the model. Here what can run out of memory donates
+nothing and writes the new state only once it succeeded (see `steps`); the
+train step's optimizer update, which needs no memory that grows with the
+batch, runs as a second program that updates the state in place
+(`training.TrainStep`). Inside Keras's loops the steps work on Keras's own
+state tuple (see `state`).
 `memory_report` traces the model with `jax.eval_shape` (`tracing`). Not
 implemented yet: `place` (`devices`) raises `NotImplementedError`.
 """
@@ -50,7 +52,6 @@ from keras_memfit.backend.jax.tracing import trace_layer_calls
 from keras_memfit.backend.jax.trainer import (
     call_keras_function,
     is_end_of_data,
-    settling,
     step_function,
 )
 from keras_memfit.backend.jax.training import (
@@ -78,7 +79,7 @@ __all__ = [
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
     "uses_distribution",
     # trainer
-    "call_keras_function", "is_end_of_data", "settling", "step_function",
+    "call_keras_function", "is_end_of_data", "step_function",
     # devices
     "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",

@@ -290,10 +290,6 @@ class ShardedTrainStep:
     def last_outcome(self) -> Any:
         return self.__wrapped__.last_outcome
 
-    @property
-    def can_defer(self) -> bool:
-        return self.__wrapped__.can_defer
-
     def _laid_out(self, data: Any) -> Any:
         if _leaves_rows(data) % self._multiple:
             return _replicate(data, self._distribution)
@@ -301,18 +297,6 @@ class ShardedTrainStep:
 
     def __call__(self, data: Any) -> Any:
         return self.__wrapped__(self._laid_out(data))
-
-    def start(self, data: Any) -> Any:
-        """`TrainStep.start` on the piece laid out over the devices."""
-        return self.__wrapped__.start(self._laid_out(data))
-
-    def settle(self) -> None:
-        """`TrainStep.settle`."""
-        self.__wrapped__.settle()
-
-    def completion(self) -> Callable[[], bool]:
-        """`TrainStep.completion`."""
-        return self.__wrapped__.completion()
 
 
 class ShardedAccumulator:

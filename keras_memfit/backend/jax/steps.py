@@ -24,7 +24,7 @@ once (as Keras compiles its last, smaller batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import jax
 import keras
@@ -39,11 +39,15 @@ PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
 
 
-def _compile(model: keras.Model, fn: Callable) -> Callable:
-    """`fn` jitted as Keras would compile the model's steps, but donating nothing."""
+def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] = ()) -> Callable:
+    """`fn` jitted as Keras would compile the model's steps, donating only `donate_argnums`.
+
+    Keras donates the whole state; the steps here donate nothing by default.
+    A model that runs eagerly gets `fn` itself (nothing is donated then).
+    """
     if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
         return fn
-    return jax.jit(fn)
+    return jax.jit(fn, donate_argnums=donate_argnums) if donate_argnums else jax.jit(fn)
 
 
 def values(variables: Sequence[Any]) -> List[Any]:

@@ -13,24 +13,19 @@ at the end of the epoch (`jax_state_sync`).
 `run_batches(list_of_batches)`: it pulls up to `steps_per_execution`
 batches and runs them with keras_memfit's steps working on `state` itself,
 as Keras's own steps do (`state.threaded`: the variables are not touched on
-the way), and returns the result with the new state. The steps donate
-nothing of the state they start from, so whatever they raise, the state
-Keras holds is whole. A train step MemFit started and left unsettled
-(`keras_memfit._deferred`) is settled before Keras can write the state into
-the variables: the hook makes `jax_state_sync` settle it first.
+the way), and returns the result with the new state. What can run out of
+memory in them donates nothing of the state it starts from (see `training`),
+so whatever they raise, the state Keras holds is whole.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List
 
 import keras
 
 from keras_memfit import _batches
-from keras_memfit.backend.base import Settles
 from keras_memfit.backend.jax import state as _state
 
 _KINDS = ("train", "test", "predict")
@@ -70,7 +65,6 @@ def step_function(
     model: keras.Model,
     kind: str,
     run_batches: Callable[[List[Any]], Any],
-    deferred: Optional[Settles] = None,
 ) -> Callable[[Any, Any], Any]:
     """A replacement for `model.<kind>_function` that runs `run_batches`.
 
@@ -79,13 +73,6 @@ def step_function(
         kind: "train", "test" or "predict".
         run_batches: Runs a list of Keras batches; returns what Keras expects
             of the function (the logs; for "predict", the batches' outputs).
-        deferred: What holds the train steps `run_batches` may leave
-            unsettled (MemFit's run; see `keras_memfit._deferred`), which
-            settles them itself when it runs the next batches. The hook
-            settles them when the iterator has no batch left, and, while one
-            is unsettled after a call, before Keras writes the state into the
-            model's variables (`jax_state_sync`: at the end of an epoch, or
-            when a callback reads `Callback.model`).
 
     Returns:
         `function(state, iterator) -> (result, state)`, pulling up to
@@ -101,9 +88,6 @@ def step_function(
         raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
     model_ref = weakref.ref(model)
     groups = _state.GROUPS[kind]
-    # Made once, set as the model's `jax_state_sync` after each call that left
-    # a step unsettled (see `_SettleBeforeSync`).
-    sync_hook = None if deferred is None else _SettleBeforeSync(model, deferred)
 
     def function(state, iterator):
         model = model_ref()
@@ -112,94 +96,16 @@ def step_function(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
-        if sync_hook is not None:
-            model.__dict__.pop("jax_state_sync", None)  # settled here instead
-        try:
-            with _state.threaded(model, kind, state) as call:
-                try:
-                    try:
-                        batches = next_batches(iterator, model.steps_per_execution)
-                    except BaseException:
-                        if deferred is not None:
-                            deferred.settle()  # the end of the epoch's data
-                        raise
-                    result = run_batches(batches)
-                finally:
-                    state = call.finish()
-                    _publish(model, kind, state)
-        finally:
-            if sync_hook is not None and deferred.pending:
-                sync_hook.install(model)
+        with _state.threaded(model, kind, state) as call:
+            try:
+                batches = next_batches(iterator, model.steps_per_execution)
+                result = run_batches(batches)
+            finally:
+                state = call.finish()
+                _publish(model, kind, state)
         return result, state
 
     return function
-
-
-class _SettleBeforeSync:
-    """Until the next call, Keras's `jax_state_sync` settles `deferred` first.
-
-    Keras writes its state tuple into the model's variables with
-    `jax_state_sync` (at the end of an epoch, in `fit`'s closing `finally`,
-    and when a callback reads `Callback.model`); the step left unsettled
-    must be settled (and its batch run again if it failed) before that.
-    `install` sets this as an attribute of the model that shadows the
-    method; it is removed at its first use on the loop's thread or at the
-    next call of the step function.
-    """
-
-    def __init__(self, model: keras.Model, deferred: Settles) -> None:
-        self._model_ref = weakref.ref(model)
-        self._deferred = deferred
-        self._loop_thread: Optional[int] = None
-
-    def install(self, model: keras.Model) -> None:
-        """Shadow `model.jax_state_sync` (called on the loop's thread)."""
-        self._loop_thread = threading.get_ident()
-        object.__setattr__(model, "jax_state_sync", self)
-
-    def __call__(self) -> Any:
-        model = self._model_ref()
-        if threading.get_ident() == self._loop_thread:
-            model.__dict__.pop("jax_state_sync", None)
-        # In `settling(model)`; on a callback's thread, waits for the loop's.
-        self._deferred.settle()
-        return type(model).jax_state_sync(model)
-
-
-@contextlib.contextmanager
-def settling(model: keras.Model) -> Iterator[None]:
-    """Where MemFit settles its started train steps outside its step function.
-
-    Inside MemFit's train function the steps work on the state tuple Keras
-    passed it. Elsewhere during `fit` (a callback reading a batch's logs,
-    Keras's `jax_state_sync`), the state Keras holds is its `_jax_state`,
-    and its variables are detached: this runs the block on that state, and
-    if the block changed it (a started step that failed was undone and its
-    batch run again), gives it to Keras as a callback reading
-    `Callback.model` would: written into the variables, from which Keras's
-    loop then takes it for the next step.
-    """
-    keras_state = getattr(model, "_jax_state", None)
-    call = _state.active()
-    if (call is not None and call.model is model) or not keras_state:
-        yield
-        return
-    kind = "train"
-    state = tuple(keras_state.get(key) for key in _STATE_KEYS[kind])
-    if any(group is None for group in state):
-        yield
-        return
-    with _state.threaded(model, kind, state) as call:
-        try:
-            yield
-        finally:
-            new_state = call.finish()
-            changed = any(
-                a is not b for old, new in zip(state, new_state) for a, b in zip(old, new)
-            )
-            if changed:
-                _publish(model, kind, new_state)
-                type(model).jax_state_sync(model)
 
 
 def call_keras_function(

@@ -1,27 +1,37 @@
-"""Train steps that keep the model's state until they succeeded, and gradient accumulation.
+"""Train steps that never lose the model's state to an OOM, and gradient accumulation.
 
 MemFit's building blocks for the JAX backend. Keras's JAX trainer donates the
-model's state to its compiled train step, so a step that runs out of memory
-loses the model. Here every step reads the model's state (Keras's state
-tuple inside MemFit's train function, as Keras's own step does; see
-`state`), runs Keras's own functional `train_step(state, data)` compiled
-without donating it, waits for the result and only then writes the new
-state: a step that raises has touched nothing (`StepOutcome.UNTOUCHED`), so
-it can always be retried, and callers need no `Guard` around it. The old and
-new weights and optimizer slots coexist during the step (one extra copy of
-the training state). A step can also be started without waiting
-(`TrainStep.start`) and settled later (`settle`), keeping the state it
-started from until then, so that it overlaps the next step's dispatch as in
-Keras's own loop (see `keras_memfit._deferred`).
+model's state to its one compiled train step, so a step that runs out of
+memory loses the model. Keras's default step is run here as two programs
+instead (`TrainStep`), at the same peak memory as Keras's own:
 
-Every returned object satisfies its protocol in `keras_memfit.backend.base`.
+1. the *gradient program* (forward pass, loss, gradients, metrics), which
+   donates nothing: the activations live there, so that is where an OOM
+   happens, and it destroys nothing (`StepOutcome.UNTOUCHED`); it is waited
+   for before anything else runs;
+2. the *update program* (`optimizer.stateless_apply`), which donates the
+   weights and optimizer variables and writes them in place: it needs no
+   memory beyond the gradients, whatever the batch size. It is not waited
+   for: the next step's gradient program takes its outputs as inputs, as in
+   Keras's own loop. If it ever fails (rare: it allocates nothing that grows
+   with the batch), the donated state is lost, and the next step says so
+   (`StepOutcome.UPDATE_BEGAN`).
+
+Measured with `memory_analysis()` on the wide MLP of `benchmarks/footprint.py`
+(Adam): Keras's donating step holds the state (weights and two slots) plus one
+gradient per weight at its peak; so do the two programs. A model's own
+`train_step` cannot be split: it runs whole without donation, and holds the
+old and new state together (one extra copy of the training state).
+
+Inside MemFit's train function the steps read and write Keras's state tuple,
+as Keras's own step does (see `state`). Every returned object satisfies its
+protocol in `keras_memfit.backend.base`.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +41,10 @@ from keras.src.backend.jax.trainer import JAXTrainer
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax import state as _state
-from keras_memfit.backend.jax.oom import is_oom_error
 from keras_memfit.backend.jax.steps import _compile
 
 TRAIN_STATE = _state.GROUPS["train"]
+UPDATED = ("trainable", "optimizer")  # what the update program writes in place
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -59,17 +69,48 @@ def train_state(model: keras.Model) -> List[List[Any]]:
     return [_state.variables(model, group) for group in TRAIN_STATE]
 
 
-class TrainStep:
-    """The model's `train_step(state, data)`, compiled without donation.
+def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
+                           data) -> tuple:
+    """Keras's JAX `train_step` up to the optimizer update: `(grads, logs, non_trainable, metrics)`.
 
-    Works for Keras's default step and for a model's own (JAX train steps
-    are functional: `(state, data) -> (logs, state)`). The new state is
-    written into the model's variables only once the step finished.
+    The same computation as `JAXTrainer.train_step` (its metrics do not read
+    the updated weights), without `stateless_apply`.
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
+        trainable, non_trainable, metrics, x, y, sample_weight,
+        training=True, optimizer_variables=optimizer,
+    )
+    unscaled_loss, y_pred, non_trainable, metrics = aux
+    logs, metrics = JAXTrainer._update_metrics_variables(
+        model, metrics, unscaled_loss, x, y, y_pred, sample_weight
+    )
+    return grads, logs, non_trainable, metrics
+
+
+def _first_array(tree: Any) -> Any:
+    """One array of `tree` (a compiled program's outputs are ready together), or `tree`."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            return leaf
+    return tree
+
+
+class TrainStep:
+    """Keras's default train step as a gradient program and an in-place update program.
+
+    See the module docstring. The new state is the model's only once the
+    gradient program succeeded; the update program then replaces the weights
+    and optimizer variables in place. A model's own `train_step` (`custom`)
+    runs whole, compiled without donation, and its new state is written once
+    it finished.
 
     Attributes:
-        snapshots_itself: True: nothing is written before the step succeeded,
-            so callers need no `Guard`.
-        last_outcome: `StepOutcome.UNTOUCHED` after a call raised, else None.
+        snapshots_itself: True: a failed gradient program wrote nothing, so
+            callers need no `Guard`.
+        last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or
+            `StepOutcome.UPDATE_BEGAN` when the previous step's update
+            program failed (its donated state is lost).
 
     Example:
         >>> logs = make_train_step(model)((x[:64], y[:64]))
@@ -77,202 +118,82 @@ class TrainStep:
 
     snapshots_itself = True
 
-    def __init__(self, model: keras.Model) -> None:
+    def __init__(self, model: keras.Model, custom: bool = False) -> None:
         self._model_ref = weakref.ref(model)
         model_ref = self._model_ref
+        self._custom = custom
+        if custom:
+            def whole_fn(trainable, non_trainable, optimizer, metrics, data):
+                return model_ref().train_step(
+                    (trainable, non_trainable, optimizer, metrics), data)
 
-        def train_fn(trainable, non_trainable, optimizer, metrics, data):
-            return model_ref().train_step((trainable, non_trainable, optimizer, metrics), data)
+            self._whole = _compile(model, whole_fn)
+            self._compiled = self._whole is not whole_fn
+            return
 
-        def train_into_fn(trainable, non_trainable, optimizer, metrics, data, spare):
-            return train_fn(trainable, non_trainable, optimizer, metrics, data)
+        def grad_fn(trainable, non_trainable, optimizer, metrics, data):
+            return _gradients_and_metrics(
+                model_ref(), trainable, non_trainable, optimizer, metrics, data)
 
-        self._step = _compile(model, train_fn)
-        self._compiled = self._step is not train_fn
-        # The same step, writing its new state into the buffers of `spare`
-        # (donated; unused otherwise): see `_spare_buffers`.
-        self._step_into = (
-            jax.jit(train_into_fn, donate_argnums=5, keep_unused=True)
-            if self._compiled else None
-        )
-        self._spare: Optional[List[List[Any]]] = None
-        # (the state it started from, what settles it waits for: see `_witness`)
-        # per started, unsettled step, oldest first
-        self._pending: List[Tuple[List[List[Any]], Any]] = []
-        self._proven = False  # a step has run to its end (compiled, donation accepted)
+        # The arguments in the order of the outputs, so that each donated
+        # buffer is reused for its own new value (no copies).
+        def update_fn(trainable, optimizer, grads):
+            return model_ref().optimizer.stateless_apply(optimizer, grads, trainable)
+
+        self._gradients = _compile(model, grad_fn)
+        self._compiled = self._gradients is not grad_fn
+        self._update = _compile(model, update_fn, donate_argnums=(0, 1))
+        self._last_update: Any = None  # an output of the last update program
         self.last_outcome: Optional[StepOutcome] = None
 
-    @property
-    def can_defer(self) -> bool:
-        """Whether `start` may be used: once a step has run to its end (see `start`)."""
-        return self._proven
-
     def __call__(self, data: Any) -> Dict[str, Any]:
+        if self._custom:
+            return self._call_whole(data)
         model = self._model_ref()
-        current = _state.get(model, TRAIN_STATE)
-        spare = self._spare_buffers(current)
+        trainable, non_trainable, optimizer, metrics = _state.get(model, TRAIN_STATE)
         try:
-            if spare is None:
-                logs, state = jax.block_until_ready(self._step(*current, data))
-            else:
-                logs, state = self._run_into(current, data, spare)
+            outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
+            jax.block_until_ready(_first_array(outputs) if self._compiled else outputs)
         except Exception:
-            self.last_outcome = StepOutcome.UNTOUCHED
+            self._failed()
             raise
-        _state.put(model, TRAIN_STATE, state)
-        self._spare = current  # superseded: its buffers can take a later step's state
-        self._proven = True
+        grads, logs, non_trainable, metrics = outputs
+        try:
+            new_trainable, new_optimizer = self._update(trainable, optimizer, grads)
+        except Exception:
+            lost = any(getattr(a, "is_deleted", lambda: False)() for a in trainable + optimizer)
+            self.last_outcome = StepOutcome.UPDATE_BEGAN if lost else StepOutcome.UNTOUCHED
+            raise
+        _state.put(model, TRAIN_STATE, (new_trainable, non_trainable, new_optimizer, metrics))
+        self._last_update = _first_array(new_trainable)
         return logs
 
-    def start(self, data: Any) -> Dict[str, Any]:
-        """Start the step on `data` without waiting for it; `settle()` waits.
+    def _failed(self) -> None:
+        """Set `last_outcome` after the gradient program raised; re-raise an update's failure.
 
-        The new state is the model's at once (the next step, or Keras, takes
-        it as the input of what it dispatches next, as in Keras's own loop),
-        while the state it started from is kept until the step is settled:
-        if the step failed, `settle()` puts that back and raises. A step may
-        be started while the one before is unsettled (its result is then the
-        new step's input); the new state is then written into the buffers of
-        the state two steps back, so three copies of the training state
-        exist until the older step is settled (two when each step is settled
-        before the next starts). Used once a step has run to its end
-        (`can_defer`: compiled, its donation accepted), so what `settle()`
-        can raise is what a computation raised (an OOM).
-
-        Returns:
-            The step's logs (arrays that may still be computing).
+        The gradient program takes the previous update's outputs as inputs: if
+        that update failed, its error is the cause, and the state is lost.
         """
-        model = self._model_ref()
-        current = _state.get(model, TRAIN_STATE)
-        spare = self._spare_buffers(current)
-        try:
-            if spare is None:
-                logs, state = self._step(*current, data)
-            else:
-                logs, state = self._step_into(*current, data, spare)
-        except Exception:
-            self.last_outcome = StepOutcome.UNTOUCHED
-            raise
-        _state.put(model, TRAIN_STATE, state)
-        self._pending.append((current, self._witness(current, logs, state)))
-        return logs
-
-    def completion(self) -> Callable[[], bool]:
-        """For the step started last: waits for its computation; whether it succeeded.
-
-        Waits as a reader of Keras's own logs waits (for the arrays), on any
-        thread, and changes nothing: the state is put back only by `settle`,
-        on the thread that started the step.
-        """
-        witness = self._pending[-1][1]
-
-        def succeeded() -> bool:
-            try:
-                jax.block_until_ready(witness)
-            except Exception:  # what it raised is `settle`'s to handle
-                return False
-            return True
-
-        return succeeded
-
-    def _witness(self, current: List[List[Any]], logs: Any, state: Any) -> Any:
-        """What `settle` waits for: one array the step's computation wrote, or all its outputs.
-
-        A compiled step is one XLA computation: its outputs become ready
-        together, and all carry its error if it failed. So waiting for one
-        of them is waiting for the step, at a fraction of the cost of
-        walking all of them (JAX returns an input the step passed through
-        unchanged as the same array, which the computation did not write,
-        so the array chosen is one that differs from the state it started
-        from). A step that runs eagerly is many computations: all outputs.
-        """
-        if self._compiled:
-            for old_group, group in zip(current, state):
-                for old, new in zip(old_group, group):
-                    if new is not old:
-                        return new
-        return (logs, state)
-
-    def settle(self) -> None:
-        """Wait for the oldest started step; if it failed, undo it and raise its error.
-
-        Raises:
-            Whatever the step's computation raised (an OOM). The model's
-            state is then put back to where that step started
-            (`StepOutcome.UNTOUCHED`), and the steps started after it, which
-            took its result as their input, are dropped with it. The same
-            when the wait is interrupted (KeyboardInterrupt): the state is
-            as before the oldest started step.
-        """
-        if not self._pending:
-            return
-        current, witness = self._pending[0]
-        try:
-            jax.block_until_ready(witness)
-        except BaseException:  # an interrupt too: the caller forgets every started step
-            self._roll_back()
-            raise
-        del self._pending[0]
-        self._spare = current  # superseded: its buffers can take a later step's state
-
-    def _roll_back(self) -> None:
-        """Put back the state the oldest started step began from; drop every started step."""
-        current = self._pending[0][0]
-        self._pending = []
-        _state.put(self._model_ref(), TRAIN_STATE, current)
+        last, self._last_update = self._last_update, None
         self.last_outcome = StepOutcome.UNTOUCHED
-
-    def _run_into(self, current: List[List[Any]], data: Any, spare: List[Any]) -> Any:
+        if last is None:
+            return
         try:
-            return jax.block_until_ready(self._step_into(*current, data, spare))
-        except Exception as exc:
-            if is_oom_error(exc):
-                raise
-        # Not an OOM (a platform refusing the donation, say): `current` was not
-        # donated, so run the plain step on it, and donate nothing from now on.
-        self._step_into = None
-        return jax.block_until_ready(self._step(*current, data))
+            jax.block_until_ready(last)
+        except Exception:
+            self.last_outcome = StepOutcome.UPDATE_BEGAN
+            raise
 
-    def _spare_buffers(self, current: List[List[Any]]) -> Optional[List[Any]]:
-        """Arrays of a superseded state that only this step holds, to donate; or None.
-
-        Keras's own step donates the state it is given, which an OOM then
-        destroys; this step donates nothing of the current state. Without
-        donation, though, every step allocates new buffers for the whole
-        training state (on CPU that costs as much as a small model's step).
-        So the state a step replaced is kept (`self._spare`) and, at the
-        next step, its arrays are donated for the new state to be written
-        into, as the buffers Keras's step would reuse: only arrays nothing
-        else refers to (Python's reference count: not the current state, not
-        the state Keras still holds, not a guard's snapshot, not a user's
-        variable), so a failed step loses nothing but spare buffers.
-        """
-        spare, self._spare = self._spare, None
-        if spare is None or self._step_into is None:
-            return None
-        buffers: List[Any] = []
-        usable = False
-        for old_group, group in zip(spare, current):
-            if len(old_group) != len(group):
-                return None
-            for i in range(len(group)):  # no zip: its reused tuple would hold a reference
-                old = old_group[i]
-                if old is not group[i] and sys.getrefcount(old) <= _ONLY_HERE:
-                    buffers.append(old)
-                    usable = True
-                else:
-                    buffers.append(None)
-        return buffers if usable else None
-
-
-def _references_of_a_list_item() -> int:
-    """`sys.getrefcount` of an object held only by one list, as `_spare_buffers` reads it."""
-    group = [object()]
-    item = group[0]
-    return sys.getrefcount(item)
-
-
-_ONLY_HERE = _references_of_a_list_item()
+    def _call_whole(self, data: Any) -> Dict[str, Any]:
+        model = self._model_ref()
+        current = _state.get(model, TRAIN_STATE)
+        try:
+            logs, state = jax.block_until_ready(self._whole(*current, data))
+        except Exception:
+            self.last_outcome = StepOutcome.UNTOUCHED
+            raise
+        _state.put(model, TRAIN_STATE, state)
+        return logs
 
 
 def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
@@ -281,15 +202,21 @@ def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.Sharded
 
 
 def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
-    """A `TrainStep` running the model's own `train_step` (functional too on JAX)."""
-    return distribution.sharded_train_step(TrainStep(model))
+    """A `TrainStep` running the model's own `train_step` whole (functional too on JAX)."""
+    return distribution.sharded_train_step(TrainStep(model, custom=True))
 
 
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them as one optimizer step.
 
-    The sums are JAX arrays the size of the trainable weights, made on the
-    first `reset()` (only once a batch has had to be split). `add` computes
+    The sums are JAX arrays the size of the trainable weights (exact
+    accumulation's one extra buffer), made by `reset()` (only once a batch
+    has had to be split), added to in place (donated to `add`'s program), and
+    dropped by `apply`, whose program updates the weights and optimizer
+    variables in place as `TrainStep`'s update program does. A micro-batch
+    that runs out of memory may lose the sums (the attempt restarts from
+    `reset()`), never the model's state; an `apply` that fails loses the
+    donated state (`UPDATE_OOM`). `add` computes
     the gradient of `weight` times the scaled loss of a micro-batch, as
     Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
     metrics as it does, and writes the metric and non-trainable state only
@@ -328,15 +255,18 @@ class GradientAccumulator:
             sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
             return sums, new_non_trainable, new_metrics
 
-        def apply_fn(optimizer, sums, trainable):
+        # The arguments in the order of the outputs (see `TrainStep`).
+        def apply_fn(trainable, optimizer, sums):
             return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
 
-        self._add = _compile(model, add_fn)
-        self._apply = _compile(model, apply_fn)
+        # The sums are added to in place; the update works in place.
+        self._add = _compile(model, add_fn, donate_argnums=(0,))
+        self._apply = _compile(model, apply_fn, donate_argnums=(0, 1))
 
     def reset(self) -> None:
         """Start a new batch: zero the sums."""
         model = self._model_ref()
+        self._sums = None  # before the new ones are made: never two sets at once
         self._sums = [jnp.zeros(v.shape, v.dtype) for v in model.trainable_variables]
 
     def add(self, data: Any, weight: float) -> None:
@@ -353,11 +283,12 @@ class GradientAccumulator:
         """Apply the summed gradients as one optimizer step."""
         model = self._model_ref()
         trainable, optimizer = _state.get(model, ("trainable", "optimizer"))
+        sums, self._sums = self._sums, None
         new_trainable, new_optimizer = jax.block_until_ready(
-            self._apply(optimizer, self._sums, trainable)
+            self._apply(trainable, optimizer, sums)
         )
+        del sums
         _state.put(model, ("trainable", "optimizer"), (new_trainable, new_optimizer))
-        self._sums = None
         _state.materialize(model)  # the batch's metrics are read from the variables next
 
 

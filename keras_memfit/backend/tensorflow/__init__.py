@@ -44,7 +44,6 @@ from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.trainer import (
     call_keras_function,
     is_end_of_data,
-    settling,
     step_function,
 )
 from keras_memfit.backend.tensorflow.training import (
@@ -74,7 +73,7 @@ __all__ = [
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "uses_distribution",
     # trainer
-    "call_keras_function", "is_end_of_data", "settling", "step_function",
+    "call_keras_function", "is_end_of_data", "step_function",
     # devices
     "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",

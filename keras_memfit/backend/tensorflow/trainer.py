@@ -8,18 +8,17 @@ around a backend-neutral `run_batches(list_of_batches)`; the end of an
 epoch's data shows as `StopIteration` or `tf.errors.OutOfRangeError`
 (`is_end_of_data`).
 
-Another backend's `trainer` module offers the same two functions in its own
-convention, and MemFit does not change: JAX's `train_function(state, data)`
-gets the batches already pulled and returns `(logs, state)`, so its
-replacement writes `state` into the model's variables, calls
-`run_batches(list(data))` and returns the logs with the variables' new values.
+Another backend's `trainer` module offers the same functions in its own
+convention, and MemFit does not change: JAX's `train_function(state,
+iterator)` also pulls its batches, and its replacement runs keras_memfit's
+steps on Keras's state tuple and returns `(logs, state)` (see
+`keras_memfit.backend.jax.trainer`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List
 
 import keras
 import tensorflow as tf
@@ -38,7 +37,6 @@ def step_function(
     model: keras.Model,
     kind: str,
     run_batches: Callable[[List[Any]], Any],
-    deferred: Optional[Any] = None,
 ) -> Callable[[Any], Any]:
     """A replacement for `model.<kind>_function` that runs `run_batches`.
 
@@ -47,8 +45,6 @@ def step_function(
         kind: "train", "test" or "predict".
         run_batches: Runs a list of Keras batches; returns what Keras expects
             of the function (the logs; for "predict", the batches' outputs).
-        deferred: Unused: TensorFlow's train steps finish before they return
-            (they are not `StartableTrainStep`s), so none is left unsettled.
 
     Returns:
         `function(iterator)` for "train" and "test" (pulls up to
@@ -73,11 +69,6 @@ def step_function(
         return run_batches(next_batches(iterator, model_ref().steps_per_execution))
 
     return function
-
-
-def settling(model: keras.Model) -> ContextManager[None]:
-    """Nothing to set up: TensorFlow's train steps are never left unsettled."""
-    return contextlib.nullcontext()
 
 
 def call_keras_function(
