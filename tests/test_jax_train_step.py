@@ -24,7 +24,6 @@ from tests.jax_support import (
     REAL_OOM_FITS,
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
-    assert_same_training,
     real_oom_batches,
     real_oom_model,
     requires_jax,
