@@ -26,6 +26,7 @@ import keras
 import numpy as np
 
 from keras_memfit import _keras_compat
+from keras_memfit import backend as _backend
 
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
@@ -310,19 +311,15 @@ def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
 def _iterate_adapter(adapter: Any) -> Iterator[Any]:
     """The adapter's batches, between its `on_epoch_begin` and `on_epoch_end`.
 
-    Batches that are tf.data's (a `tf.data.Dataset`, sparse arrays) come as
-    TensorFlow's own tensors on the TensorFlow backend, as in `model.predict`:
-    Keras's numpy iterator would pad ragged tensors, densify sparse ones and
-    turn strings into object arrays. Other kinds come as numpy arrays.
+    The batches come in the form Keras's own loops give the backend's steps
+    (the backend's `adapter_batches`): sparse matrices of any kind (scipy,
+    JAX BCOO, `tf.SparseTensor`) as the backend's sparse type.
     """
     on_begin = getattr(adapter, "on_epoch_begin", None)
     if on_begin:
         on_begin()
-    native = keras.backend.backend() == "tensorflow" and type(adapter).__name__ in (
-        "TFDatasetAdapter", "ArrayDataAdapter",
-    )
     try:
-        yield from (iter(adapter.get_tf_dataset()) if native else adapter.get_numpy_iterator())
+        yield from _backend.get().adapter_batches(adapter)
     finally:
         on_end = getattr(adapter, "on_epoch_end", None)
         if on_end:

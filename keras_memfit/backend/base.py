@@ -24,6 +24,7 @@ from typing import (
     Callable,
     ContextManager,
     Dict,
+    Iterator,
     List,
     NamedTuple,
     Optional,
@@ -243,6 +244,8 @@ class Backend(Protocol):
         self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
     ) -> Callable: ...
     def is_end_of_data(self, exc: BaseException) -> bool: ...
+    # The batches of a Keras data adapter in the form Keras's loops give steps.
+    def adapter_batches(self, adapter: Any) -> Iterator[Any]: ...
     # Keras's own step function (saved before MemFit installed its own) on
     # batches MemFit passes through unsplit.
     def call_keras_function(

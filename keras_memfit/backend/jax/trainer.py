@@ -108,6 +108,15 @@ def step_function(
     return function
 
 
+def adapter_batches(adapter: Any) -> Iterator[Any]:
+    """The batches of a Keras data adapter, as Keras's JAX loops hand them to a step.
+
+    Keras's own JAX iterator: numpy arrays, with sparse matrices (scipy,
+    `tf.SparseTensor`) as JAX `BCOO` arrays.
+    """
+    return iter(adapter.get_jax_iterator())
+
+
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:

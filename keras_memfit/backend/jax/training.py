@@ -122,6 +122,7 @@ class TrainStep:
         self._model_ref = weakref.ref(model)
         model_ref = self._model_ref
         self._custom = custom
+        self.last_outcome: Optional[StepOutcome] = None
         if custom:
             def whole_fn(trainable, non_trainable, optimizer, metrics, data):
                 return model_ref().train_step(
@@ -144,7 +145,6 @@ class TrainStep:
         self._compiled = self._gradients is not grad_fn
         self._update = _compile(model, update_fn, donate_argnums=(0, 1))
         self._last_update: Any = None  # an output of the last update program
-        self.last_outcome: Optional[StepOutcome] = None
 
     def __call__(self, data: Any) -> Dict[str, Any]:
         if self._custom:

@@ -42,6 +42,7 @@ from keras_memfit.backend.tensorflow.steps import (
 )
 from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.trainer import (
+    adapter_batches,
     call_keras_function,
     is_end_of_data,
     step_function,
@@ -73,7 +74,7 @@ __all__ = [
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "uses_distribution",
     # trainer
-    "call_keras_function", "is_end_of_data", "step_function",
+    "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices
     "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, List
 
 import keras
 import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_memfit import _batches
 
@@ -69,6 +70,35 @@ def step_function(
         return run_batches(next_batches(iterator, model_ref().steps_per_execution))
 
     return function
+
+
+def _as_tf_sparse(value: Any) -> Any:
+    """A scipy or JAX sparse matrix as a `tf.SparseTensor`, as Keras's generator adapter makes it."""
+    if value is None:
+        return None
+    if data_adapter_utils.is_scipy_sparse(value):
+        return data_adapter_utils.scipy_sparse_to_tf_sparse(value)
+    if data_adapter_utils.is_jax_sparse(value):
+        return data_adapter_utils.jax_sparse_to_tf_sparse(value)
+    return value
+
+
+def adapter_batches(adapter: Any) -> Iterator[Any]:
+    """The batches of a Keras data adapter, as Keras's TensorFlow loops hand them to a step.
+
+    A `tf.data.Dataset` and arrays Keras batches itself (sparse arrays) come
+    as TensorFlow's own tensors, as in `model.predict` (Keras's numpy
+    iterator would pad ragged tensors, densify sparse ones and turn strings
+    into object arrays); the other kinds (generators, `PyDataset`) as numpy
+    arrays, with sparse matrices (scipy, JAX BCOO) as `tf.SparseTensor`s,
+    which is what Keras's own `tf.data` pipeline for them makes.
+    """
+    if type(adapter).__name__ in ("TFDatasetAdapter", "ArrayDataAdapter"):
+        return iter(adapter.get_tf_dataset())
+    return (
+        keras.tree.map_structure(_as_tf_sparse, batch)
+        for batch in adapter.get_numpy_iterator()
+    )
 
 
 def call_keras_function(
