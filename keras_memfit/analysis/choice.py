@@ -17,7 +17,19 @@ from keras_memfit import _keras_compat
 from keras_memfit._units import format_bytes
 from keras_memfit.analysis.model import ModelAnalysis, Row
 
+# Recognised by class name too, for lookups of other libraries that do not
+# subclass Keras's (keras-rs's DistributedEmbedding, say).
 _CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
+_LOOKUP_LAYERS = ("Embedding", "Hashing", "IntegerLookup", "StringLookup", "CategoryEncoding",
+                  "Discretization", "HashedCrossing")
+
+
+def lookup_layer_classes() -> Tuple[type, ...]:
+    """Keras's layers that read their weights by index (a gather), never multiply them."""
+    return tuple(
+        cls for cls in (getattr(keras.layers, name, None) for name in _LOOKUP_LAYERS)
+        if isinstance(cls, type)
+    )
 
 
 def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
@@ -28,10 +40,15 @@ def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
 def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
     """Whether `layer` uses each of its weights at most once per sample.
 
-    From the analysis's FLOPs where known (at most 2 per weight per sample:
-    one multiply-add), else by class: lookups, and a Dense/EinsumDense on
-    flat (batch, features) inputs.
+    A lookup (an instance of Keras's `Embedding` and the other layers that
+    read weights by index, subclasses such as keras-rs's `EmbedReduce` or
+    KerasHub's `ReversibleEmbedding` too) always is. Otherwise from the
+    analysis's FLOPs where known (at most 2 per weight per sample: one
+    multiply-add), else by class: lookups by name, and a Dense/EinsumDense
+    on flat (batch, features) inputs.
     """
+    if isinstance(layer, lookup_layer_classes()):
+        return True
     if row is not None and row.flops is not None and row.params:
         return row.flops <= 2 * row.params * 1.01
     name = type(layer).__name__

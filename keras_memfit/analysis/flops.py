@@ -55,8 +55,8 @@ def layer_flops(call: Call) -> Optional[int]:
     out = outputs[0]
     out_size = size(out)
     name = type(layer).__name__
-    if name in _ZERO_FLOP_LAYERS:
-        return 0
+    if name in _ZERO_FLOP_LAYERS or isinstance(layer, keras.layers.Embedding):
+        return 0  # an Embedding subclass's own extra work (a combiner) is not counted
     kernel = getattr(layer, "kernel", None)
     channels_first = getattr(layer, "data_format", None) == "channels_first"
     spatial = (out[1:] if channels_first else out[:-1]) if len(out) > 1 else ()
