@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _cache, _model_state
+from keras_memfit import _cache, _keras_compat, _model_state
 from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
 from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
@@ -123,6 +123,7 @@ class Run:
         self.mode = mode
         self.keras_function = keras_function
         self.fallback = fallback
+        self._warned_batch_statistics = False  # see `_warn_batch_statistics`
         self.events: List[Event] = []
         self.epoch = 0
         self.step = 0
@@ -209,6 +210,9 @@ class Run:
         def begin() -> None:
             if parts.accumulator is None:
                 parts.accumulator = _backend.get().make_accumulator(model)
+            if not self._warned_batch_statistics:
+                self._warned_batch_statistics = True
+                _warn_batch_statistics(model)
             parts.accumulator.reset()
             pieces.count = -1  # on_piece counts the chunk once more
 
@@ -379,6 +383,43 @@ class Run:
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._pending.clear()
+
+
+def batch_dependent_layers(model: keras.Model) -> List[Any]:
+    """The layers whose training computation depends on how the batch is split.
+
+    BatchNormalization (batch statistics, and moving statistics updated per
+    call) and every layer that draws random numbers in training (it holds a
+    `keras.random.SeedGenerator`: Dropout and its kin, GaussianNoise, random
+    augmentation layers): a micro-batch sees its own statistics and masks.
+    """
+    found = []
+    for layer in _keras_compat.all_layers(model):
+        if layer is model:
+            continue
+        if isinstance(layer, keras.layers.BatchNormalization) or any(
+            isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values()
+        ):
+            found.append(layer)
+    return found
+
+
+def _warn_batch_statistics(model: keras.Model) -> None:
+    """One WARNING when a batch is first accumulated in a model with batch-dependent layers."""
+    layers = batch_dependent_layers(model)
+    if not layers:
+        return
+    names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
+    logger.warning(
+        "MemFit: model '%s' has layers that depend on how a batch is split: %s. Its batch "
+        "is now accumulated as micro-batches: each of these layers sees each micro-batch "
+        "on its own (BatchNormalization normalises with the micro-batch's statistics and "
+        "updates its moving statistics once per micro-batch; random layers draw a mask per "
+        "micro-batch), so the update is not exactly the unsplit batch's. "
+        "MemFit(mode=\"shrink\") would instead train each piece as its own step, as Keras "
+        "does with that smaller batch_size (more optimizer steps).",
+        model.name, names,
+    )
 
 
 def _cannot_split_error(model: keras.Model, phase: str, received: Optional[str]) -> Exception:
