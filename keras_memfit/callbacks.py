@@ -211,11 +211,17 @@ class MemFit(keras.callbacks.Callback):
         self._run = Run(self.model, mode or self.mode, self._keras_function, fallback)
 
     def _keras_function(self, kind: str, batches: List[Any]) -> Any:
-        """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`)."""
+        """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`).
+
+        Reads the model through the run, not `Callback.model`: on JAX that
+        property syncs Keras's state into the variables, which Keras's own
+        function (donating the state) would then leave stale.
+        """
+        model = self._run.model
         function = self._originals.get(f"{kind}_function")
         if function is None:  # not made yet: Keras makes it as its loop would
-            function = getattr(self.model, f"make_{kind}_function")(force=True)
-        return _backend.get().call_keras_function(self.model, kind, function, batches)
+            function = getattr(model, f"make_{kind}_function")(force=True)
+        return _backend.get().call_keras_function(model, kind, function, batches)
 
     # Keras looks the step functions up right after the `on_*_batch_begin`
     # calls, so MemFit installs its own there and removes them as soon as they

@@ -120,22 +120,23 @@ def adapter_batches(adapter: Any) -> Iterator[Any]:
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Refused on JAX: batches MemFit cannot split (sparse BCOO) are not run.
+    """Keras's own JAX `<kind>_function` on `batches`, on the state MemFit's function holds.
 
-    Keras's JAX `<kind>_function` takes and donates the state tuple that
-    MemFit's step function threads (and its guards hold), so handing it over
-    would delete arrays keras_memfit still uses, and an OOM in it would lose
-    the model. Not done yet: such batches raise a clear error instead.
+    For the batches MemFit cannot split (sparse `BCOO` inputs): they run as
+    Keras runs them. Keras's function takes and donates the state tuple, so
+    it is handed the state of the call in progress (`state.get`) and its new
+    state is put back (`state.put`); an OOM in it loses the state, as it
+    does without MemFit.
 
-    Raises:
-        NotImplementedError: Always, naming what MemFit received.
+    Returns:
+        What Keras's function returned for the batches (the logs; for
+        "predict", the outputs).
     """
-    described = _batches.unsplittable(_batches.as_chunk(batches[0])) or "a batch"
-    raise NotImplementedError(
-        f"MemFit on JAX cannot run batches it cannot split into pieces; received "
-        f"{described} in {kind}. Densify those inputs (or pass them as numpy "
-        "arrays), or call without MemFit."
-    )
+    names = _state.GROUPS[kind]
+    state = tuple(_state.get(model, names))
+    result, new_state = function(state, iter(batches))
+    _state.put(model, names, new_state)
+    return result
 
 
 def is_end_of_data(exc: BaseException) -> bool:
