@@ -1,0 +1,327 @@
+"""The child side of `benchmarks.footprint`: one measurement in a fresh process.
+
+Run by the parent as `python -m benchmarks.footprint_child LIMIT_GB JSON`,
+with Keras's backend (and, on TensorFlow, the capped CPU allocator) in the
+environment. On JAX a positive `LIMIT_GB` becomes an address-space limit
+(`RLIMIT_AS`) set here before jax starts; that is why this module imports
+only the standard library at its top. The child prints one line
+`RESULT <json>` (an exception in the measured call is a result too, never a
+crash of the child).
+
+Measurements (`JSON["part"]`):
+
+- "try": one width of `Input(1024) -> Dense(W, relu) -> Dense(1024)` (Adam,
+  mse): `fit` on two batches, or `predict` on two batches, plain Keras or
+  keras_memfit; "ok" says whether the call completed.
+- "peak": the same model with no memory pressure, plain `fit` and MemFit's
+  `fit` in one process, interleaved, the allocator's peak around each call.
+- "compiles": XLA compilations of the first and second `safe_predict` /
+  MemFit `fit` call against the oracle (plain Keras at a batch that fits),
+  counted by the backend's own compile events (`Compiles`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+FEATURES = 1024
+TF_COMPILE_LINE = "Compilation of XLA executable"
+"""What TensorFlow's `device_compiler` logs (VLOG 1) once per XLA compilation."""
+JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""The event JAX records once per backend (XLA) compilation."""
+
+
+def backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+# ------------------------------------------------------------------ models
+def wide_model(width: int, jit_compile: Any = "auto"):
+    """`Input(1024) -> Dense(width, relu) -> Dense(1024)`, Adam, mse, seeded."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(FEATURES),
+    ])
+    model.compile(keras.optimizers.Adam(), "mse", jit_compile=jit_compile)
+    return model
+
+
+def wide_data(rows: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return (rng.random((rows, FEATURES), dtype=np.float32),
+            rng.random((rows, FEATURES), dtype=np.float32))
+
+
+def _surface(model) -> None:
+    """Read the weights back (JAX: an asynchronous failure surfaces here)."""
+    model.get_weights()
+
+
+def part_try(config: Dict[str, Any]) -> Dict[str, Any]:
+    """One width tried: does `fit` (or `predict`) complete, plain or keras_memfit?"""
+    import keras_memfit
+    from benchmarks.jobs import OomCounter
+
+    width, batch, memfit = config["width"], config["batch"], config["memfit"]
+    start = time.perf_counter()
+    with OomCounter() as counter:
+        try:
+            model = wide_model(width)
+            x, y = wide_data(2 * batch)
+            if config["call"] == "fit":
+                callbacks = [keras_memfit.MemFit()] if memfit else []
+                model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                          callbacks=callbacks)
+                _surface(model)
+            elif memfit:
+                keras_memfit.safe_predict(model, x, batch_size=batch, verbose=0)
+            else:
+                model.predict(x, batch_size=batch, verbose=0)
+                _surface(model)
+        except Exception as err:  # noqa: BLE001 - the outcome being measured
+            return {"ok": False, "error": type(err).__name__,
+                    "oom": bool(keras_memfit.is_oom_error(err)),
+                    "detail": str(err).strip().splitlines()[0][:200] if str(err) else "",
+                    "ooms_caught": counter.count, "seconds": time.perf_counter() - start}
+    return {"ok": True, "ooms_caught": counter.count, "seconds": time.perf_counter() - start}
+
+
+# -------------------------------------------------------------------- peak
+def part_peak(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Peak allocator bytes of plain fit and MemFit fit, interleaved, in one process.
+
+    `config["variants"]`: "plain" and/or "memfit" (on JAX one, its peak being
+    the process's); `repeats` calls each after the first.
+    """
+    import keras_memfit
+
+    width, batch, repeats = config["width"], config["batch"], config["repeats"]
+    variants = config["variants"]
+    stats = _peak_reader()
+    if stats is None:
+        return {"available": False}
+    read, reset = stats
+    x, y = wide_data(2 * batch)
+    models = {name: wide_model(width) for name in variants}
+    runs: Dict[str, List[Dict[str, int]]] = {name: [] for name in variants}
+    for r in range(repeats + 1):  # run 0: the first fit, which builds and compiles
+        for name in variants if r % 2 == 0 else variants[::-1]:
+            callbacks = [keras_memfit.MemFit()] if name == "memfit" else []
+            reset()
+            before = read()
+            models[name].fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                             callbacks=callbacks)
+            _surface(models[name])
+            after = read()
+            runs[name].append({"before": before["current"], "peak": after["peak"],
+                               "added": after["peak"] - before["current"]})
+    params = sum(int(w.size) for w in models[variants[0]].get_weights())
+    return {"available": True, "runs": runs, "param_bytes": 4 * params}
+
+
+def _peak_reader():
+    """(read, reset) of the backend's allocator statistics, or None where there are none."""
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        def read():
+            return tf.config.experimental.get_memory_info("CPU:0")
+
+        def reset():
+            tf.config.experimental.reset_memory_stats("CPU:0")
+
+        try:
+            read()
+        except ValueError:  # the BFC allocator is off
+            return None
+        return read, reset
+    import jax
+
+    device = jax.devices()[0]
+    if not device.memory_stats() or "peak_bytes_in_use" not in device.memory_stats():
+        return None
+
+    def read_jax():
+        s = device.memory_stats()
+        return {"current": s["bytes_in_use"], "peak": s["peak_bytes_in_use"]}
+
+    def reset_jax():  # JAX keeps one peak per process: the parent runs one variant a child
+        pass
+
+    return read_jax, reset_jax
+
+
+# --------------------------------------------------------------- compiles
+class Compiles:
+    """Counts XLA compilations with the backend's own instruments.
+
+    JAX: a `jax.monitoring` listener on the backend-compile event. TensorFlow:
+    stderr (fd 2) goes to a file, where `device_compiler` logs one
+    "Compilation of XLA executable" line per compilation (the parent starts
+    this child with `TF_CPP_VMODULE=device_compiler=1`, `TF_CPP_MIN_LOG_LEVEL=0`).
+    """
+
+    def __init__(self) -> None:
+        self.jax = backend() == "jax"
+        self._count = 0
+        if self.jax:
+            from jax import monitoring
+
+            def listen(event: str, duration: float, **kwargs: Any) -> None:
+                self._count += event == JAX_COMPILE_EVENT
+
+            monitoring.register_event_duration_secs_listener(listen)
+        else:
+            sys.stderr.flush()
+            self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+            os.dup2(self._log.fileno(), 2)
+
+    def count(self) -> int:
+        if self.jax:
+            return self._count
+        with open(self._log.name) as f:
+            return f.read().count(TF_COMPILE_LINE)
+
+    def during(self, call: Callable[[], Any]) -> int:
+        """Compilations while `call()` runs."""
+        before = self.count()
+        call()
+        return self.count() - before
+
+    def toy(self) -> int:
+        """Compilations of a jitted function called at shapes 3, 3 and 4 (expected: 2)."""
+        import numpy as np
+
+        xs = [np.ones(n, np.float32) for n in (3, 3, 4)]
+        if self.jax:
+            import jax
+
+            f = jax.jit(lambda v: (v * 2).sum())
+            return self.during(lambda: [f(v).block_until_ready() for v in xs])
+        import tensorflow as tf
+
+        g = tf.function(lambda v: tf.reduce_sum(v * 2.0), jit_compile=True,
+                        reduce_retracing=True)
+        return self.during(lambda: [g(tf.constant(v)).numpy() for v in xs])
+
+
+def _compile_model(scenario: str):
+    """The compile scenarios' model: the seed CNN, or the CPU stand-in on JAX's CPU client."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if scenario == "cnn":
+        from keras_memfit.app.demo import build_cnn
+
+        model = build_cnn()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                      jit_compile=True)
+        return model
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16384, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"],
+                  jit_compile=True)
+    return model
+
+
+def _compile_data(scenario: str, rows: int):
+    import numpy as np
+
+    if scenario == "cnn":
+        from keras_memfit.app.digits import generate_digits
+
+        images, labels = generate_digits(rows, seed=0)
+        return (images[..., None] / np.float32(255)).astype("float32"), labels
+    rng = np.random.default_rng(0)
+    return rng.random((rows, 8), dtype=np.float32), rng.integers(0, 10, rows)
+
+
+def part_compiles(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Compilations per call: safe_predict and MemFit's fit against their oracles."""
+    import numpy as np
+
+    import keras_memfit
+    from benchmarks.jobs import OomCounter
+
+    counter = Compiles()
+    result: Dict[str, Any] = {"toy": counter.toy()}
+    scenario = config["scenario"]
+    x, y = _compile_data(scenario, config["predict_rows"])
+
+    def calls(model, call) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"compiles": [], "ooms": []}
+        for _ in range(2):
+            sys.stdout.write("PARTIAL " + json.dumps(result) + "\n")  # survives a crash
+            sys.stdout.flush()
+            with OomCounter() as ooms:
+                before = counter.count()
+                try:
+                    call(model)
+                except Exception as err:  # noqa: BLE001 - reported: the call failed
+                    out["error"] = f"{type(err).__name__}: {str(err).strip()[:120]}"
+                out["compiles"].append(counter.count() - before)
+            out["ooms"].append(ooms.count)
+        return out
+
+    rows, oracle_batch = config["predict_rows"], config["predict_oracle_batch"]
+    result["predict_oracle"] = calls(_compile_model(scenario), lambda m: np.asarray(
+        m.predict(x, batch_size=oracle_batch, verbose=0)))
+    result["safe_predict"] = calls(_compile_model(scenario), lambda m: np.asarray(
+        keras_memfit.safe_predict(m, x, batch_size=rows, verbose=0)))
+    fit_rows, fit_batch = config["fit_rows"], config["fit_batch"]
+    xf, yf = x[:fit_rows], y[:fit_rows]
+
+    def fit(batch: int, callbacks: Callable[[], list]) -> Callable[[Any], Any]:
+        def run(model):
+            model.fit(xf, yf, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks())
+            _surface(model)
+        return run
+
+    result["fit_oracle"] = calls(_compile_model(scenario), fit(config["fit_oracle_batch"], list))
+    result["memfit"] = calls(_compile_model(scenario),
+                             fit(fit_batch, lambda: [keras_memfit.MemFit()]))
+    return result
+
+
+def part_versions(config: Dict[str, Any]) -> Dict[str, Any]:
+    from benchmarks import common
+
+    return common.versions()
+
+
+PARTS = {"try": part_try, "peak": part_peak, "compiles": part_compiles,
+         "versions": part_versions}
+
+
+def main(argv: List[str]) -> int:
+    limit_gb, config = float(argv[0]), json.loads(argv[1])
+    if limit_gb > 0 and os.environ.get("KERAS_BACKEND") == "jax":
+        limit = int(limit_gb * 2**30)  # before jax starts: real, recoverable OOMs
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    result = PARTS[config["part"]](config)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,185 @@
+"""The `footprint-<backend>` section of RESULTS.md from `benchmarks.footprint`'s results.
+
+`section(data)` renders one backend's stored results (the dict
+`benchmarks.footprint.main` builds and keeps in benchmarks/footprint.json);
+`problems(data)` lists what makes them an invalid measurement (a
+bisection's own checks, a compile counter that miscounts its toy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from benchmarks import common
+
+TARGET_RATIO = 0.98
+TOY_COMPILES = 2  # the toy: one jitted function at shapes 3, 3, 4
+LABELS = {"fit": ("model.fit", "model.fit(callbacks=[MemFit()])"),
+          "predict": ("model.predict", "safe_predict")}
+
+
+def _mib(n: float) -> str:
+    return f"{n / common.MiB:,.1f} MiB"
+
+
+def _limit(data: Dict[str, Any]) -> str:
+    limit = data["settings"]["limit"]
+    if data["backend"] == "tensorflow":
+        return f"TensorFlow's capped CPU allocator at {limit:g} MiB"
+    return f"an address-space limit (RLIMIT_AS) of {limit:g} GiB on JAX's CPU client"
+
+
+def _stopped_by(result: Dict[str, Any]) -> str:
+    for t in result["tries"]:
+        if t["width"] == result["failed"] and not t["ok"]:
+            how = t.get("error", "?") + (" (OOM)" if t.get("oom") else "")
+            if t.get("ooms_caught"):
+                how += f" after {t['ooms_caught']} OOM(s) caught"
+            return how
+    return "?"
+
+
+def widest_table(part: str, result: Dict[str, Any], resolution: float) -> List[str]:
+    plain_label, memfit_label = LABELS[part]
+    lines = [f"| batch_size | {plain_label}: widest W (fails at) | {memfit_label}: widest W "
+             "(fails at) | ratio | target | tries (s) | what stopped the narrowest failure "
+             "(plain / keras_memfit) |",
+             "|---:|---:|---:|---:|:---:|---:|---|"]
+    for key in sorted({k.split("/")[0] for k in result if "/" in k}, key=int):
+        plain, mine = result[f"{key}/plain"], result[f"{key}/memfit"]
+        ratio = mine["widest"] / plain["widest"] if plain["widest"] else float("nan")
+        verdict = "pass" if ratio >= TARGET_RATIO else "**MISS**"
+        lines.append(
+            f"| {key} | {plain['widest']:,} ({plain['failed']:,}) | {mine['widest']:,} "
+            f"({mine['failed']:,}) | **{ratio:.3f}** | >= {TARGET_RATIO} {verdict} | "
+            f"{len(plain['tries'])} + {len(mine['tries'])} "
+            f"({plain['seconds']:.0f} + {mine['seconds']:.0f}) | "
+            f"{_stopped_by(plain)} / {_stopped_by(mine)} |")
+    return lines
+
+
+def peak_lines(data: Dict[str, Any], peak: Dict[str, Any]) -> List[str]:
+    width = data["settings"]["peak_width"]
+    if not peak.get("available"):
+        where = ("not available on JAX's CPU client (its devices report no memory "
+                 "statistics)" if data["backend"] == "jax" else
+                 f"not available: {peak.get('error', 'the BFC allocator is off')}")
+        return [f"W={width}, batch_size 8: peak memory {where}."]
+    how = ("`tf.config.experimental.get_memory_info('CPU:0')['peak']`, BFC allocator "
+           "capped far above the need, `reset_memory_stats` before each fit, plain and "
+           "MemFit interleaved in one process" if data["backend"] == "tensorflow" else
+           "`jax.devices()[0].memory_stats()['peak_bytes_in_use']`, one variant per process")
+    lines = [f"W={width} (weights {_mib(peak['param_bytes'])}), batch_size 8, two steps; "
+             f"{how}. \"added\": peak minus the bytes in use before the call.", "",
+             "| fit | plain peak | plain added | MemFit peak | MemFit added | "
+             "added ratio MemFit/plain |", "|---|---:|---:|---:|---:|---:|"]
+    plain, mine = peak["runs"]["plain"], peak["runs"]["memfit"]
+    for i, (p, m) in enumerate(zip(plain, mine)):
+        label = "1st (builds the optimizer, compiles)" if i == 0 else f"call {i + 1}"
+        ratio = m["added"] / p["added"] if p["added"] else float("nan")
+        lines.append(f"| {label} | {_mib(p['peak'])} | {_mib(p['added'])} | "
+                     f"{_mib(m['peak'])} | {_mib(m['added'])} | **{ratio:.2f}** |")
+    return lines
+
+
+def compile_lines(data: Dict[str, Any], comp: Dict[str, Any]) -> List[str]:
+    crash = []
+    if comp.get("error"):  # the child died: what it measured before, then the crash
+        crash = ["", f"**The child process died** ({comp['error']}) after the rows above; "
+                 f"the call that was running has no row (its stderr ends: "
+                 f"`{comp.get('detail', '')[-160:]}`)."]
+    if "predict_oracle" not in comp:
+        return [f"Not measured: the child failed ({comp.get('error')}: {comp.get('detail')})."]
+    tf = data["backend"] == "tensorflow"
+    model = ("the seed CNN (`build_cnn`, recompiled with `jit_compile=True`) on generated "
+             "digits" if comp["scenario"] == "cnn" else
+             "`benchmarks.gpu`'s CPU stand-in, Dense(16384, relu) > Dense(10) on 8 features")
+    limit = (f"the capped allocator at {comp['limit']} MiB" if tf
+             else f"RLIMIT_AS {comp['limit']:g} GiB")
+    counter = ("`device_compiler`'s \"Compilation of XLA executable\" log line "
+               "(`TF_CPP_VMODULE=device_compiler=1`)" if tf else
+               "`jax.monitoring` events `/jax/core/compile/backend_compile_duration`")
+    lines = [f"{model}, under {limit}; XLA compilations counted with {counter}. Counter "
+             f"check on a toy jitted function at shapes 3, 3, 4: counted {comp['toy']} "
+             f"(expected {TOY_COMPILES}). Each call on a fresh model.", "",
+             "| call | compilations: 1st call | 2nd call | OOMs caught (1st, 2nd) | "
+             "extra over the oracle (1st, 2nd) | target |",
+             "|---|---:|---:|---:|---:|---|"]
+    rows = [("predict_oracle", f"oracle: `model.predict`, {comp['predict_rows']:,} rows, "
+             f"batch_size={comp['predict_oracle_batch']}", None),
+            ("safe_predict", f"`safe_predict`, batch_size={comp['predict_rows']:,}",
+             "predict_oracle"),
+            ("fit_oracle", f"oracle: `model.fit`, {comp['fit_rows']:,} rows, "
+             f"batch_size={comp['fit_oracle_batch']}, 1 epoch", None),
+            ("memfit", f"`fit` + MemFit, batch_size={comp['fit_batch']:,}", "fit_oracle")]
+    for key, label, oracle in rows:
+        if key not in comp or (oracle and oracle not in comp):
+            continue
+        c = comp[key]
+        extra, target = "", ""
+        if oracle:
+            e = [a - b for a, b in zip(c["compiles"], comp[oracle]["compiles"])]
+            extra = f"{e[0]:+d}, {e[1]:+d}"
+            if key == "safe_predict":
+                ok = e[0] <= 1 and c["compiles"][1] == 0
+                target = f"1st <= +1, 2nd 0: {'pass' if ok else '**MISS**'}"
+            else:
+                ok = sum(e) <= 2
+                target = f"<= +2 over the fit: {'pass' if ok else '**MISS**'}"
+        if c.get("error"):
+            target = f"**the call failed**: {c['error']}"
+        lines.append(f"| {label} | {c['compiles'][0]} | {c['compiles'][1]} | "
+                     f"{c['ooms'][0]}, {c['ooms'][1]} | {extra} | {target} |")
+    return lines + crash
+
+
+def section(data: Dict[str, Any]) -> str:
+    """The Markdown section of one backend's results."""
+    parts, settings = data["parts"], data["settings"]
+    versions = data.get("versions") or {}
+    if "ok" in versions:  # the versions child failed: a try-shaped error dict
+        versions = {}
+    machine = {**data["machine"], **{k: v for k, v in versions.items()
+                                     if isinstance(v, str)}}
+    lines = [f"## Footprint against plain Keras: the widest model, peak memory, "
+             f"compilations ({data['backend']})", "",
+             f"Generated by `{data['command'].strip()}` ({data['seconds'] / 60:.1f} min"
+             f"{', QUICK configuration' if data['quick'] else ''}). keras_memfit must never "
+             "fit less than plain Keras. Model: `Input(1024) -> Dense(W, relu) -> "
+             "Dense(1024)`, Adam, mse, default `jit_compile`; each width tried in a fresh "
+             f"process under {_limit(data)}. Bisection over W: plain Keras first, "
+             "keras_memfit bracketed around plain's result, batch 1 around batch 8's; it "
+             f"stops when the widest W that ran and the narrowest that failed are within "
+             f"{settings['resolution']:.0%} of W (widths are multiples of 8). A try "
+             "\"trains\" when `fit` (two steps: 2 x batch_size rows) returns; MemFit may "
+             "adapt. See `benchmarks/footprint.py`.", "",
+             "| Machine | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+    for part, title in (("fit", "### Widest model that trains: fit"),
+                        ("predict", "### Widest model that predicts: predict "
+                                    "(2 x batch_size rows)")):
+        if part in parts:
+            lines += ["", title, ""] + widest_table(part, parts[part], settings["resolution"])
+    if "peak" in parts:
+        lines += ["", "### Peak memory with no pressure", ""] + peak_lines(data, parts["peak"])
+    if "compiles" in parts:
+        lines += ["", "### XLA compilations per call where the batch must adapt", ""]
+        lines += compile_lines(data, parts["compiles"])
+    found = problems(data)
+    if found:
+        lines += ["", "**Invalid measurement:**"] + [f"- {p}" for p in found]
+    return "\n".join(lines) + "\n"
+
+
+def problems(data: Dict[str, Any]) -> List[str]:
+    """What makes the stored results an invalid measurement."""
+    found = []
+    for part in ("fit", "predict"):
+        for key, result in data["parts"].get(part, {}).items():
+            if "/" in key:
+                found += [f"{part} {key}: {p}" for p in result.get("problems", [])]
+    comp = data["parts"].get("compiles")
+    if comp is not None and comp.get("toy") != TOY_COMPILES:
+        found.append(f"compile counter counted {comp.get('toy')} on its toy, "
+                     f"not {TOY_COMPILES}")
+    return found
