@@ -58,6 +58,7 @@ from keras_memfit import _keras_compat, _model_state
 from keras_memfit import backend as _backend
 from keras_memfit._keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
 from keras_memfit import _legacy
+from keras_memfit import _shape_plan
 from keras_memfit._training import MODES, Run
 from keras_memfit._summary import pad_history, summary
 
@@ -230,6 +231,8 @@ class MemFit(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         mode, fallback = self._check_supported()
         self._place_model()
+        if _backend.get().compiles_per_shape(self.model):
+            _shape_plan.prepare(self.model)  # while the variables are readable
         self._start(mode, fallback)
         self._in_fit = True
         self._epochs = 0

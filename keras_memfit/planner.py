@@ -40,6 +40,19 @@ free memory among their devices, the measured peak the largest (see
 Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
 caught, INFO for estimates and growth.
 
+**Steps compiled per shape** (XLA: JAX unless run eagerly, TensorFlow with
+`jit_compile=True`; the backend's `compiles_per_shape`): each new piece size
+compiles the step again, so there the planner changes what costs shapes
+(see `keras_memfit._shape_plan`). It never probes: the bytes per sample
+(and a training step's gradients and update temporaries) come from the
+analytic estimate `memory_report` shows, corrected by OOMs as above, and
+the estimate's size is kept for later calls while memory stays about the
+same. A size it chooses is evened out over the rows it splits (one piece
+size and one remainder per chunk, the same in a second call); predict and
+evaluate do not grow; a training batch not tried yet is tried whole unless
+the estimate says it cannot fit at all. On JAX's CPU client under an
+address-space limit (`RLIMIT_AS`) that limit is the known limit.
+
 In `fit`, MemFit tells the planner where each Keras batch begins and ends
 (`start_batch`, `finish_batch`): growth then counts batches (not pieces), and
 happens only when it lowers the number of pieces a batch is run as (the size
@@ -48,16 +61,18 @@ goes to the smallest one giving that split, so the pieces are even).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import weakref
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Hashable, List, Optional, Tuple
 
 from keras_memfit import backend as _backend
+from keras_memfit._plan_records import Event, Knowledge, forget, knowledge_for
 from keras_memfit._replica_memory import ReplicaMemory
+from keras_memfit._shape_plan import analytic_estimate, even_size
 
 logger = logging.getLogger("keras_memfit")
+
+__all__ = ["BatchPlanner", "Event", "Knowledge", "forget", "knowledge_for"]
 
 PROBE_SIZES = (16, 64)
 MIN_PROBE_REQUEST = 128
@@ -65,86 +80,6 @@ GROW_AFTER = 8
 MARGIN = 0.6  # share of free memory a batch may use: allocator fragmentation
 # makes peak memory grow faster than linearly near the limit (measured on the
 # capped BFC allocator: 512 samples fitted in 140 MiB, 560 failed under 200 MiB).
-
-
-@dataclasses.dataclass
-class Knowledge:
-    """What is known about one (model, phase, input signature)."""
-
-    largest_ok: int = 0
-    smallest_failed: Optional[int] = None
-    bytes_per_sample: Optional[float] = None
-    limit_floor: int = 0
-    growth_frozen: bool = False
-    # Where the limit is unknown: bytes a piece proved it may use (the peak
-    # memory at an OOM over the memory held before that piece); 0 until an OOM.
-    learned_budget: int = 0
-
-
-_KNOWLEDGE: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Knowledge]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def knowledge_for(model: Any, phase: str, signature: Hashable) -> Knowledge:
-    """The shared record for `model` in `phase` at input `signature`."""
-    per_model = _KNOWLEDGE.setdefault(model, {})
-    return per_model.setdefault((phase, signature), Knowledge())
-
-
-def forget(model: Any) -> None:
-    """Drop everything remembered about `model` (all phases and signatures)."""
-    _KNOWLEDGE.pop(model, None)
-
-
-def _set_by_memfit() -> Any:
-    return dataclasses.field(default=None, kw_only=True)
-
-
-@dataclasses.dataclass
-class Event:
-    """One adaptation of the batch size, by a planner (and, in `fit`, MemFit).
-
-    Attributes:
-        epoch: The `fit` epoch it happened in (set by MemFit; 0 in a
-            standalone `evaluate` or `predict`), or None (`safe_predict`,
-            `safe_evaluate`).
-        step: The training batch's index in its epoch (set by MemFit), or None.
-        phase: "predict", "evaluate" or "train".
-        kind: "estimate", "oom" or "grow".
-        batch_size: Rows of the incoming batch that was split (set by
-            MemFit), or None.
-        old_size: The piece size before (None when there was none).
-        new_size: The piece size from now on.
-        old_split: Pieces per batch of `batch_size` rows at `old_size`
-            (set by MemFit), or None.
-        new_split: The same at `new_size`, or None.
-        reason: Why, in words (also logged).
-    """
-
-    epoch: Optional[int] = _set_by_memfit()
-    step: Optional[int] = _set_by_memfit()
-    phase: str
-    kind: str
-    batch_size: Optional[int] = _set_by_memfit()
-    old_size: Optional[int]
-    new_size: int
-    old_split: Optional[int] = _set_by_memfit()
-    new_split: Optional[int] = _set_by_memfit()
-    reason: str
-
-    def located(self, epoch: int, step: int, batch_size: Optional[int]) -> "Event":
-        """A copy placed at `epoch` and `step` of `fit`, on a batch of `batch_size` rows."""
-
-        def split(size: Optional[float]) -> Optional[int]:
-            if size is None or batch_size is None or math.isinf(size):
-                return None
-            return math.ceil(batch_size / max(int(size), 1))
-
-        return dataclasses.replace(
-            self, epoch=epoch, step=step, batch_size=batch_size,
-            old_split=split(self.old_size), new_split=split(self.new_size),
-        )
 
 
 class BatchPlanner:
@@ -194,14 +129,23 @@ class BatchPlanner:
         self._growing = False
         self._batch_rows: Optional[int] = None  # set by start_batch (MemFit)
         self._multiple = self._backend.piece_multiple()
+        self._xla = bool(self._backend.compiles_per_shape(model))
+        self._even = self._xla  # the next size is evened against the rows left
         k = self._k
+        if self._xla and not k.analysed:
+            k.analysed = True
+            analytic = analytic_estimate(model, phase)
+            if analytic is not None and not k.bytes_per_sample:
+                k.bytes_per_sample, k.fixed_extra = analytic
         if k.smallest_failed is not None and k.largest_ok:
             # An earlier call already found the boundary: stay below it.
             k.growth_frozen = True
         fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
         big = requested is None or requested >= MIN_PROBE_REQUEST
-        self._probe_after_oom = probe == "after_oom" and fresh and self._stats_ok
-        if fresh and big and self._stats_ok and probe == "first":
+        # Steps compiled per shape (XLA) never probe: each probe size would
+        # compile the step again; the analytic estimate stands in for them.
+        self._probe_after_oom = probe == "after_oom" and fresh and self._stats_ok and not self._xla
+        if fresh and big and self._stats_ok and probe == "first" and not self._xla:
             self._probes = list(PROBE_SIZES)
             self._size = self._probes[0]
         else:
@@ -217,8 +161,20 @@ class BatchPlanner:
         return bool(self._probes)
 
     # ------------------------------------------------------------------ sizes
-    def next_size(self) -> float:
-        """The batch size to try next (may be `math.inf` when unbounded)."""
+    def next_size(self, rows: Optional[int] = None) -> float:
+        """The batch size to try next (may be `math.inf` when unbounded).
+
+        Args:
+            rows: The rows left in the chunk the piece comes from (the
+                runner gives them). Where steps compile per shape, a size
+                just chosen that splits them is first evened out over them
+                (`even_size`), so the chunk runs as pieces of one size and one
+                remainder, and a later chunk of as many rows, or a later call,
+                reuses exactly those shapes.
+        """
+        if self._even and rows and not self._probes and self._size < rows:
+            self._even = False
+            self._size = max(self._granular(even_size(rows, self._size)), 1)
         return self._granular(self._probes[0] if self._probes else self._size)
 
     def _granular(self, size: float) -> float:
@@ -247,18 +203,46 @@ class BatchPlanner:
             cap = min(cap, k.smallest_failed - 1)
         if k.growth_frozen and k.largest_ok:
             cap = min(cap, k.largest_ok)
-        if self._exact_limit():
+        if self._exact_limit() and self._xla:
+            cap = min(cap, self._xla_estimate(cap) or math.inf)
+        elif self._exact_limit():
             estimate = self.estimate()
             if estimate is not None:
                 cap = min(cap, estimate)
         cap = min(cap, self._learned_estimate(1.0) or math.inf)
         return max(1, cap)
 
+    def _xla_estimate(self, cap: float) -> Optional[int]:
+        """The estimate's cap where steps compile per shape, or None.
+
+        The size the estimate gave is kept (`Knowledge.xla_cap`) and reused
+        while a fresh estimate stays above `MARGIN` of it, so that a few
+        bytes more or less in use elsewhere do not make a new shape (a new
+        compilation) in a later call. A training batch not tried yet is
+        tried whole while the estimate says it fits at all (a split costs
+        even when it fits; see `probe="after_oom"`).
+        """
+        k = self._k
+        if self.phase == "train" and k.smallest_failed is None:
+            whole = self.estimate(margin=1.0)
+            if whole is not None and whole >= cap:
+                return None
+        estimate = self.estimate()
+        if estimate is None:
+            return None
+        if k.xla_cap is None or estimate < k.xla_cap * MARGIN:
+            k.xla_cap = estimate
+        return k.xla_cap
+
     def _exact_limit(self) -> bool:
         return self._limit is not None and self._limit[1]
 
-    def estimate(self, limit: Optional[int] = None) -> Optional[int]:
-        """Largest batch estimated to fit, from memory statistics, or None."""
+    def estimate(self, limit: Optional[int] = None, margin: float = MARGIN) -> Optional[int]:
+        """Largest batch estimated to fit within `margin` of the free memory, or None.
+
+        The bytes per sample come from the probes, or (steps compiled per
+        shape) from the analytic estimate; either is corrected by OOMs.
+        """
         k = self._k
         if not k.bytes_per_sample:
             return None
@@ -269,7 +253,7 @@ class BatchPlanner:
         free = self._memory.free(limit)
         if free is None:
             return None
-        return max(1, int(free * MARGIN // k.bytes_per_sample))
+        return max(1, int((free - k.fixed_extra) * margin // k.bytes_per_sample))
 
     def _estimate_reason(self) -> str:
         k = self._k
@@ -296,6 +280,8 @@ class BatchPlanner:
             return
         self._growing = False
         if self._batch_rows is not None:  # MemFit: growth counts batches (finish_batch)
+            return
+        if self._xla:  # a grown size and its remainder would compile again
             return
         if not full or self._size >= self.requested_or_inf():
             return
@@ -365,6 +351,7 @@ class BatchPlanner:
         )
         self._size = new
         self._growing = True
+        self._even = False  # already even over the batch
 
     def requested_or_inf(self) -> float:
         return math.inf if self.requested is None else self.requested
@@ -386,6 +373,8 @@ class BatchPlanner:
         self._probes = []
         limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
         self._calibrate(size, limit)
+        k.xla_cap = None  # estimated again from the corrected estimate
+        self._even = self._xla
         if self._probe_after_oom and not k.bytes_per_sample and size > PROBE_SIZES[-1]:
             # Measure on the pieces that follow, then size the rest from that.
             self._probe_after_oom = False
@@ -448,6 +437,7 @@ class BatchPlanner:
         free = self._memory.free(limit) if limit is not None else None
         if free is None or not k.bytes_per_sample:
             return
+        free -= k.fixed_extra
         if free > 0:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
 
@@ -491,3 +481,4 @@ class BatchPlanner:
             instead = f" instead of {old}" if old is not None else ""
             reason = f"using batch_size={new}{instead} ({reason})"
         logger.log(level, "%s: %s", self._label, reason)
+

@@ -206,7 +206,7 @@ class _Run:
         n = _data.num_rows(chunk)
         offset = 0
         while offset < n:
-            planned = planner.next_size()
+            planned = planner.next_size(n - offset)
             if accumulation is not None and offset == 0 and planned < n:
                 if self.settle():
                     return True
@@ -316,7 +316,7 @@ def _all_or_nothing(
         offset = size = 0
         try:
             while offset < n:
-                planned = planner.next_size()
+                planned = planner.next_size(n - offset)
                 size = int(min(planned, n - offset))
                 piece = _data.rows(chunk, offset, offset + size)
                 planner.started(size)

@@ -98,6 +98,16 @@ def _classifier(features, hidden, optimizer):
     return model
 
 
+def hide_address_space_limit():
+    """Make keras_memfit see no memory limit on JAX's CPU, as on a platform without
+    memory statistics: under the address-space limit it would size pieces from
+    that limit and pay no OOM, and the tests calling this check the recovery
+    from real OOMs (the known-limit path: tests/test_jax_compiles.py)."""
+    from keras_memfit.backend.jax import memory
+
+    memory._address_space = lambda: None
+
+
 def real_oom_model():
     """Dense(16384, relu), Dense(3, softmax) on 8 features, compiled (sgd), seeded."""
     return _classifier(8, 16384, "sgd")

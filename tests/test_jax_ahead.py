@@ -17,6 +17,7 @@ from tests.jax_support import (
     REAL_OOM_FITS,
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
+    hide_address_space_limit,
     real_oom_batches,
     real_oom_model,
     requires_jax,
@@ -78,6 +79,7 @@ def _failed_while_the_next_ran(calls):
 
 def child_real_oom_on_a_piece_started_ahead():
     import keras_memfit
+    hide_address_space_limit()
 
     calls = _record()
     model = real_oom_model()

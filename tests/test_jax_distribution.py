@@ -19,6 +19,7 @@ from tests.jax_support import (
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
     assert_same_training,
+    hide_address_space_limit,
     real_oom_model,
     requires_jax,
     run_in_jax,
@@ -297,6 +298,7 @@ def child_real_oom_predict():
     import keras_memfit
     from keras_memfit import is_oom_error
 
+    hide_address_space_limit()  # else sized from the limit, without an OOM
     assert len(jax.devices()) == 2
     x = np.random.default_rng(0).random((ROWS, 8), dtype=np.float32)
     ooms = []

@@ -19,6 +19,7 @@ from tests.jax_support import (
     REAL_OOM_FITS,
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
+    hide_address_space_limit,
     real_oom_model,
     requires_jax,
     run_in_jax,
@@ -75,6 +76,7 @@ def _assert_keras_ooms(model, call):
 # ------------------------------------------------------------------ children
 def child_predict():
     import keras_memfit
+    hide_address_space_limit()
 
     model = _model()
     x, _ = _data()
@@ -93,6 +95,7 @@ def child_predict():
 
 def child_evaluate():
     import keras_memfit
+    hide_address_space_limit()
 
     model = _model()
     x, y = _data()
@@ -168,6 +171,7 @@ def child_train_step_and_accumulator_oom_leave_the_model():
 def child_fit():
     """Fits with MemFit; writes weights, optimizer variables and History to $OUT."""
     import keras_memfit
+    hide_address_space_limit()
 
     model = _model()
     x, y = _data(ROWS // 2)

@@ -217,6 +217,10 @@ class Backend(Protocol):
     # What every planned piece size must be a multiple of (the devices a
     # batch is laid out over, e.g. JAX's DataParallel); 1 for any size.
     def piece_multiple(self) -> int: ...
+    # Whether the model's steps compile once per piece shape (XLA: JAX unless
+    # run eagerly, TensorFlow with jit_compile): each new size then costs a
+    # compilation, so the planner avoids probe sizes and keeps few shapes.
+    def compiles_per_shape(self, model: Any) -> bool: ...
 
     # steps: compiled inference steps, their outputs, undoing their state.
     # Whether Keras's own test step counts each batch once in per-output losses

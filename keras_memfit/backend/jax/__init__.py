@@ -32,6 +32,7 @@ from keras_memfit.backend.jax.devices import (
 )
 from keras_memfit.backend.jax.distribution import piece_multiple, training_replicas
 from keras_memfit.backend.jax.memory import (
+    compiles_per_shape,
     compute_device,
     memory_limit,
     memory_stats,
@@ -69,7 +70,7 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # memory
-    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
+    "compiles_per_shape", "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
     "reset_peak",
     # steps
     "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",

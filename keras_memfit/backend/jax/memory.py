@@ -1,8 +1,13 @@
 """Memory statistics and limits of JAX's devices, for the planner.
 
 From `device.memory_stats()` where the platform gives it (GPU, TPU:
-`bytes_limit`, `bytes_in_use`, `peak_bytes_in_use`); JAX's CPU client gives
-none, and the planner then sizes batches from the first OOM instead.
+`bytes_limit`, `bytes_in_use`, `peak_bytes_in_use`). JAX's CPU client gives
+none; where the process runs under an address-space limit (`RLIMIT_AS`,
+which makes JAX's CPU allocations fail with a recoverable
+`RESOURCE_EXHAUSTED`), that limit is the CPU device's real memory limit, and
+the process's virtual size (`/proc/self/status`: `VmSize`, `VmPeak`) its use.
+Without such a limit the CPU reports nothing, and the planner sizes batches
+from the first OOM instead.
 
 JAX cannot reset a device's peak. `reset_peak` records the peak and the bytes
 in use at that moment; until the device's peak rises above the recorded one,
@@ -13,6 +18,7 @@ an OOM to learn more).
 
 from __future__ import annotations
 
+import resource
 from typing import Any, Dict, Optional, Tuple
 
 import jax
@@ -55,8 +61,32 @@ def _raw_stats(name: str) -> Optional[Dict[str, int]]:
     except Exception:  # not implemented on this platform
         return None
     if not stats or "bytes_in_use" not in stats:
-        return None
+        return _address_space() if device.platform == "cpu" else None
     return stats
+
+
+def _address_space() -> Optional[Dict[str, int]]:
+    """The CPU's memory as `memory_stats()` would give it, from `RLIMIT_AS`; None without one.
+
+    Only an address-space limit is honest here: it is what JAX's CPU
+    allocations fail against. Without it (or off Linux) nothing is known.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    sizes = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmSize", "VmPeak"):
+                    sizes[key] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    if "VmSize" not in sizes:
+        return None
+    return {"bytes_in_use": sizes["VmSize"], "bytes_limit": int(soft),
+            "peak_bytes_in_use": max(sizes.get("VmPeak", 0), sizes["VmSize"])}
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
@@ -86,3 +116,16 @@ def reset_peak(device: str) -> None:
     if stats is not None:
         current = int(stats["bytes_in_use"])
         _resets[device] = (int(stats.get("peak_bytes_in_use", current)), current)
+
+
+def compiles_per_shape(model: Any) -> bool:
+    """Whether `model`'s steps compile once per piece shape: always on JAX, unless run eagerly.
+
+    keras_memfit's JAX steps are `jax.jit`-compiled (see `steps._compile`):
+    every new piece size is a new compilation.
+
+    Example:
+        >>> compiles_per_shape(model)
+        True
+    """
+    return not (getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True))

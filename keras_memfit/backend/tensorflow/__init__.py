@@ -23,6 +23,7 @@ from keras_memfit.backend.tensorflow.devices import (
 )
 from keras_memfit.backend.tensorflow.distribute import Replicas, training_replicas
 from keras_memfit.backend.tensorflow.memory import (
+    compiles_per_shape,
     compute_device,
     memory_limit,
     memory_stats,
@@ -64,7 +65,7 @@ __all__ = [
     # distribute (MemFit under tf.distribute.MirroredStrategy)
     "Replicas", "training_replicas",
     # memory
-    "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
+    "compiles_per_shape", "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
     "reset_peak",
     # steps
     "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",

@@ -218,3 +218,23 @@ def reset_peak(device: str) -> None:
 def piece_multiple() -> int:
     """1: any piece size runs (tf.distribute splits uneven batches itself)."""
     return 1
+
+
+def compiles_per_shape(model: Any) -> bool:
+    """Whether `model`'s steps are XLA-compiled once per piece shape (`jit_compile=True`).
+
+    Without `jit_compile`, TensorFlow's steps are traced with relaxed shapes
+    and run any piece size without compiling again; with it, XLA compiles
+    every new piece size (Keras turns it on by itself on a GPU). Run
+    eagerly, nothing is compiled.
+
+    Example:
+        >>> compiles_per_shape(model)  # model.compile(..., jit_compile=True)
+        True
+    """
+    if getattr(model, "run_eagerly", False):
+        return False
+    try:
+        return bool(getattr(model, "jit_compile", False))
+    except Exception:  # noqa: BLE001 - an uncompiled model resolving "auto"
+        return False
