@@ -142,6 +142,11 @@ class ReplicaRun:
             logs = self._train_batch(_Batch(self.replicas, batch))
         return logs
 
+    def release(self) -> None:
+        """Free the gradient accumulator (its sums) at the end of a fit."""
+        if self._train is not None:
+            self._train["accumulator"] = None
+
     def _parts(self, batch: _Batch) -> Dict[str, Any]:
         if self._train is None:
             model, replicas = self.run.model, self.replicas

@@ -16,7 +16,9 @@ the batches to. Every batch goes through the one loop of
 A train step that snapshots its own small state (`TrainStep.snapshots_itself`)
 runs unguarded; one that does not (a custom `train_step`) runs inside a
 `Guard`. A step whose optimizer update had begun when it ran out of memory
-(`StepOutcome.UPDATE_BEGAN`) is not retried.
+(`StepOutcome.UPDATE_BEGAN`) is not retried; an `OrderedTrainStep` gets the
+model's training peak estimate (`analysis.training_peak`). The accumulator's
+sums are made when a batch is first split, freed when the fit ends.
 
 Every phase runs the whole batch first and splits only after an OOM, so a
 call that never runs out of memory computes what Keras computes; `predict`
@@ -40,7 +42,8 @@ from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
 from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
 from keras_memfit import data as _data
-from keras_memfit.backend.base import Accumulator, Guard, StepOutcome, TrainStep
+from keras_memfit.analysis import training_peak
+from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.evaluate import test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planner import BatchPlanner, Event
@@ -51,8 +54,7 @@ logger = logging.getLogger("keras_memfit")
 
 MODES = ("accumulate", "shrink")
 _PHASE_OF_KIND = {"train": "fit", "test": "evaluate"}  # Keras's function kinds, in words
-# Details for the `OutOfMemoryError` MemFit raises: no size fits, or the
-# optimizer update (which splitting cannot shrink) ran out of memory.
+# Details for the `OutOfMemoryError` MemFit raises: no size fits, or an update began.
 STATE_KEPT = (
     "The training state is as it was before this step: save it, then resume with "
     "`initial_epoch`."
@@ -63,11 +65,12 @@ UPDATE_OOM = (
     "slots may be partly updated (TensorFlow) or lost (JAX, whose update works in "
     "place on the state it was given)."
 )
-UPDATE_BEGAN = (
-    "Memory ran out after the optimizer update had begun, so the step cannot be run "
-    "again: the weights and optimizer slots may be partly updated (TensorFlow) or lost "
-    "(JAX, whose update works in place on the state it was given). Restart from a "
-    "checkpoint with a smaller batch_size."
+UPDATE_BEGAN_OOM = (
+    "The step ran out of memory after its optimizer update began (in the update, or in "
+    "the backward pass while later layers' updates ran, as in Keras's own step): the "
+    "weights and optimizer slots may be partly updated (TensorFlow) or lost (JAX, whose "
+    "update works in place on the state it was given), so MemFit cannot run the batch "
+    "again. Restore the weights (e.g. from a checkpoint) and use a smaller batch_size."
 )
 
 
@@ -77,10 +80,9 @@ class TrainParts:
 
     Attributes:
         step: The compiled train step.
-        guard: A guard over the small state a train step updates, for steps
-            that do not snapshot it themselves and for accumulation.
-        accumulator: The gradient accumulator, made when a batch is first
-            split in `mode="accumulate"` (it costs the size of the weights).
+        guard: Guards the small state a step updates (steps not snapshotting it).
+        accumulator: The gradient accumulator (the size of the weights),
+            made when a batch is first split, dropped by `Run.release`.
     """
 
     step: TrainStep
@@ -192,7 +194,7 @@ class Run:
                 return step(as_batch(piece))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
-                    raise self._oom_error(piece, planner, UPDATE_BEGAN) from exc
+                    raise self._oom_error(piece, planner, UPDATE_BEGAN_OOM) from exc
                 raise
 
         return run
@@ -200,10 +202,9 @@ class Run:
     def _accumulation(
         self, parts: TrainParts, chunk: tuple, planner: BatchPlanner, pieces: Pieces
     ) -> Accumulation:
-        """The batch `chunk` as micro-batches whose summed gradients make one update.
+        """`chunk` as micro-batches whose summed gradients make one update.
 
-        `pieces.count` ends as the number of micro-batches (the chunk's
-        `on_piece` then adds one: the apply).
+        `pieces.count` ends as the micro-batches (`on_piece` adds the apply).
         """
         model = self.model
 
@@ -231,6 +232,13 @@ class Run:
 
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
 
+    def release(self) -> None:
+        """Free the accumulators' sums (the weights' size; made again when next needed)."""
+        if self._train_parts is not None:
+            self._train_parts.accumulator = None
+        if self._replicas is not None:
+            self._replicas.release()
+
     def _train_parts_for(self, chunk: tuple) -> TrainParts:
         if self._train_parts is None:
             backend = _backend.get()
@@ -250,8 +258,11 @@ class Run:
 
             def build() -> TrainParts:
                 make = backend.make_custom_train_step if custom else backend.make_train_step
+                step = make(model)
+                if isinstance(step, OrderedTrainStep):  # when its update may begin
+                    step.use_peak_estimate(training_peak(model))
                 return TrainParts(
-                    step=make(model),
+                    step=step,
                     guard=backend.guard_variables(_model_state.train_state_variables(model)),
                 )
 

@@ -207,6 +207,8 @@ class MemFit(keras.callbacks.Callback):
     def _start(self, mode: Optional[str] = None, fallback: Optional[str] = None) -> None:
         """Start a new call: Keras's own functions back, nothing remembered."""
         self._uninstall_all()
+        if self._run is not None:
+            self._run.release()  # a fit that raised kept its accumulator
         self._built = {}
         self._kept_events = []
         self._run = Run(self.model, mode or self.mode, self._keras_function, fallback)
@@ -238,6 +240,7 @@ class MemFit(keras.callbacks.Callback):
         self._epochs = 0
 
     def on_train_end(self, logs=None):
+        self._run.release()
         self._uninstall_all()
         self._in_fit = False
         self._summarize("fit")

@@ -10,12 +10,20 @@ Modules, one concept each (imports point down this list):
   rest;
 - `flops`: forward FLOPs per sample of a traced call;
 - `peak`: the one peak formula, for the model and per device;
-- `model`: `ModelAnalysis`, the above for one model, row by row;
+- `model`: `ModelAnalysis`, the above for one model, row by row (and
+  `training_peak`, its training estimate at a number of rows, made lazily);
 - `choice`: which cheap layers `place` pins for a budget.
 
 `keras_memfit.report` and `keras_memfit.placement` are the public front ends.
 """
 
-from keras_memfit.analysis.model import ModelAnalysis, Row, analyse, check_built, short_device
+from keras_memfit.analysis.model import (
+    ModelAnalysis,
+    Row,
+    analyse,
+    check_built,
+    short_device,
+    training_peak,
+)
 
-__all__ = ["ModelAnalysis", "Row", "analyse", "check_built", "short_device"]
+__all__ = ["ModelAnalysis", "Row", "analyse", "check_built", "short_device", "training_peak"]

@@ -4,12 +4,16 @@ It traces the model once (`LayerGraph`), counts every weight and optimizer
 slot with one counter (`sizes`), sums each top-level call's activations,
 working set, cut and FLOPs per sample, and estimates the peak of one step for
 the model and for each device its variables live on (`peak`).
+`training_peak` is that training estimate as a function of the rows, made
+lazily (MemFit's TensorFlow train step chooses its order from it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import logging
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import keras
 
@@ -21,6 +25,7 @@ from keras_memfit.analysis.peak import DeviceMemory, Step, VariableBytes, device
 from keras_memfit.analysis.sizes import ByteCounter, size, slot_bytes
 
 OTHER_WEIGHTS = "(other weights)"
+logger = logging.getLogger("keras_memfit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +107,32 @@ def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
     counter = ByteCounter(policy)
     graph = LayerGraph(_backend.get().trace_layer_calls(model), counter.tensor)
     return ModelAnalysis(model, counter, graph)
+
+
+def training_peak(model: keras.Model) -> Callable[[int], Optional[int]]:
+    """`peak_at(rows)`: the estimated training peak of `model` in bytes at `rows` rows.
+
+    The model is analysed on the first call only (`analyse`, then
+    `ModelAnalysis.peak(training=True)` on its default device); when that
+    fails, every call returns None. The model is held weakly (None once it
+    is gone).
+    """
+    model_ref = weakref.ref(model)
+    memo: Dict[str, Any] = {}
+
+    def peak_at(rows: int) -> Optional[int]:
+        if "estimate" not in memo:
+            memo["estimate"] = None
+            target = model_ref()
+            if target is not None:
+                try:
+                    memo["estimate"] = analyse(target).peak(training=True)[1]
+                except Exception as exc:  # advisory: the caller decides without it
+                    logger.debug("No training peak estimate for %r (%s)", target.name, exc)
+        estimate = memo["estimate"]
+        return None if estimate is None else estimate.peak_bytes_at(rows)
+
+    return peak_at
 
 
 class ModelAnalysis:

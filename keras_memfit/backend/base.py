@@ -11,7 +11,8 @@ satisfies this protocol; nothing outside `keras_memfit/backend/` changes.
 
 The values that cross the seam are typed here too: a traced output's `Spec`
 (or `NO_SPEC`), a model's symbolic `Trace` (`TracedCall`, `TracedTensor`), a
-train step's `StepOutcome`, and the `TrainStep`, `Accumulator` and `Guard`
+train step's `StepOutcome`, and the `TrainStep` (with the optional
+`StartableTrainStep` and `OrderedTrainStep`), `Accumulator` and `Guard`
 objects the step factories return.
 """
 
@@ -179,6 +180,21 @@ class TrainStep(Protocol):
 
     def __call__(self, data: Any) -> Dict[str, Any]:
         """Run one step on the Keras batch `data`; returns the logs."""
+
+
+@runtime_checkable
+class OrderedTrainStep(TrainStep, Protocol):
+    """A `TrainStep` that chooses, per call, when its optimizer update may begin.
+
+    TensorFlow's default step (`backend/tensorflow/training.py`): in the
+    strict order the update waits for every gradient (any OOM before it is
+    retriable); in the free order it may begin once one gradient exists, as
+    in Keras's own step (a lower peak where the weights dominate). It runs
+    strict where that costs little against the estimated peak of the step.
+    """
+
+    def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
+        """Give the estimated training peak in bytes at a number of rows (None: unknown)."""
 
 
 @runtime_checkable

@@ -239,7 +239,8 @@ class ReplicaTrainStep:
     small state is not snapshotted inside the step: callers guard it
     (`snapshots_itself` is False). The default step sets a per-replica
     `ON_READ` flag right before the optimizer update, after every gradient
-    exists; after a failed call `last_outcome` is `UPDATE_BEGAN` when a
+    exists (`flagged_train_step`'s strict order: unlike the one-device
+    `TrainStep`, it never lets an update begin earlier); after a failed call `last_outcome` is `UPDATE_BEGAN` when a
     replica had set it, else `RESTORED` (the caller's guard restores).
 
     Attributes:
@@ -266,7 +267,9 @@ class ReplicaTrainStep:
                 data = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), data
                 )
-            return flagged_train_step(model, data, started)
+            # The strict order (every gradient before the update): an OOM of a
+            # replica's forward or backward pass stays retriable.
+            return flagged_train_step(model, data, lambda: started.assign(1), strict=True)
 
         def step(data):
             outputs = strategy.run(replica_step, args=(data,))

@@ -10,16 +10,20 @@ object satisfies its protocol in `keras_memfit.backend.base`.
 
 from __future__ import annotations
 
+import logging
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_memfit import _keras_compat
 from keras_memfit._model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
+
+logger = logging.getLogger("keras_memfit")
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -59,6 +63,11 @@ def _track_loss(model: keras.Model, loss: Any, x: Any) -> None:
     )
 
 
+# The strict order is used where it costs at most this share of the estimated
+# peak of the step (see `TrainStep`).
+STRICT_SHARE = 0.02
+
+
 class TrainStep:
     """Keras's default train step, compiled, that can tell how far a failed step got.
 
@@ -69,42 +78,91 @@ class TrainStep:
       `train_state_variables`) into shadow variables, then a bump of
       `generation`; the forward pass depends on both, so nothing that needs
       memory runs before them;
-    - control dependencies so that no weight or slot is updated before every
-      gradient exists, and `update_started`, set to 1 right before the
-      optimizer update begins.
+    - `update_began`, set to the step's generation before any op of the
+      optimizer update may run (`flagged_train_step`), in one of two orders:
 
-    When a call raises an `Exception`, the step reads the two counters (host
+      - **strict**: once every gradient exists. Any OOM of the forward or
+        backward pass then leaves weights and slots untouched (retriable),
+        at the cost of every gradient alive at once: up to the gradients'
+        bytes minus the largest one's more at the peak;
+      - **free**: once the gradient computed first exists (the last
+        trainable weight's, next to the loss); the update of a weight then
+        runs, and frees its gradient, while earlier layers' gradients are
+        still being computed, as in Keras's own step. An OOM after it began
+        is not retriable.
+
+    A call runs strict when that costs little: when the gradients' bytes
+    minus the largest one's are at most `STRICT_SHARE` of the estimated
+    training peak at its rows (`use_peak_estimate`; where activations
+    dominate, OOMs come from the batch and strict keeps them retriable),
+    when no estimate was given or it failed, and always after an OOM that
+    left the weights untouched (the batch drives memory: later OOMs must stay
+    retriable). Each order is a `tf.function`, traced when first used.
+
+    When a call raises an `Exception`, the step reads the counters (host
     reads, only then), restores the small state if the snapshot had run, and
     sets `last_outcome` to a `StepOutcome`: `UNTOUCHED` (nothing ran: XLA,
     for one, allocates before it executes anything), `RESTORED` (it ran
     part-way; its small state is back), or `UPDATE_BEGAN` (the optimizer
-    update had begun: weights may be partly updated, so the step must not be
-    retried).
+    update had begun: weights and slots may be partly updated, so the step
+    must not be retried).
 
     Attributes:
         snapshots_itself: True: callers need no `Guard` around a call.
         last_outcome: The outcome of the last call that raised, or None.
+        strict_extra_bytes: What the strict order holds at most beyond the
+            free one: the trainable weights' bytes minus the largest one's.
+        always_strict: Whether every call runs strict (set after an OOM that
+            left the weights untouched).
     """
 
     snapshots_itself = True
 
     def __init__(self, model: keras.Model, guarded: Sequence[Any]) -> None:
-        self.update_started = tf.Variable(0, dtype=tf.int32, trainable=False)
+        self.update_began = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.generation = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._completed = 0  # generations the host knows have run
         self.last_outcome: Optional[StepOutcome] = None
+        self.always_strict = False
+        sizes = [_nbytes(w) for w in model.trainable_weights]
+        self.strict_extra_bytes = sum(sizes) - max(sizes, default=0)
+        self._peak_at: Optional[Callable[[int], Optional[int]]] = None
         self._guarded = list(guarded)
         self._shadows = []
         for v in self._guarded:
             with tf.device(v.value.device):
                 self._shadows.append(tf.Variable(v.value, trainable=False))
-        self._step = _make_train_step(
-            model, self.update_started, self.generation, list(zip(self._shadows, self._guarded))
-        )
+        self._model = weakref.ref(model)
+        self._steps: Dict[bool, Callable] = {}  # strict -> compiled step, made on first use
+
+    def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
+        """Choose the order of each call from `peak_at(rows)`: the estimated peak, or None."""
+        self._peak_at = peak_at
+
+    def strict_at(self, rows: Optional[int]) -> bool:
+        """Whether a call on `rows` rows runs in the strict order (see the class docstring)."""
+        if self.always_strict or self._peak_at is None or rows is None:
+            return True
+        try:
+            peak = self._peak_at(rows)
+        except Exception as exc:  # the estimate is advisory: strict is today's order
+            logger.debug("MemFit: no peak estimate (%s); the train step runs strict", exc)
+            peak = None
+        if peak is None:
+            self._peak_at = None
+            return True
+        return self.strict_extra_bytes <= STRICT_SHARE * peak
 
     def __call__(self, data: Any) -> Dict[str, Any]:
+        strict = self.strict_at(_host_rows(data))
+        step = self._steps.get(strict)
+        if step is None:
+            step = self._steps[strict] = _make_train_step(
+                self._model(), self.update_began, self.generation,
+                list(zip(self._shadows, self._guarded)), strict,
+            )
         try:
-            logs = self._step(data)
+            logs = step(data)
         except Exception:
             self.last_outcome = self._settle()
             raise
@@ -117,13 +175,28 @@ class TrainStep:
     def _settle(self) -> StepOutcome:
         generation = int(self.generation.numpy())
         if generation == self._completed:
+            self.always_strict = True
             return StepOutcome.UNTOUCHED
         self._completed = generation
         for shadow, v in zip(self._shadows, self._guarded):
             v.assign(shadow)
-        if int(self.update_started.numpy()):
+        if int(self.update_began.numpy()) == generation:
             return StepOutcome.UPDATE_BEGAN
+        self.always_strict = True
         return StepOutcome.RESTORED
+
+
+def _nbytes(variable: Any) -> int:
+    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+
+
+def _host_rows(data: Any) -> Optional[int]:
+    """The rows of a Keras batch, read on the host (None when unknown)."""
+    for item in keras.tree.flatten(data):
+        shape = getattr(item, "shape", None)
+        if shape is not None and len(shape) and shape[0] is not None:
+            return int(shape[0])
+    return None
 
 
 def make_train_step(model: keras.Model) -> TrainStep:
@@ -131,32 +204,48 @@ def make_train_step(model: keras.Model) -> TrainStep:
     return TrainStep(model, train_state_variables(model))
 
 
-def _make_train_step(model: keras.Model, update_started, generation, pairs) -> Callable:
+def _make_train_step(
+    model: keras.Model, update_began, generation, pairs, strict: bool
+) -> Callable:
     model_ref = weakref.ref(model)
 
     def train_step(data):
         model = model_ref()
         reads = [shadow.assign(v.value) for shadow, v in pairs]
         with tf.control_dependencies(reads):
-            reset = update_started.assign(0)
-        with tf.control_dependencies(reads + [reset]):
             bumped = generation.assign_add(1)
         with tf.control_dependencies([bumped]):
             data = keras.tree.map_structure(
                 lambda t: None if t is None else tf.identity(t), data
             )
-        return flagged_train_step(model, data, update_started)
+        return flagged_train_step(
+            model, data, lambda: update_began.assign(generation.read_value()), strict=strict
+        )
 
     return _compile(model, train_step)
 
 
-def flagged_train_step(model: keras.Model, data: Any, update_started: tf.Variable) -> Any:
-    """Keras's default train step on `data`, `update_started` set to 1 just before the update.
+def _tensors(gradient: Any) -> List[Any]:
+    """The dense tensors of a gradient (a `tf.IndexedSlices`'s values and indices)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return [gradient.values, gradient.indices]
+    return [gradient]
 
-    Forward pass and loss, gradients, then `update_started.assign(1)` once
-    every gradient is computed and before `apply_gradients` (so a failed
-    step tells whether the optimizer update began), the loss tracker, the
-    metrics. Traced inside a step (on one device, or per replica).
+
+def flagged_train_step(
+    model: keras.Model, data: Any, flag: Callable[[], Any], *, strict: bool = True
+) -> Any:
+    """Keras's default train step on `data`, `flag()` run before the optimizer update.
+
+    Forward pass and loss, gradients, then `flag()` (an op that records that
+    the update began, e.g. a variable's assign) and `apply_gradients` with
+    every op of it depending on that op, so a failed step tells whether the
+    update began; then the loss tracker and the metrics. `strict`: the flag
+    waits for every gradient; else for the one of the last trainable weight
+    (the first computed, next to the loss), so that the update of a weight
+    may run while other gradients are still computed (see `TrainStep`).
+    Gradients reach the optimizer as they are (sparse ones stay
+    `tf.IndexedSlices`). Traced inside a step (on one device, or per replica).
     """
     x, y, sample_weight = _unpack(data)
     with tf.GradientTape() as tape:
@@ -165,11 +254,12 @@ def flagged_train_step(model: keras.Model, data: Any, update_started: tf.Variabl
     weights = model.trainable_weights
     if weights:
         gradients = tape.gradient(scaled, weights)
-        with tf.control_dependencies([g for g in gradients if g is not None]):
-            started = update_started.assign(1)
-        with tf.control_dependencies([started]):
-            gradients = [None if g is None else tf.identity(g) for g in gradients]
-        model.optimizer.apply_gradients(zip(gradients, weights))
+        present = [g for g in gradients if g is not None]
+        waited = present if strict else present[-1:]
+        with tf.control_dependencies([t for g in waited for t in _tensors(g)]):
+            began = flag()
+        with tf.control_dependencies([began]):
+            model.optimizer.apply_gradients(zip(gradients, weights))
     _track_loss(model, loss, x)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
