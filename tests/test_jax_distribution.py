@@ -197,7 +197,9 @@ def child_memfit_accumulate():
                 validation_data=(x[:64], y[:64]), callbacks=[keras_memfit.MemFit()], **kwargs,
             ).history
             _assert_laid_out(calls, 40)
-            assert {c[0] for c in calls if c[0] <= 40} >= {24, 4, 8}, calls
+            # Each batch of 100 as 5 even pieces of 20 (a multiple of the 2
+            # devices); the last batch of 32 as 20 and 12.
+            assert {c[0] for c in calls if c[0] <= 40} >= {20, 12}, calls
             assert history["memfit_split"][0] == 5 and history["memfit_ooms"][0] >= 2
             assert_same_training(model, history, reference, expected, iterations=6)
 

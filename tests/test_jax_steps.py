@@ -59,10 +59,16 @@ def child_memfit_threads_keras_state_and_updates_in_place():
                             callbacks=[keras_memfit.MemFit()]).history
     finally:
         variable_class._direct_assign = direct_assign
-    # 20 steps: writing every variable per step would be 20 * n_vars writes or more;
-    # Keras's own syncs (end of each epoch) write each variable about once per epoch.
-    assert writes[0] <= 3 * n_vars, (writes[0], n_vars)
-    plain = _model().fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    memfit_writes, writes[0] = writes[0], 0
+    variable_class._direct_assign = counting_direct_assign
+    try:
+        plain = _model().fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    finally:
+        variable_class._direct_assign = direct_assign
+    # 20 steps: writing every variable per step would be 20 * n_vars writes more
+    # than plain Keras's fit (whose syncs write each variable about once per
+    # epoch); MemFit's analysis of the model creates a few variables of its own.
+    assert memfit_writes <= writes[0] + n_vars // 2, (memfit_writes, writes[0], n_vars)
     for name, values in plain.items():
         np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
     model, holder = _model(), Holder()

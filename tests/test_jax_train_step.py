@@ -242,6 +242,9 @@ def child_a_failed_update_is_reported():
     from keras_memfit.backend.jax import state, training
 
     class FailedUpdate:
+        def is_deleted(self):
+            return False
+
         def block_until_ready(self):
             raise jax.errors.JaxRuntimeError(_ALLOC)
 

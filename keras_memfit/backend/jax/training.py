@@ -182,7 +182,7 @@ class TrainStep:
         lost its donated state (`UPDATE_BEGAN`).
         """
         last, self._last_update = self._last_update, None
-        if last is None:
+        if last is None or last.is_deleted():  # deleted: a later program consumed it
             return
         try:
             jax.block_until_ready(last)
