@@ -38,6 +38,15 @@ MiB = 1 << 20
 SIG = ((("4",), "float32"),)
 
 
+@pytest.fixture(autouse=True)
+def _probing_planner(monkeypatch):
+    """These tests are of the probing planner (steps not compiled per shape);
+    the XLA planner has its own (test_jax_compiles.py, test_tf_compiles.py)."""
+    from support import backend_module
+
+    monkeypatch.setattr(backend_module(), "compiles_per_shape", lambda model: False)
+
+
 class FakeDevice:
     """A simulated accelerator, standing in for the keras_memfit backend module.
 
