@@ -6,7 +6,7 @@ validation, `predict_function` when passed to `predict`), and puts Keras's
 back when the call ends or raises. The backend's trainer hook
 (`backend.step_function`) gives that function the backend's calling
 convention; it pulls the batches itself and hands them to MemFit's private
-`keras_memfit._training.Run`, which so holds each batch when a step runs out
+`keras_memfit.training.run.Run`, which so holds each batch when a step runs out
 of memory. Then:
 
 - `mode="accumulate"` (default): the same batch is run as micro-batches
@@ -54,13 +54,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
 
-from keras_memfit import _keras_compat, _model_state
 from keras_memfit import backend as _backend
-from keras_memfit._keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
-from keras_memfit import _legacy
-from keras_memfit import _shape_plan
-from keras_memfit._training import MODES, Run
-from keras_memfit._summary import pad_history, summary
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import legacy as _legacy
+from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal.keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
+from keras_memfit.planning import shape_plan as _shape_plan
+from keras_memfit.training.run import MODES, Run
+from keras_memfit.training.summary import pad_history, summary
 
 logger = logging.getLogger("keras_memfit")
 
@@ -91,7 +92,7 @@ class MemFit(keras.callbacks.Callback):
 
     Attributes:
         events: One dict per adaptation during the last call (the fields of
-            `keras_memfit.planner.Event`, by `dataclasses.asdict`): `epoch`,
+            `keras_memfit.planning.planner.Event`, by `dataclasses.asdict`): `epoch`,
             `step`, `phase` ("train", "evaluate", "predict"), `kind` ("oom",
             "estimate", "grow"), `batch_size`, `old_size`, `new_size`,
             `old_split`, `new_split` (micro-batches per batch) and `reason`.

@@ -6,10 +6,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
-from keras_memfit import _cache, _keras_compat, _loop, _output_losses, _validate
 from keras_memfit import backend as _backend
-from keras_memfit import data as _data
-from keras_memfit.runner import prepend
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import validate as _validate
+from keras_memfit.inference import loop as _loop
+from keras_memfit.inference import output_losses as _output_losses
+from keras_memfit.inference import steps as _steps
+from keras_memfit.inference.loop import prepend
+from keras_memfit.planning import data as _data
 
 
 def safe_evaluate(
@@ -96,7 +100,7 @@ def safe_evaluate(
         )
     if x is None:
         raise ValueError("x must be given; received x=None")
-    batch_size = _validate.batch_size_for(x, batch_size)
+    batch_size = _data.batch_size_for(x, batch_size)
 
     source = _data.from_input(
         x, y, sample_weight, batch_size=batch_size, steps=steps, with_targets=True
@@ -106,7 +110,7 @@ def safe_evaluate(
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
-    step, guard = test_step_and_guard(model, first, exact=exact_output_losses)
+    step, guard = _steps.test_step_and_guard(model, first, exact=exact_output_losses)
     batches = _output_losses.SplitBatches(model, exact_output_losses)
 
     loop = _loop.BatchLoop(
@@ -126,7 +130,7 @@ def safe_evaluate(
         last_logs = logs
         return logs, _bar_values(logs)
 
-    run = batches.step(step, lambda piece: test_step_and_guard(model, piece, exact=True)[0])
+    run = batches.step(step, lambda piece: _steps.test_step_and_guard(model, piece, exact=True)[0])
     loop.run(
         batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
         run, on_result, requested=requested, guard=guard,
@@ -138,35 +142,6 @@ def safe_evaluate(
     if return_dict:
         return logs
     return _keras_compat.flatten_metrics_in_order(model, logs)
-
-
-def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> Tuple[Any, Any]:
-    """The compiled test step for `model` and a guard over its metric state.
-
-    Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
-    chunk) first; both are cached per model, so repeated calls (and MemFit's
-    validation) trace once. `exact` is the backend's `make_test_step`'s:
-    per-output loss trackers weighted by rows (True), or as Keras's own
-    `evaluate` weights them (False).
-    """
-    backend = _backend.get()
-    sample = _data.rows(batch, 0, 1) if _data.splittable(batch) else batch
-    backend.prepare_test(model, sample)
-    key = (
-        "evaluate",
-        exact,
-        tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
-        bool(getattr(model, "run_eagerly", False)),
-        model.jit_compile,
-        backend.replica_devices(model),  # inside a strategy's scope, or not
-    )
-    return _cache.per_model(
-        model, key,
-        lambda: (
-            backend.make_test_step(model, exact=exact),
-            backend.guard_variables(model.metrics_variables),
-        ),
-    )
 
 
 def _metrics_result(model: keras.Model, logs: Any) -> Any:

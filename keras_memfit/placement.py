@@ -23,9 +23,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import keras
 
-from keras_memfit import _cache, _keras_compat, _model_state, _validate
 from keras_memfit import backend as backend_seam
-from keras_memfit._units import format_bytes
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal import validate as _validate
+from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis import ModelAnalysis, analyse, choice
 from keras_memfit.analysis.sizes import ByteCounter
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
 import numpy as np
 
-from keras_memfit import _cache, _keras_compat, _loop, _validate
 from keras_memfit import backend as _backend
-from keras_memfit import data as _data
-from keras_memfit.backend import Spec
-from keras_memfit.runner import Then, prepend
+from keras_memfit._internal import validate as _validate
+from keras_memfit.inference import loop as _loop
+from keras_memfit.inference import outputs as _outputs
+from keras_memfit.inference import steps as _steps
+from keras_memfit.inference.loop import Then, prepend
+from keras_memfit.planning import data as _data
 
 
 def safe_predict(
@@ -43,7 +45,7 @@ def safe_predict(
     outputs are copied to host memory at once, so the device never
     accumulates outputs. The batch size is estimated from memory statistics
     before a large batch is tried, remembered per model and input signature,
-    and grown back after a run of successes (see `keras_memfit.planner`).
+    and grown back after a run of successes (see `keras_memfit.planning.planner`).
 
     Under a `tf.distribute.MirroredStrategy` (a model built in its scope, or
     a call inside one) every piece runs on all the replicas, each on its
@@ -78,7 +80,7 @@ def safe_predict(
             from `model.predict` (with `steps_per_execution`, one
             begin/end pair per execution) while nothing runs out of memory;
             after an OOM, each piece actually run is one batch (see
-            `keras_memfit._loop`).
+            `keras_memfit.inference.loop`).
         max_batch_size: Upper bound on any batch run, including pieces of a
             dataset's batches.
 
@@ -112,8 +114,8 @@ def safe_predict(
             f"{type(postprocess).__name__}: {postprocess!r:.80}"
         )
     if out is not None:
-        _check_out_types(out)
-    batch_size = _validate.batch_size_for(
+        _outputs.check_out_types(out)
+    batch_size = _data.batch_size_for(
         x, batch_size, advice="use max_batch_size to bound the pieces run"
     )
 
@@ -123,8 +125,8 @@ def safe_predict(
     requested = _loop.requested_size(source, batch_size, max_batch_size)
 
     backend = _backend.get()
-    step = predict_step(model, postprocess)
-    writer = _OutputWriter(source.num_samples, out)
+    step = _steps.predict_step(model, postprocess)
+    writer = _outputs.OutputWriter(source.num_samples, out)
 
     first = next(source.chunks, None)
     if first is not None:
@@ -146,7 +148,7 @@ def safe_predict(
 
     def to_host(outputs):
         if writer.structure is not None:
-            return keras.tree.map_structure(_to_host, outputs)
+            return keras.tree.map_structure(_outputs.to_host, outputs)
         for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
             if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
                 origin = "postprocess" if postprocess is not None else "the model's predict_step"
@@ -154,7 +156,7 @@ def safe_predict(
                     f"{origin} must return a tensor or a structure of tensors; "
                     f"received {type(leaf).__name__}: {leaf!r:.80}"
                 )
-        return keras.tree.map_structure(_to_host, outputs)
+        return keras.tree.map_structure(_outputs.to_host, outputs)
 
     def on_result(size, result):
         writer.write(result, size, postprocess)
@@ -165,7 +167,7 @@ def safe_predict(
 
     loop.run(
         chunks, run, on_result, requested=requested,
-        merge_logs=_merge_outputs if callbacks else None,
+        merge_logs=_outputs.merge_outputs if callbacks else None,
         start=start if isinstance(step, _backend.StartableStep) else None,
     )
     loop.data_ended(source, steps)
@@ -173,189 +175,3 @@ def safe_predict(
     if first is None or loop.done == 0:
         return writer.empty(step, first)
     return writer.result()
-
-
-def _is_native(leaf: Any) -> bool:
-    """Whether an output is ragged or sparse: `model.predict` returns those as they are."""
-    return type(leaf).__name__ == "RaggedTensor" or _data.is_sparse(leaf)
-
-
-def _to_host(leaf: Any) -> Any:
-    return leaf if _is_native(leaf) else keras.ops.convert_to_numpy(leaf)
-
-
-def _concatenate(parts: List[Any]) -> Any:
-    if len(parts) == 1:
-        return parts[0]
-    if _is_native(parts[0]):
-        return keras.ops.concatenate(parts, axis=0)
-    return np.concatenate(parts, axis=0)
-
-
-def _merge_outputs(logs: List[Any]) -> Any:
-    """One execution's `{"outputs": ...}`: its batches' outputs concatenated, as Keras's."""
-    outputs = [entry["outputs"] for entry in logs]
-    return {"outputs": keras.tree.map_structure(lambda *parts: _concatenate(list(parts)),
-                                                *outputs)}
-
-
-def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
-    """The compiled predict step (then `postprocess`) for `model`, cached per model.
-
-    One per set of replica devices: a model used inside a strategy's scope
-    and outside it gets a step for each.
-    """
-    key = (
-        "predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile,
-        _backend.get().replica_devices(model),
-    )
-    return _cache.per_model(
-        model, key, lambda: _backend.get().make_predict_step(model, postprocess)
-    )
-
-
-def _check_out_types(out: Any) -> None:
-    for leaf in keras.tree.flatten(out):
-        if not isinstance(leaf, np.ndarray):
-            raise TypeError(
-                "out must be a numpy array or np.memmap (or a list/dict of them "
-                f"matching the model's outputs); received {type(leaf).__name__}"
-            )
-        if not leaf.flags.writeable:
-            raise ValueError("out must be writeable; received a read-only array")
-
-
-class _OutputWriter:
-    """Collects each piece's host outputs in order, into `out` or new arrays."""
-
-    def __init__(self, num_samples: Optional[int], out: Any) -> None:
-        self.num_samples = num_samples
-        self.out = out
-        self.structure = None
-        self.buffers: Optional[List[np.ndarray]] = None
-        self.parts: Optional[List[List[np.ndarray]]] = None
-        self.offset = 0
-        if out is not None and num_samples is not None:
-            for leaf in keras.tree.flatten(out):
-                if leaf.ndim == 0 or leaf.shape[0] != num_samples:
-                    raise ValueError(
-                        f"out must have {num_samples} rows, one per input sample; "
-                        f"received out of shape {leaf.shape}"
-                    )
-
-    def check_spec(self, spec: Any, postprocess: Optional[Callable]) -> None:
-        """Validate traced outputs (see `backend.output_spec`) before any work."""
-        source = "postprocess" if postprocess is not None else "the model's predict_step"
-        for leaf in keras.tree.flatten(spec):
-            if not isinstance(leaf, Spec):
-                raise TypeError(
-                    f"{source} must return a tensor or a structure of tensors; "
-                    f"received {type(leaf).__name__}: {leaf!r:.80}"
-                )
-            if leaf.shape is not None and (len(leaf.shape) == 0 or leaf.shape[0] is not None):
-                raise ValueError(
-                    f"{source} must keep the batch dimension (one row per sample); "
-                    f"it returned a tensor of shape {leaf.shape} for a batch of "
-                    "unknown size"
-                )
-        if self.out is not None:
-            self._check_out_against(
-                spec, lambda s: (tuple(s.shape[1:]) if s.shape else None, s.dtype)
-            )
-
-    def _check_out_against(self, outputs: Any, describe: Callable) -> None:
-        try:
-            _keras_compat.assert_same_structure(self.out, outputs)
-        except (ValueError, TypeError) as err:
-            raise ValueError(
-                "out must have the structure of the model's outputs; received "
-                f"{_describe(self.out)} for outputs {_describe(outputs)}"
-            ) from err
-        for target, output in zip(keras.tree.flatten(self.out), keras.tree.flatten(outputs)):
-            trailing, dtype = describe(output)
-            shape_ok = trailing is None or any(d is None for d in trailing) or (
-                tuple(target.shape[1:]) == tuple(trailing)
-            )
-            if not shape_ok or target.dtype != dtype:
-                raise ValueError(
-                    f"out must have trailing shape {trailing} and dtype {dtype} to hold "
-                    f"the outputs; received shape {target.shape} and dtype {target.dtype}"
-                )
-
-    def write(self, result: Any, size: int, postprocess: Optional[Callable]) -> None:
-        leaves = keras.tree.flatten(result)
-        if self.structure is None:
-            self._start(result, leaves, size, postprocess)
-        if self.buffers is not None:
-            stop = self.offset + size
-            for buffer, leaf in zip(self.buffers, leaves):
-                if stop > buffer.shape[0]:
-                    raise ValueError(
-                        f"out has {buffer.shape[0]} rows but the input yielded more "
-                        "samples; pass an out with one row per sample"
-                    )
-                buffer[self.offset:stop] = leaf
-        else:
-            for part, leaf in zip(self.parts, leaves):
-                part.append(leaf)
-        self.offset += size
-
-    def _start(self, result, leaves, size, postprocess) -> None:
-        self.structure = result
-        native = any(_is_native(leaf) for leaf in leaves)
-        if native and self.out is not None:
-            raise ValueError(
-                "out cannot hold ragged or sparse outputs; received out="
-                f"{_describe(self.out)} for outputs of types "
-                f"{[type(leaf).__name__ for leaf in leaves]}; pass out=None"
-            )
-        for leaf in leaves:
-            if len(leaf.shape) == 0 or leaf.shape[0] != size:
-                source = "postprocess" if postprocess is not None else "the model"
-                raise ValueError(
-                    f"{source} must return one row per sample; a batch of {size} "
-                    f"gave shape {leaf.shape}"
-                )
-        if self.out is not None:
-            self._check_out_against(result, lambda a: (a.shape[1:], a.dtype))
-            self.buffers = keras.tree.flatten(self.out)
-        elif self.num_samples is not None and not native:
-            self.buffers = [
-                np.empty((self.num_samples,) + leaf.shape[1:], leaf.dtype) for leaf in leaves
-            ]
-        else:
-            self.parts = [[] for _ in leaves]
-
-    def result(self) -> Any:
-        if self.out is not None:
-            rows = keras.tree.flatten(self.out)[0].shape[0]
-            if self.offset < rows:
-                return keras.tree.map_structure(lambda a: a[: self.offset], self.out)
-            return self.out
-        if self.buffers is not None:
-            leaves = [b[: self.offset] if self.offset < b.shape[0] else b for b in self.buffers]
-        else:
-            leaves = [_concatenate(p) for p in self.parts]
-        return keras.tree.pack_sequence_as(self.structure, leaves)
-
-    def empty(self, step: Callable, first: Any) -> Any:
-        """The empty result for an input with no samples."""
-        if self.out is not None:
-            return keras.tree.map_structure(lambda a: a[:0], self.out)
-        if first is None:
-            raise ValueError(
-                "x yielded no batches, so the output shapes are unknown; pass at "
-                "least one batch"
-            )
-        backend = _backend.get()
-        spec = backend.output_spec(step, first[0])
-        if spec is _backend.NO_SPEC:
-            return keras.tree.map_structure(keras.ops.convert_to_numpy, step(first[0]))
-        return keras.tree.map_structure(
-            lambda s: np.empty((0,) + tuple(d or 0 for d in (s.shape or (0,))[1:]), s.dtype),
-            spec,
-        )
-
-
-def _describe(value: Any) -> str:
-    return str(keras.tree.map_structure(lambda a: getattr(a, "shape", a), value))

@@ -23,9 +23,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _report_text, _validate
-from keras_memfit._units import format_bytes
+from keras_memfit._internal import validate as _validate
+from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis import Row, analyse, short_device, sizes
+from keras_memfit.analysis import report_text as _report_text
 from keras_memfit.analysis.peak import DeviceMemory
 
 __all__ = ["DeviceMemory", "LayerMemory", "MemoryReport", "memory_report"]

@@ -358,7 +358,7 @@ def inject_oom(monkeypatch):
     Works on the active backend: the injected errors are that backend's real
     OOM exception objects (`support.oom_error`).
     """
-    from keras_memfit import _cache
+    from keras_memfit._internal import cache as _cache
     from support import BACKEND, backend_module, wrap_factory
 
     backend = backend_module()

@@ -152,7 +152,7 @@ def wrap_factory(monkeypatch: Any, factory: str, wrap: Callable[[Any], Any]) -> 
         wrap: Called with each object the factory builds; returns what
             keras_memfit gets instead.
     """
-    from keras_memfit import _cache
+    from keras_memfit._internal import cache as _cache
     from keras_memfit import backend
 
     module = backend.get()
@@ -370,7 +370,7 @@ def requires_keras(minimum, why):
     so the test is skipped there with `why`, never silently passed.
     """
     import keras
-    from keras_memfit._keras_compat import keras_version
+    from keras_memfit._internal.keras_compat import keras_version
 
     return pytest.mark.skipif(
         keras_version() < tuple(minimum),

@@ -10,8 +10,12 @@ function) is read with `ast`; nothing is imported. The rules:
   applications' environment set-up (`keras_memfit/app/env.py`), which must
   configure TensorFlow before it starts;
 - Keras's private modules (`keras.src`) are reached only through
-  `keras_memfit/_keras_compat.py` and the backend packages;
-- no module of the package is over 500 lines.
+  `keras_memfit/_internal/keras_compat.py` and the backend packages;
+- the layers (`LAYERS`, ARCHITECTURE.md) import only downwards: a module
+  imports modules of its own layer or of the layers below it, so no
+  algorithm and no backend module imports a public front end;
+- the package root holds at most 10 modules;
+- no module of the package is over 500 lines, no test file over 600.
 """
 
 from __future__ import annotations
@@ -26,7 +30,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "keras_memfit"
 MAX_LINES = 500
 TENSORFLOW_ALLOWED = ("keras_memfit/backend/", "keras_memfit/app/env.py")
-KERAS_SRC_ALLOWED = ("keras_memfit/backend/", "keras_memfit/_keras_compat.py")
+KERAS_SRC_ALLOWED = ("keras_memfit/backend/", "keras_memfit/_internal/keras_compat.py")
+MAX_TEST_LINES = 600
+MAX_ROOT_MODULES = 10
+# keras_memfit's layers, lowest first: each module belongs to the first layer
+# whose prefix it has (module names relative to keras_memfit).
+LAYERS = (
+    ("internal", ("_internal",)),
+    ("backend", ("backend",)),
+    ("oom", ("oom",)),
+    ("analysis", ("analysis",)),
+    ("planning", ("planning",)),
+    ("inference", ("inference",)),
+    ("training", ("training",)),
+    ("front ends", ("callbacks", "predict", "evaluate", "report", "placement", "")),
+    ("applications", ("app", "__main__")),
+)
 
 
 def _modules(top: str) -> Dict[str, str]:
@@ -187,3 +206,51 @@ def test_no_module_over_the_size_limit():
         with open(path, encoding="utf-8") as f:
             sizes[os.path.relpath(path, ROOT)] = sum(1 for _ in f)
     assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of a keras_memfit module (`keras_memfit.x.y`)."""
+    rel = module[len(PACKAGE) + 1:] if module != PACKAGE else ""
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if rel == prefix or (prefix and rel.startswith(prefix + ".")):
+                return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it")
+
+
+def _upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    return sorted(
+        f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+        for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)
+    )
+
+
+def test_layers_import_only_downwards():
+    assert _upward_imports(_graph(PACKAGE)) == []
+
+
+def test_layer_check_finds_an_upward_import():
+    graph = {
+        "keras_memfit.planning.runner": {"keras_memfit.predict"},
+        "keras_memfit.predict": {"keras_memfit.planning.runner"},
+    }
+    assert _upward_imports(graph) == [
+        "keras_memfit.planning.runner (planning) imports keras_memfit.predict (front ends)"
+    ]
+
+
+def test_package_root_holds_at_most_ten_modules():
+    root = sorted(
+        f for f in os.listdir(os.path.join(ROOT, PACKAGE))
+        if f.endswith(".py") and f != "__init__.py"
+    )
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_no_test_file_over_the_size_limit():
+    sizes = {}
+    for name in os.listdir(os.path.join(ROOT, "tests")):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
+                sizes[name] = sum(1 for _ in f)
+    assert {p: n for p, n in sizes.items() if n > MAX_TEST_LINES} == {}

@@ -1,4 +1,4 @@
-"""Unit tests of keras_memfit._batches: what MemFit can split, checked on every batch.
+"""Unit tests of keras_memfit._internal.batches: what MemFit can split, checked on every batch.
 
 `splittable_rows` is the one-pass form of `unsplittable` and `data.num_rows`
 used in MemFit's per-batch path; those two are the reference. Any backend.
@@ -10,7 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_memfit import _batches, data
+from keras_memfit._internal import batches as _batches
+from keras_memfit.planning import data
 
 
 def _chunks():

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from keras_memfit import MemFit, OutOfMemoryError
 from keras_memfit.backend import base
-from keras_memfit.planner import Event
+from keras_memfit.planning.planner import Event
 from support import (
     BACKEND,
     Batches,
@@ -980,7 +980,7 @@ def test_step_function_has_the_tensorflow_calling_convention():
 
 
 def test_untested_keras_version_warns_once(monkeypatch, caplog):
-    from keras_memfit import _keras_compat
+    from keras_memfit._internal import keras_compat as _keras_compat
 
     monkeypatch.setattr(keras, "__version__", "3.99.0")
     monkeypatch.setattr(_keras_compat, "_warned_version", False)

@@ -1,4 +1,4 @@
-"""Unit tests of keras_memfit.data: turning predict/evaluate inputs into chunks of rows."""
+"""Unit tests of keras_memfit.planning.data: turning predict/evaluate inputs into chunks of rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_memfit import data
+from keras_memfit.planning import data
 from support import Batches
 
 

@@ -102,7 +102,7 @@ class OneReplicaInjector:
     """
 
     def __init__(self, monkeypatch, strategy, threshold, after=False, replica=1):
-        from keras_memfit import _cache
+        from keras_memfit._internal import cache as _cache
         from keras_memfit.backend.tensorflow import distribute
 
         self.calls = []
@@ -316,7 +316,8 @@ def test_predict_pieces_in_input_order(monkeypatch):
     """`predict` with MemFit, its batches split per replica: rows in the input's order."""
     import keras
 
-    from keras_memfit import MemFit, _cache
+    from keras_memfit import MemFit
+    from keras_memfit._internal import cache as _cache
     from keras_memfit.backend.tensorflow import distribute
 
     strategy = _strategy()
@@ -393,7 +394,8 @@ def test_an_oom_once_the_update_began_is_final(monkeypatch):
     """
     import tensorflow as tf
 
-    from keras_memfit import MemFit, OutOfMemoryError, _cache
+    from keras_memfit import MemFit, OutOfMemoryError
+    from keras_memfit._internal import cache as _cache
     from keras_memfit.backend.tensorflow import distribute
 
     strategy = _strategy()

@@ -31,7 +31,7 @@ if keras.backend.backend() != "tensorflow":
 import tensorflow as tf  # noqa: E402
 
 import keras_memfit  # noqa: E402
-from keras_memfit import planner as planner_module  # noqa: E402
+from keras_memfit.planning import planner as planner_module  # noqa: E402
 from keras_memfit.backend import tensorflow as tf_backend  # noqa: E402
 from keras_memfit.placement import place  # noqa: E402
 
@@ -399,7 +399,7 @@ def test_real_oom_two_replicas_predict_and_evaluate_equal_keras(caplog, monkeypa
 
     # The limit hidden: the whole batch is tried and really runs out of memory.
     monkeypatch.setattr(tf_backend, "memory_limit", lambda device: None)
-    keras_memfit.planner.forget(model)
+    keras_memfit.planning.planner.forget(model)
     got = keras_memfit.safe_predict(model, x, batch_size=BIG, verbose=0)
     np.testing.assert_allclose(got, reference, **TOL)
     # After the two probes, the rest of the batch in one piece: a real try.

@@ -139,7 +139,7 @@ def child_predict_and_evaluate_equal_keras():
         model, x, batch_size=50, verbose=0, postprocess=lambda o: keras.ops.argmax(o, -1)
     )
     np.testing.assert_array_equal(labels, expected.argmax(-1))
-    step = keras_memfit.predict.predict_step(model)
+    step = keras_memfit.inference.steps.predict_step(model)
     spec = backend.get().output_spec(step, x[:8])
     assert spec.shape == (None, 3) and spec.dtype == np.float32, spec
     for kwargs in ({}, {"sample_weight": w}):

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from keras_memfit._legacy import is_legacy_keras, legacy_keras_error, refuse
+from keras_memfit._internal.legacy import is_legacy_keras, legacy_keras_error, refuse
 from support import requires_tensorflow
 
 THRESHOLD = 5

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_memfit import MemFit, safe_predict
-from keras_memfit.planner import GROW_AFTER
+from keras_memfit.planning.planner import GROW_AFTER
 
 MEMFIT_KEYS = {"memfit_ooms", "memfit_split"}
 FEATURES, CLASSES = 4, 3

@@ -1,4 +1,4 @@
-"""Unit tests of keras_memfit.planner.BatchPlanner against a simulated device.
+"""Unit tests of keras_memfit.planning.planner.BatchPlanner against a simulated device.
 
 A fake backend (monkeypatched behind `keras_memfit.backend.get`) simulates a
 device with a memory limit, memory already in use, and a fixed plus
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from keras_memfit import backend as backend_module
-from keras_memfit import runner
+from keras_memfit.planning import runner
 from keras_memfit.oom import OutOfMemoryError
-from keras_memfit.planner import (
+from keras_memfit.planning.planner import (
     GROW_AFTER,
     MARGIN,
     MIN_PROBE_REQUEST,

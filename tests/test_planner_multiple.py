@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from keras_memfit import backend as backend_module
-from keras_memfit.planner import GROW_AFTER, BatchPlanner
+from keras_memfit.planning.planner import GROW_AFTER, BatchPlanner
 
 SIG = ((("4",), "float32"),)
 

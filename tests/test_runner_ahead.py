@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keras_memfit import runner
-from keras_memfit.runner import run_in_pieces
+from keras_memfit.planning import runner
+from keras_memfit.planning.runner import run_in_pieces
 
 
 @pytest.fixture(autouse=True, params=[1, 2], ids=["1-ahead", "2-ahead"])

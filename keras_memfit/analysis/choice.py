@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _keras_compat
-from keras_memfit._units import format_bytes
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis.model import ModelAnalysis, Row
 
 # Recognised by class name too, for lookups of other libraries that do not

@@ -11,7 +11,7 @@ from typing import Optional
 
 import keras
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.analysis.graph import Call, LayerGraph
 from keras_memfit.analysis.sizes import size
 

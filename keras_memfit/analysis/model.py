@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _keras_compat
 from keras_memfit import backend as _backend
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.analysis.flops import flops_per_sample
 from keras_memfit.analysis.graph import LayerGraph
 from keras_memfit.analysis.peak import DeviceMemory, Step, VariableBytes, device_steps, estimate

@@ -51,7 +51,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
     import numpy as np
 
     import keras_memfit
-    from keras_memfit import data
+    from keras_memfit.planning import data
     from keras_memfit.app import records
     from keras_memfit.backend import get as backend
 
@@ -147,7 +147,7 @@ def _one_output_row(
     import keras
     import numpy as np
 
-    from keras_memfit import data
+    from keras_memfit.planning import data
 
     first = data.rows(x, 0, 1)
     if prepare is not None:
@@ -202,7 +202,7 @@ def _scaler(x: Any, specs: Any, scale: float) -> Callable[[Any], Any]:
 
 def _prepared_batches(x: Any, n: int, batch_size: int, prepare: Callable) -> Any:
     """Batches of `x`, each passed through `prepare` (host memory: one batch)."""
-    from keras_memfit import data
+    from keras_memfit.planning import data
 
     for begin in range(0, n, batch_size):
         # A 1-tuple: Keras reads a 2- or 3-tuple (or list) as (x, y[, weights]).

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import TracedCall, TracedTensor
 
 # (key, shape, dtype name) of one symbolic tensor.

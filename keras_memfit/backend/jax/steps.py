@@ -30,7 +30,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
 from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax import state as _state

@@ -16,7 +16,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend._layer_calls import CallRecorder, Info, traced_calls
 from keras_memfit.backend.base import Trace, TracedTensor
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, List
 
 import keras
 
-from keras_memfit import _batches
+from keras_memfit._internal import batches as _batches
 from keras_memfit.backend.jax import state as _state
 
 _KINDS = ("train", "test", "predict")

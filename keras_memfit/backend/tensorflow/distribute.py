@@ -4,7 +4,7 @@ Under `tf.distribute.MirroredStrategy` Keras's step functions receive each
 batch as a distributed value (`PerReplica` leaves: each replica's rows on its
 own device), run the step on every replica with `strategy.run`, and the
 optimizer all-reduces the replicas' gradients into one update. `Replicas`
-gives MemFit (`keras_memfit._replica_training`) what it needs to split such a
+gives MemFit (`keras_memfit.training.replicas`) what it needs to split such a
 batch so that every replica runs the same number of pieces (the all-reduce
 must line up):
 
@@ -127,7 +127,7 @@ class Replicas:
 
     Example:
         >>> chunks = replicas.local(batch)  # [(x0, y0, None), (x1, y1, None)]
-        >>> halves = [keras_memfit.data.rows(c, 0, 4) for c in chunks]
+        >>> halves = [keras_memfit.planning.data.rows(c, 0, 4) for c in chunks]
         >>> logs = replicas.train_step(model, custom=False)(replicas.distribute(halves))
     """
 

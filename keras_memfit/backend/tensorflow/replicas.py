@@ -10,7 +10,7 @@ an OOM) is split into one contiguous share per replica, as even as possible
 (the first `rows % replicas` replicas get one row more, as `tf.data`'s
 rebatching splits Keras's batches), inside the compiled step, and the
 outputs come back concatenated in input order. The planner sizes the pieces
-for all replicas at once (see `keras_memfit.planner`): one size is agreed
+for all replicas at once (see `keras_memfit.planning.planner`): one size is agreed
 before any replica runs it, so every replica runs the same number of pieces.
 
 Other strategies (`OneDeviceStrategy`, `MultiWorkerMirroredStrategy`,
@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import keras
 import tensorflow as tf
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 
 _HOST = "/CPU:0"
 

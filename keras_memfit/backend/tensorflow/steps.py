@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
 from keras_memfit.backend.tensorflow import replicas
 
@@ -18,7 +18,7 @@ def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> C
     """`fn` compiled as Keras would compile the model's own steps.
 
     The step functions below reach the model through a weak reference, so
-    that caching a compiled step per model (`keras_memfit._cache`) does not
+    that caching a compiled step per model (`keras_memfit._internal.cache`) does not
     keep the model alive. `static_shapes` traces once per piece size instead
     of relaxing the batch dimension to unknown (see `_needs_static_batch`).
     """

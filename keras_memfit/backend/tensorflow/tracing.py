@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend._layer_calls import CallRecorder, traced_calls
 from keras_memfit.backend.base import Trace, TracedTensor
 

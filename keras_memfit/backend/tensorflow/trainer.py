@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_memfit import _batches
+from keras_memfit._internal import batches as _batches
 
 _KINDS = ("train", "test", "predict")
 

@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_memfit import _keras_compat
-from keras_memfit._model_state import train_state_variables
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
 

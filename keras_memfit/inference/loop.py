@@ -1,6 +1,6 @@
 """The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`.
 
-`run_in_pieces` (see `keras_memfit.runner`) decides the pieces and retries
+`run_in_pieces` (see `keras_memfit.planning.runner`) decides the pieces and retries
 them; this module gives the run what `model.predict`/`model.evaluate` give
 theirs: a `keras.callbacks.CallbackList` receiving the `on_predict_*` or
 `on_test_*` calls, a `keras.utils.Progbar` counting samples, and the model's
@@ -27,12 +27,13 @@ ended (`run_in_pieces`'s `start`), as Keras's loops overlap their steps; the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple
 
 import keras
 
-from keras_memfit import data as _data
-from keras_memfit.runner import run_in_pieces
+from keras_memfit.backend.base import StartedPiece
+from keras_memfit.planning import data as _data
+from keras_memfit.planning.runner import run_in_pieces
 
 # phase (as the planner names it) -> (Keras's callback hook prefix, the model's stop flag)
 _HOOKS = {"predict": ("predict", "stop_predicting"), "evaluate": ("test", "stop_evaluating")}
@@ -132,7 +133,7 @@ class BatchLoop:
         """Run `step` over `chunks` with `run_in_pieces`, one callback batch per piece.
 
         Args:
-            chunks: The input's chunks (see `keras_memfit.data`).
+            chunks: The input's chunks (see `keras_memfit.planning.data`).
             step: Runs one piece and returns its result.
             on_result: Called as `on_result(size, result)` after each
                 successful piece, before its `on_*_batch_end`; returns the
@@ -234,3 +235,34 @@ class BatchLoop:
         if self.progbar is not None and self.done != self.num_samples:
             self.progbar.update(self.done, values=values, finalize=True)
         self._on_end(logs)
+
+
+class Then:
+    """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too).
+
+    Example:
+        >>> started = Then(step.start(x), to_host)
+        >>> host_outputs = started.wait()
+    """
+
+    __slots__ = ("_started", "_fn")
+
+    def __init__(self, started: StartedPiece, fn: Callable[[Any], Any]) -> None:
+        self._started, self._fn = started, fn
+
+    def wait(self) -> Any:
+        return self._fn(self._started.wait())
+
+    def undo(self) -> None:
+        self._started.undo()
+
+
+def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    """`first`, then the items of `rest`.
+
+    Unlike `itertools.chain`, closing it (which dropping it does) closes
+    `rest` too, so an input left unfinished (`steps`, an early stop) ends its
+    epoch as soon as the run is over.
+    """
+    yield first
+    yield from rest

@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _keras_compat
 from keras_memfit import backend as _backend
-from keras_memfit import data as _data
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit.planning import data as _data
 
 
 class SplitBatches:

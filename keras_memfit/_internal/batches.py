@@ -2,7 +2,7 @@
 
 Keras's step functions receive each batch as `x`, `(x,)`, `(x, y)` or
 `(x, y, sample_weight)`; MemFit splits it as an `(x, y, sample_weight)`
-chunk of rows (`keras_memfit.data`) and hands each piece back in Keras's
+chunk of rows (`keras_memfit.planning.data`) and hands each piece back in Keras's
 form. Only numpy arrays, dense tensors and `None` can be split by rows: a
 sparse or ragged tensor, or an optional input that arrives as a
 `tf.experimental.Optional`, cannot, and `unsplittable` names it.

@@ -20,13 +20,14 @@ sparse leaf runs whole (`rows` raises a clear error when asked for part of it).
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 import keras
 import numpy as np
 
-from keras_memfit import _keras_compat
 from keras_memfit import backend as _backend
+from keras_memfit._internal import keras_compat as _keras_compat
 
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
@@ -324,3 +325,27 @@ def _iterate_adapter(adapter: Any) -> Iterator[Any]:
         on_end = getattr(adapter, "on_epoch_end", None)
         if on_end:
             on_end()
+
+
+def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> Optional[int]:
+    """`batch_size` for array input; None for input that comes batched already.
+
+    `model.predict`/`evaluate` ignore `batch_size` for a dataset, a PyDataset
+    or a generator, so the drop-ins do too: it bounds nothing, which is
+    logged at INFO.
+
+    Args:
+        x: The input.
+        batch_size: The validated `batch_size` argument.
+        advice: What to use instead, appended to the log message.
+
+    Returns:
+        `batch_size` for array input (and sparse arrays), else None.
+    """
+    if batch_size is None or is_array_like(x):
+        return batch_size
+    logging.getLogger("keras_memfit").info(
+        "batch_size=%d is ignored: x of type %s is already batched, as in Keras%s",
+        batch_size, type(x).__name__, f"; {advice}" if advice else "",
+    )
+    return None

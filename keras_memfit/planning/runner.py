@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
 
-from keras_memfit import data as _data
 from keras_memfit.backend.base import Guard, StartedPiece
 from keras_memfit.oom import OutOfMemoryError, is_retryable_oom
-from keras_memfit.planner import BatchPlanner, Event
+from keras_memfit.planning import data as _data
+from keras_memfit.planning.planner import BatchPlanner, Event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ def run_in_pieces(
     Args:
         model: The model (key for the planner's memory).
         phase: "predict", "evaluate" or "train".
-        chunks: Iterable of chunk structures (see `keras_memfit.data`).
+        chunks: Iterable of chunk structures (see `keras_memfit.planning.data`).
         step: Runs one piece; its first leaf of `x` decides the signature.
         on_piece: Called as `on_piece(num_rows, piece, result)` after each
             successful piece; returning True stops early. A chunk run by
@@ -349,34 +349,3 @@ def _final_error(
         planner.device,
         detail=detail,
     )
-
-
-class Then:
-    """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too).
-
-    Example:
-        >>> started = Then(step.start(x), to_host)
-        >>> host_outputs = started.wait()
-    """
-
-    __slots__ = ("_started", "_fn")
-
-    def __init__(self, started: StartedPiece, fn: Callable[[Any], Any]) -> None:
-        self._started, self._fn = started, fn
-
-    def wait(self) -> Any:
-        return self._fn(self._started.wait())
-
-    def undo(self) -> None:
-        self._started.undo()
-
-
-def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    """`first`, then the items of `rest`.
-
-    Unlike `itertools.chain`, closing it (which dropping it does) closes
-    `rest` too, so an input left unfinished (`steps`, an early stop) ends its
-    epoch as soon as the run is over.
-    """
-    yield first
-    yield from rest

@@ -12,7 +12,7 @@ from typing import Any, List
 import keras
 import numpy as np
 
-from keras_memfit import _keras_compat
+from keras_memfit._internal import keras_compat as _keras_compat
 
 
 def loss_reductions(model: keras.Model) -> List[str]:

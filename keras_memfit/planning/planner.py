@@ -35,7 +35,7 @@ trial:
 Under a `tf.distribute.MirroredStrategy` each piece is split across the
 replicas, so one size is planned for all of them: the budget is the smallest
 free memory among their devices, the measured peak the largest (see
-`keras_memfit._replica_memory`).
+`keras_memfit.planning.replica_memory`).
 
 Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
 caught, INFO for estimates and growth.
@@ -43,7 +43,7 @@ caught, INFO for estimates and growth.
 **Steps compiled per shape** (XLA: JAX unless run eagerly, TensorFlow with
 `jit_compile=True`; the backend's `compiles_per_shape`): each new piece size
 compiles the step again, so there the planner changes what costs shapes
-(see `keras_memfit._shape_plan`). It never probes: the bytes per sample
+(see `keras_memfit.planning.shape_plan`). It never probes: the bytes per sample
 (and a training step's gradients and update temporaries) come from the
 analytic estimate `memory_report` shows, corrected by OOMs as above, and
 the estimate's size is kept for later calls while memory stays about the
@@ -66,9 +66,9 @@ import math
 from typing import Any, Hashable, List, Optional, Tuple
 
 from keras_memfit import backend as _backend
-from keras_memfit._plan_records import Event, Knowledge, forget, knowledge_for
-from keras_memfit._replica_memory import ReplicaMemory
-from keras_memfit._shape_plan import analytic_estimate, even_size
+from keras_memfit.planning.records import Event, Knowledge, forget, knowledge_for
+from keras_memfit.planning.replica_memory import ReplicaMemory
+from keras_memfit.planning.shape_plan import analytic_estimate, even_size
 
 logger = logging.getLogger("keras_memfit")
 

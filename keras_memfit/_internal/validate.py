@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import numbers
 from typing import Any, Optional
 
-from keras_memfit import _legacy
+from keras_memfit._internal import legacy as _legacy
 
 
 def positive_int(name: str, value: Any, allow_none: bool = True) -> Optional[int]:
@@ -37,32 +36,6 @@ def model(value: Any) -> None:
         raise TypeError(
             f"model must be a keras.Model; received {type(value).__name__}: {value!r:.80}"
         )
-
-
-def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> Optional[int]:
-    """`batch_size` for array input; None for input that comes batched already.
-
-    `model.predict`/`evaluate` ignore `batch_size` for a dataset, a PyDataset
-    or a generator, so the drop-ins do too: it bounds nothing, which is
-    logged at INFO.
-
-    Args:
-        x: The input.
-        batch_size: The validated `batch_size` argument.
-        advice: What to use instead, appended to the log message.
-
-    Returns:
-        `batch_size` for array input (and sparse arrays), else None.
-    """
-    from keras_memfit.data import is_array_like
-
-    if batch_size is None or is_array_like(x):
-        return batch_size
-    logging.getLogger("keras_memfit").info(
-        "batch_size=%d is ignored: x of type %s is already batched, as in Keras%s",
-        batch_size, type(x).__name__, f"; {advice}" if advice else "",
-    )
-    return None
 
 
 def unknown_kwargs(function: str, kwargs: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from keras_memfit._units import format_bytes, format_count, format_shape, format_table
+from keras_memfit._internal.units import format_bytes, format_count, format_shape, format_table
 
 
 def table(report: Any, line_length: Optional[int]) -> str:

@@ -3,7 +3,7 @@
 `Knowledge` is kept per model (weakly) across calls, so that a second call
 starts from what the first learned; an `Event` is one adaptation of the batch
 size, by a planner (one per estimate, OOM and growth) or by MemFit, which
-places them in its `fit` (`Event.located`). `keras_memfit.planner` exports
+places them in its `fit` (`Event.located`). `keras_memfit.planning.planner` exports
 both.
 """
 

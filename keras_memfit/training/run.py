@@ -2,7 +2,7 @@
 
 `Run` is what `MemFit` (the public callback, `keras_memfit.callbacks`) hands
 the batches to. Every batch goes through the one loop of
-`keras_memfit.runner.run_in_pieces`, with a strategy per phase:
+`keras_memfit.planning.runner.run_in_pieces`, with a strategy per phase:
 
 - training, `mode="shrink"`: the batch as pieces, one train step each (the
   full batch first, while the planner says it fits);
@@ -37,18 +37,19 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import keras
 
-from keras_memfit import _cache, _keras_compat, _model_state
-from keras_memfit._replica_training import ReplicaRun, replicas_of
 from keras_memfit import backend as _backend
-from keras_memfit._batches import as_batch, as_chunk, concatenate, unsplittable
-from keras_memfit import data as _data
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal.batches import as_batch, as_chunk, concatenate, unsplittable
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
-from keras_memfit.evaluate import test_step_and_guard
+from keras_memfit.inference.steps import predict_step, test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
-from keras_memfit.planner import BatchPlanner, Event
-from keras_memfit.predict import predict_step
-from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
+from keras_memfit.planning import data as _data
+from keras_memfit.planning.planner import BatchPlanner, Event
+from keras_memfit.planning.runner import Accumulation, Pieces, run_in_pieces
+from keras_memfit.training.replicas import ReplicaRun, replicas_of
 
 logger = logging.getLogger("keras_memfit")
 

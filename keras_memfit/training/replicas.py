@@ -16,7 +16,7 @@ smaller one: the last batch can divide unevenly). So the planner plans the
 rows of the largest replica, and the split is agreed before any replica runs
 it; the sizes in MemFit's events are rows per replica (the largest
 replica's). The guarantees are MemFit's on one device
-(`keras_memfit._training`):
+(`keras_memfit.training.run`):
 
 - the whole batch first, as Keras runs it (the distributed batch untouched);
 - `mode="accumulate"`: micro-batch gradients, each replica's weighted by its
@@ -41,13 +41,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import keras
 import numpy as np
 
-from keras_memfit import _cache, _model_state
 from keras_memfit import backend as _backend
-from keras_memfit import data as _data
-from keras_memfit._batches import as_batch, concatenate, unsplittable
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal.batches import as_batch, concatenate, unsplittable
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
-from keras_memfit.runner import Accumulation, Pieces, run_in_pieces
+from keras_memfit.planning import data as _data
+from keras_memfit.planning.runner import Accumulation, Pieces, run_in_pieces
 
 
 def replicas_of(model: keras.Model) -> Optional[Any]:
@@ -103,7 +104,7 @@ class _Batch:
 
 
 class ReplicaRun:
-    """What `Run` (`keras_memfit._training`) does with each batch under a strategy.
+    """What `Run` (`keras_memfit.training.run`) does with each batch under a strategy.
 
     Args:
         run: The `Run` (its planners, events, mode and Keras's own functions).

@@ -1,0 +1,11 @@
+"""How a batch is cut into pieces that fit, and the one retry loop that runs them.
+
+- `data`: the input as Keras takes it, as chunks of rows (arrays, datasets,
+  generators, sparse batches);
+- `planner`: the next piece size, learned from OOMs and the device's memory;
+  `records` (what is known about a model's pieces, kept between calls),
+  `shape_plan` (sizes from the analytic estimate where each shape compiles),
+  `replica_memory` (the memory of several replicas);
+- `runner`: `run_in_pieces`, the one retry loop, with accumulation as its
+  all-or-nothing mode.
+"""

@@ -1,0 +1,7 @@
+"""MemFit's algorithm behind the thin callback in `keras_memfit.callbacks`.
+
+- `run`: one `fit` call's training, validation and predict batches, in
+  pieces (`Run`);
+- `replicas`: the same under a `tf.distribute` strategy (`ReplicaRun`);
+- `summary`: what MemFit reports at the end of `fit`.
+"""
