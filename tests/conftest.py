@@ -57,7 +57,9 @@ COMPAT_MODULES = (
     "test_callbacks.py",
     "test_data.py",
     "test_evaluate.py",
+    "test_memfit_accumulate.py",
     "test_memfit_compat.py",
+    "test_memfit_shrink.py",
     "test_placement.py",
     "test_predict_outputs.py",
     "test_real_oom.py",
@@ -384,3 +386,16 @@ def inject_oom(monkeypatch):
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()
+
+
+@pytest.fixture
+def probing_planner(monkeypatch):
+    """The probing and halving planner, also where steps compile per shape (JAX).
+
+    Tests of that planner use it (`pytestmark = pytest.mark.usefixtures(
+    "probing_planner")`); the planner of steps compiled per shape (XLA) has
+    its own tests (test_jax_compiles.py, test_tf_compiles.py).
+    """
+    from support import backend_module
+
+    monkeypatch.setattr(backend_module(), "compiles_per_shape", lambda model: False)

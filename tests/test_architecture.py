@@ -254,3 +254,51 @@ def test_no_test_file_over_the_size_limit():
             with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
                 sizes[name] = sum(1 for _ in f)
     assert {p: n for p, n in sizes.items() if n > MAX_TEST_LINES} == {}
+
+
+def _private_reads(paths: List[str]) -> List[str]:
+    """Reads of another object's private member that a keras_memfit class defines.
+
+    A class's private members are the `_name` attributes it assigns on `self`
+    and its `_name` methods; reading one on anything but `self` or `cls`
+    reaches into another object. (Keras's own private attributes, read
+    through `_internal/keras_compat.py` and the backends, are not defined by
+    keras_memfit's classes and so not counted.)
+    """
+    trees = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            trees[path] = ast.parse(f.read(), filename=path)
+    private: Set[str] = set()
+    for tree in trees.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef):
+                    name = node.name
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    name = node.attr
+                else:
+                    continue
+                if name.startswith("_") and not name.startswith("__"):
+                    private.add(name)
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_nothing_reads_another_objects_private_members():
+    assert _private_reads(list(_modules(PACKAGE).values())) == []
+
+
+def test_private_read_check_finds_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "class Run:\n    def __init__(self):\n        self._planner = None\n"
+        "class ReplicaRun:\n    def train(self, run):\n        return run._planner\n"
+    )
+    assert [line.split(": ", 1)[1] for line in _private_reads([str(source)])] == ["run._planner"]

@@ -31,13 +31,7 @@ RTOL = 1e-5
 # ---------------------------------------------------------------------------
 # Models and data
 # ---------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _probing_planner(monkeypatch):
-    """Tests of the probing and halving planner (steps not compiled per shape);
-    the XLA planner has its own (test_jax_compiles.py, test_tf_compiles.py)."""
-    from support import backend_module
-
-    monkeypatch.setattr(backend_module(), "compiles_per_shape", lambda model: False)
+pytestmark = pytest.mark.usefixtures("probing_planner")
 
 
 def _two_outputs(per_execution=1):

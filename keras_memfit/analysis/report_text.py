@@ -41,7 +41,7 @@ def table(report: Any, line_length: Optional[int]) -> str:
     policy = f", dtype policy {report.dtype_policy}" if report.dtype_policy else ""
     title = f'Memory report: "{report.model_name}" ({mode}, batch_size={report.batch_size}{policy})'
     lines = format_table(title, header, body, total, line_length=line_length, left=(0, 1, 7))
-    on = f" on {report.device}" if report._spans_devices else ""
+    on = f" on {report.device}" if len(report.per_device) > 1 else ""
     lines.append(
         f"Estimated peak{on} at batch_size={report.batch_size}: {format_bytes(report.peak_bytes)} "
         f"({format_bytes(report.fixed_bytes)} fixed + {format_bytes(report.bytes_per_sample)} per sample)"
@@ -49,7 +49,7 @@ def table(report: Any, line_length: Optional[int]) -> str:
     if report.budget is not None:
         fit = report.max_batch_size(report.budget)
         lines.append(f"Largest batch predicted to fit {format_bytes(report.budget)}{on}: {fit:,}")
-    if report._spans_devices:
+    if len(report.per_device) > 1:
         lines.append(f"Per device at batch_size={report.batch_size} (memory_report(..., "
                      "device=...) for another device's estimate):")
         for name, d in report.per_device.items():

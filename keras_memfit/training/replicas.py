@@ -36,7 +36,7 @@ The backend's `training_replicas(model)` gives the `Replicas` object used here (
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import keras
 import numpy as np
@@ -103,6 +103,22 @@ class _Batch:
         return self.replicas.distribute([as_batch(c) for c in chunks])
 
 
+class RunView(Protocol):
+    """What `ReplicaRun` uses of its `Run` (`keras_memfit.training.run`)."""
+
+    model: keras.Model
+    mode: str
+    epoch_split: int
+
+    def planner_for(self, phase: str, signature: Hashable, rows: int) -> Any: ...
+
+    def note_pieces(self, phase: str, pieces: int, rows: int) -> None: ...
+
+    def note_events(self, batch_rows: Optional[int]) -> None: ...
+
+    def keras_call(self, kind: str, batches: List[Any], reason: Optional[str]) -> Any: ...
+
+
 class ReplicaRun:
     """What `Run` (`keras_memfit.training.run`) does with each batch under a strategy.
 
@@ -113,7 +129,7 @@ class ReplicaRun:
         update_oom: Its detail when the optimizer update ran out of memory.
     """
 
-    def __init__(self, run: Any, replicas: Any, state_kept: str, update_oom: str) -> None:
+    def __init__(self, run: RunView, replicas: Any, state_kept: str, update_oom: str) -> None:
         self.run = run
         self.replicas = replicas
         self.state_kept = state_kept
@@ -122,22 +138,21 @@ class ReplicaRun:
         self._test: Optional[Tuple[Callable, Any]] = None
         self._predict: Optional[Callable] = None
 
-    def _unsplittable(self, batches: List[Any]) -> bool:
-        """Whether some replica's rows of `batches` cannot be split (Keras's own step runs them)."""
-        self.run._unsplittable = None
+    def _unsplittable(self, batches: List[Any]) -> Optional[str]:
+        """What cannot be split in some replica's rows of `batches` (Keras's own step runs them)."""
         for batch in batches:
             for chunk in self.replicas.local(batch):
                 found = unsplittable(chunk)
                 if found is not None:
-                    self.run._unsplittable = found
-                    return True
-        return False
+                    return found
+        return None
 
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:
         """Train on each distributed Keras batch; returns the last one's logs."""
-        if self._unsplittable(batches):
-            return self.run._keras("train", batches)
+        reason = self._unsplittable(batches)
+        if reason is not None:
+            return self.run.keras_call("train", batches, reason)
         logs = None
         for batch in batches:
             logs = self._train_batch(_Batch(self.replicas, batch))
@@ -174,7 +189,7 @@ class ReplicaRun:
     def _train_batch(self, batch: _Batch) -> Any:
         run, model = self.run, self.run.model
         parts = self._parts(batch)
-        planner = run._planner("train", batch.signature, batch.slots)
+        planner = run.planner_for("train", batch.signature, batch.slots)
         pieces = Pieces()
 
         step = parts["step"]
@@ -198,9 +213,9 @@ class ReplicaRun:
             )
             planner.finish_batch()
             run.epoch_split = max(run.epoch_split, pieces.count)
-            run._note_pieces("train", pieces.count, batch.rows)
+            run.note_pieces("train", pieces.count, batch.rows)
         finally:
-            run._note_events(batch.slots)
+            run.note_events(batch.slots)
         return pieces.result
 
     def _accumulation(
@@ -241,8 +256,9 @@ class ReplicaRun:
     # ------------------------------------------------------------- evaluate
     def test(self, batches: List[Any]) -> Any:
         """Evaluate each distributed Keras batch; returns the last one's logs."""
-        if self._unsplittable(batches):
-            return self.run._keras("test", batches)
+        reason = self._unsplittable(batches)
+        if reason is not None:
+            return self.run.keras_call("test", batches, reason)
         run, model = self.run, self.run.model
         pieces = Pieces()
 
@@ -251,7 +267,7 @@ class ReplicaRun:
             if self._test is None:
                 self._test = self._test_parts(batch)
             step, guard = self._test
-            planner = run._planner("evaluate", batch.signature, batch.slots)
+            planner = run.planner_for("evaluate", batch.signature, batch.slots)
             pieces.count = 0
             try:
                 run_in_pieces(
@@ -260,9 +276,9 @@ class ReplicaRun:
                     pieces, requested=None, guard=guard, planner=planner,
                 )
                 planner.finish_batch()
-                run._note_pieces("evaluate", pieces.count, batch.rows)
+                run.note_pieces("evaluate", pieces.count, batch.rows)
             finally:
-                run._note_events(batch.slots)
+                run.note_events(batch.slots)
         return pieces.result if pieces.ran else {}
 
     def _test_parts(self, batch: _Batch) -> Tuple[Callable, Any]:
@@ -287,8 +303,9 @@ class ReplicaRun:
         Keras concatenates the replicas' outputs in replica order; so does
         this, each replica's pieces first joined in order.
         """
-        if self._unsplittable(batches):
-            return self.run._keras("predict", batches)
+        reason = self._unsplittable(batches)
+        if reason is not None:
+            return self.run.keras_call("predict", batches, reason)
         run, model = self.run, self.run.model
         if self._predict is None:
             key = ("replica-predict", id(self.replicas.strategy),
@@ -307,7 +324,7 @@ class ReplicaRun:
                     part.append(out)
                 return False
 
-            planner = run._planner("predict", batch.signature, batch.slots)
+            planner = run.planner_for("predict", batch.signature, batch.slots)
             try:
                 run_in_pieces(
                     model, "predict", [batch.chunk],
@@ -315,8 +332,8 @@ class ReplicaRun:
                     on_piece, requested=None, planner=planner,
                 )
                 planner.finish_batch()
-                run._note_pieces("predict", len(per_replica[0]), batch.rows)
+                run.note_pieces("predict", len(per_replica[0]), batch.rows)
             finally:
-                run._note_events(batch.slots)
+                run.note_events(batch.slots)
             outputs.extend(concatenate(part) for part in per_replica)
         return concatenate(outputs)

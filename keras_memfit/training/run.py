@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Tuple
 
 import keras
 
@@ -137,7 +137,6 @@ class Run:
         self._train_parts: Optional[TrainParts] = None
         self._test_parts: Optional[Tuple[Any, Guard]] = None
         self._predict_step: Any = None
-        self._unsplittable: Optional[str] = None
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
         # Under a tf.distribute strategy, batches are split per replica.
@@ -157,8 +156,9 @@ class Run:
         """Train on each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.train(batches)
-        if self._passed_through("train", batches):
-            return self._keras("train", batches)
+        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        if reason is not None:
+            return self.keras_call("train", batches, reason)
         logs = None
         for batch in batches:
             logs = self._train_batch(as_chunk(batch))
@@ -167,7 +167,7 @@ class Run:
     def _train_batch(self, chunk: tuple) -> Any:
         parts = self._train_parts_for(chunk)
         n = _data.num_rows(chunk)
-        planner = self._planner("train", _data.signature(chunk[0]), n)
+        planner = self.planner_for("train", _data.signature(chunk[0]), n)
         pieces = Pieces()  # pieces of this batch: train steps, or accumulated micro-batches
 
         accumulation = None
@@ -182,9 +182,9 @@ class Run:
             )
             planner.finish_batch()
             self.epoch_split = max(self.epoch_split, pieces.count)
-            self._note_pieces("train", pieces.count, n)
+            self.note_pieces("train", pieces.count, n)
         finally:
-            self._note_events(n)
+            self.note_events(n)
         return pieces.result
 
     def _step_runner(self, step: TrainStep, planner: BatchPlanner) -> Callable[[tuple], Any]:
@@ -281,8 +281,9 @@ class Run:
         """Evaluate each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.test(batches)
-        if self._passed_through("test", batches):
-            return self._keras("test", batches)
+        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        if reason is not None:
+            return self.keras_call("test", batches, reason)
         model = self.model
         pieces = Pieces()
 
@@ -292,7 +293,7 @@ class Run:
                 self._test_parts = test_step_and_guard(model, chunk)
             step, guard = self._test_parts
             n = _data.num_rows(chunk)
-            planner = self._planner("evaluate", _data.signature(chunk[0]), n)
+            planner = self.planner_for("evaluate", _data.signature(chunk[0]), n)
             pieces.count = 0
             try:
                 run_in_pieces(
@@ -300,9 +301,9 @@ class Run:
                     pieces, requested=None, guard=guard, planner=planner,
                 )
                 planner.finish_batch()
-                self._note_pieces("evaluate", pieces.count, n)
+                self.note_pieces("evaluate", pieces.count, n)
             finally:
-                self._note_events(n)
+                self.note_events(n)
         return pieces.result if pieces.ran else {}
 
     # -------------------------------------------------------------- predict
@@ -314,8 +315,9 @@ class Run:
         """
         if self._replicas is not None:
             return self._replicas.predict(batches)
-        if self._passed_through("predict", batches):
-            return self._keras("predict", batches)
+        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        if reason is not None:
+            return self.keras_call("predict", batches, reason)
         if self._predict_step is None:
             self._predict_step = predict_step(self.model)
         step = self._predict_step
@@ -328,7 +330,7 @@ class Run:
         for batch in batches:
             x = keras.utils.unpack_x_y_sample_weight(batch)[0]
             n = _data.num_rows(x)
-            planner = self._planner("predict", _data.signature(x), n)
+            planner = self.planner_for("predict", _data.signature(x), n)
             before = len(outputs)
             try:
                 run_in_pieces(
@@ -336,33 +338,30 @@ class Run:
                     on_piece, requested=None, planner=planner,
                 )
                 planner.finish_batch()
-                self._note_pieces("predict", len(outputs) - before, n)
+                self.note_pieces("predict", len(outputs) - before, n)
             finally:
-                self._note_events(n)
+                self.note_events(n)
         return concatenate(outputs)
 
     # ------------------------------------------------- batches MemFit passes on
-    def _passed_through(self, kind: str, batches: List[Any]) -> bool:
-        """Whether `batches` go to Keras's own function (some input cannot be split)."""
-        self._unsplittable = None
-        for batch in batches:
-            found = unsplittable(as_chunk(batch))
-            if found is not None:
-                self._unsplittable = found
-                return True
-        return False
+    def keras_call(self, kind: str, batches: List[Any], reason: Optional[str]) -> Any:
+        """Keras's own `<kind>_function` on `batches`, which MemFit cannot split.
 
-    def _keras(self, kind: str, batches: List[Any]) -> Any:
-        """Keras's own `<kind>_function` on `batches`; an OOM names what MemFit received."""
+        Args:
+            kind: "train", "test" or "predict".
+            batches: The batches already pulled from Keras's iterator.
+            reason: What cannot be split (see `batches.unsplittable`), named
+                by the error if Keras's function runs out of memory.
+        """
         try:
             return self.keras_function(kind, batches)
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            raise _cannot_split_error(self.model, kind, self._unsplittable) from exc
+            raise _cannot_split_error(self.model, kind, reason) from exc
 
     # --------------------------------------------------------------- shared
-    def _planner(self, phase: str, signature: Hashable, rows: int) -> BatchPlanner:
+    def planner_for(self, phase: str, signature: Hashable, rows: int) -> BatchPlanner:
         """The planner of `phase` at `signature`, told that a batch of `rows` begins.
 
         Every phase tries the whole batch first (`probe="after_oom"`): a
@@ -382,11 +381,13 @@ class Run:
         """Whether anything was adapted: an event, or a batch run as pieces."""
         return bool(self.events or self.most_pieces)
 
-    def _note_pieces(self, phase: str, pieces: int, rows: int) -> None:
+    def note_pieces(self, phase: str, pieces: int, rows: int) -> None:
+        """Record that a batch of `rows` of `phase` ran as `pieces` pieces."""
         if pieces > 1 and pieces >= self.most_pieces.get(phase, (0, 0))[0]:
             self.most_pieces[phase] = (pieces, rows)
 
-    def _note_events(self, batch_rows: Optional[int]) -> None:
+    def note_events(self, batch_rows: Optional[int]) -> None:
+        """Locate the planners' new events at the current epoch and step (a batch of `batch_rows`)."""
         for event in self._pending:
             if event.kind == "oom":
                 self.epoch_ooms += 1
@@ -395,6 +396,15 @@ class Run:
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._pending.clear()
+
+
+def _unsplittable_in(chunks: Iterable[tuple]) -> Optional[str]:
+    """What cannot be split in the first of `chunks` that has such an input, else None."""
+    for chunk in chunks:
+        found = unsplittable(chunk)
+        if found is not None:
+            return found
+    return None
 
 
 def batch_dependent_layers(model: keras.Model) -> List[Any]:

@@ -108,6 +108,10 @@ class Threaded:
     def model(self) -> Any:
         return self._model_ref()
 
+    def taken_variables(self, name: str) -> Optional[List[Any]]:
+        """The variable list of group `name` this call materialized into, if any."""
+        return self._variables.get(name)
+
     def holds(self, names: Sequence[str]) -> bool:
         """Whether the tuple (not the variables) holds every group in `names`."""
         if self.materialized:
@@ -224,8 +228,9 @@ def refresh(model: Any) -> None:
 
 def _variables_of(model: Any, name: str) -> List[Any]:
     call = getattr(_local, "call", None)
-    if call is not None and call.model is model and name in call._variables:
-        return call._variables[name]  # materialized: the lists it took
+    taken = call.taken_variables(name) if call is not None and call.model is model else None
+    if taken is not None:
+        return taken  # materialized: the lists it took
     lists = _lists.get(model)
     if lists is None:
         lists = _lists[model] = {}

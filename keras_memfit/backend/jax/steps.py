@@ -74,7 +74,8 @@ class _Step:
         self._compiled = _compile(model, fn)
         self.traced = self._compiled is not fn
 
-    def _model(self) -> keras.Model:
+    def model(self) -> keras.Model:
+        """The step's model; RuntimeError if it was deleted."""
         model = self._model_ref()
         if model is None:
             raise RuntimeError("the model of this compiled step was deleted")
@@ -91,7 +92,7 @@ class _Step:
         `names` but the first (the trainable weights, which inference leaves
         alone); those are written at once (see `Started`).
         """
-        model = self._model()
+        model = self.model()
         state = _state.get(model, names)
         result = self._compiled(*state, data)
         written = names[1:]
@@ -154,7 +155,7 @@ class PredictStep(_Step):
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)` by tracing only (see `output_spec`)."""
-        model = self._model()
+        model = self.model()
         state = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state.get(model, PREDICT_STATE)
         )
@@ -297,7 +298,7 @@ def output_spec(step: Callable, x: Any) -> Any:
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):
         return NO_SPEC
-    _state.refresh(step._model())  # once per safe_predict call: the variable lists anew
+    _state.refresh(step.model())  # once per safe_predict call: the variable lists anew
     if not step.traced:
         return NO_SPEC
     return step.spec(x)

@@ -1,0 +1,183 @@
+"""`runner.run_in_pieces` end to end, with a fake step raising real OOM errors of the active backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_memfit.oom import OutOfMemoryError
+from keras_memfit.planning import runner
+from planner_support import (  # noqa: F401, F811 (device and model are fixtures)
+    MiB,
+    device,
+    model,
+)
+from support import oom_error, oom_error_class, runtime_error
+
+pytestmark = pytest.mark.usefixtures("probing_planner")
+
+
+# --------------------------------------------------------------------------
+# End to end: runner.run_in_pieces with a fake step
+# --------------------------------------------------------------------------
+def _oom(rows):
+    return oom_error(rows)
+
+
+class FakeStep:
+    """Fails above `threshold` rows, and on the call numbers in `spikes` (rows > 1)."""
+
+    def __init__(self, threshold=None, spikes=()):
+        self.threshold = threshold
+        self.spikes = set(spikes)
+        self.calls = []
+        self.rollbacks = 0
+        self.snapshots = 0
+        self.seen = []
+
+    def __call__(self, piece):
+        (x,) = piece
+        rows = len(x)
+        index = len(self.calls)
+        self.calls.append(rows)
+        if (self.threshold is not None and rows > self.threshold) or (
+            index in self.spikes and rows > 1
+        ):
+            raise _oom(rows)
+        return x * 2
+
+    # The runner's guard protocol: snapshot before every attempt, restore after a failure.
+    def snapshot(self):
+        self.snapshots += 1
+
+    def restore(self):
+        self.rollbacks += 1
+
+    def on_piece(self, size, piece, result):
+        assert size == len(piece[0]) == len(result)
+        np.testing.assert_array_equal(result, piece[0] * 2)
+        self.seen.append(np.array(piece[0]))
+        return False
+
+
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("requested", [1000, 37, None])
+def test_run_in_pieces_processes_every_row_once_in_order(device, model, stats, requested):
+    device(capacity=10_000 * MiB if stats else None, stats=stats)
+    x = np.arange(2000)
+    chunks = [(x[:700],), (x[700:710],), (x[710:1999],), (x[1999:],)]
+    step = FakeStep(threshold=90, spikes={5, 11, 40, 41})
+    events = []
+    done = runner.run_in_pieces(
+        model, "predict", chunks, step, step.on_piece, requested=requested,
+        guard=step, events=events,
+    )
+    assert done == 2000
+    np.testing.assert_array_equal(np.concatenate(step.seen), x)
+    ooms = [e for e in events if e.kind == "oom"]
+    assert step.rollbacks == len(ooms) == len(step.calls) - len(step.seen)
+    assert step.snapshots == len(step.calls)
+    assert ooms
+    assert all(len(piece) <= 90 for piece in step.seen)
+    if requested is not None:
+        assert max(step.calls) <= requested
+
+
+def test_run_in_pieces_splits_each_dataset_batch(device, model):
+    device(stats=False)
+    batches = [(np.arange(i * 50, (i + 1) * 50),) for i in range(6)]
+    step = FakeStep(threshold=20)
+    done = runner.run_in_pieces(model, "evaluate", batches, step, step.on_piece,
+                                requested=None, guard=step)
+    assert done == 300
+    np.testing.assert_array_equal(np.concatenate(step.seen), np.arange(300))
+    # 50 -> 25 -> 12 on the first batch; later batches start small.
+    assert step.calls[:3] == [50, 25, 12]
+    assert all(len(piece) <= 20 for piece in step.seen)
+    assert step.rollbacks <= 3
+    assert 50 not in step.calls[3:] and 25 not in step.calls[3:]
+
+
+def test_run_in_pieces_second_call_pays_no_oom(device, model):
+    device(stats=False)
+    x = np.arange(500)
+    first = FakeStep(threshold=60)
+    runner.run_in_pieces(model, "predict", [(x,)], first, first.on_piece, requested=256)
+    assert first.rollbacks == 0 and len(first.calls) > len(first.seen)
+    second = FakeStep(threshold=60)
+    runner.run_in_pieces(model, "predict", [(x,)], second, second.on_piece,
+                         requested=256, guard=second)
+    assert len(second.calls) == len(second.seen)
+    assert second.rollbacks == 0
+    np.testing.assert_array_equal(np.concatenate(second.seen), x)
+
+
+def test_run_in_pieces_stops_when_on_piece_says_so(device, model):
+    device(stats=False)
+    step = FakeStep()
+    pieces = []
+
+    def on_piece(size, piece, result):
+        pieces.append(size)
+        return len(pieces) == 3
+
+    done = runner.run_in_pieces(model, "predict", [(np.arange(100),)], step, on_piece,
+                                requested=10)
+    assert done == 30
+    assert step.calls == [10, 10, 10]
+
+
+def test_run_in_pieces_propagates_other_errors_untouched(device, model):
+    device(stats=False)
+    error = runtime_error("bad shape")
+    guard = FakeStep()
+
+    def step(piece):
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        runner.run_in_pieces(model, "predict", [(np.arange(10),)], step,
+                             lambda *a: False, requested=4,
+                             guard=guard)
+    assert info.value is error
+    assert guard.rollbacks == 0
+
+
+def test_run_in_pieces_single_sample_oom_raises_out_of_memory_error(device, model):
+    device(stats=False)
+    step = FakeStep(threshold=0)
+    with pytest.raises(OutOfMemoryError) as info:
+        runner.run_in_pieces(model, "evaluate", [(np.arange(10.0).reshape(5, 2),)], step,
+                             step.on_piece, requested=4, guard=step)
+    err = info.value
+    assert isinstance(err, oom_error_class())
+    assert isinstance(err.__cause__, oom_error_class())
+    assert err.phase == "evaluate" and err.model_name == "dummy"
+    assert err.batch_shape == ((1, 2),)
+    assert err.device == "FAKE:0"
+    assert step.calls == [4, 2, 1]
+    assert step.rollbacks == 3
+    assert step.seen == []
+
+
+def test_run_in_pieces_uses_one_planner_per_signature(device, model):
+    device(stats=False)
+    # Two signatures alternate; only the wide rows are expensive.
+    wide = [(np.zeros((40, 8)),), (np.zeros((40, 8)),)]
+    narrow = [(np.zeros((40, 2)),), (np.zeros((40, 2)),)]
+    calls = []
+
+    def step(piece):
+        x = piece[0]
+        calls.append(x.shape)
+        if x.shape[1] == 8 and len(x) > 10:
+            raise _oom(len(x))
+        return x
+
+    runner.run_in_pieces(model, "predict", [wide[0], narrow[0], wide[1], narrow[1]], step,
+                         lambda *a: False, requested=40)
+    narrow_calls = [s[0] for s in calls if s[1] == 2]
+    assert narrow_calls == [40, 40]
+    wide_calls = [s[0] for s in calls if s[1] == 8]
+    assert wide_calls[:3] == [40, 20, 10]
+    assert max(wide_calls[3:]) <= 10
