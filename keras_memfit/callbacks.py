@@ -302,8 +302,7 @@ class MemFit(keras.callbacks.Callback):
         backend = _backend.get()
         model = self.model
         _keras_compat.warn_if_untested_keras()
-        if backend.uses_distribution(model):
-            _check_distribution(model)
+        backend.training_replicas(model)  # raises for a distribution MemFit refuses
         if self.mode != "accumulate":
             return self.mode, None
         if not backend.has_default_train_step(model):
@@ -395,18 +394,6 @@ class MemFit(keras.callbacks.Callback):
 
 
 _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
-
-
-def _check_distribution(model: Any) -> None:
-    """Refuse a distribution MemFit cannot split for, with a clear error.
-
-    Reached when the backend's `uses_distribution(model)` is True; its
-    `training_replicas(model)` raises `NotImplementedError` naming what it
-    cannot split for (TensorFlow: every strategy but `MirroredStrategy` and
-    `OneDeviceStrategy`; JAX answers False under a single-process
-    `DataParallel` and raises its own error for the other distributions).
-    """
-    _backend.get().training_replicas(model)
 
 
 def _keras2_message(model: Any) -> str:

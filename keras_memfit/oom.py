@@ -156,7 +156,7 @@ _ADVICE = (
     "What to do next: look at which layers hold the memory "
     "(`keras_memfit.memory_report(model, batch_size)`, or model.summary()); keep "
     "oversized embedding/input layers on the CPU (`keras_memfit.place(model)`, "
-    "or `with tf.device('/CPU:0')` around those layers); use mixed precision "
+    "or `with keras.device('cpu:0')` around those layers); use mixed precision "
     "(keras.mixed_precision.set_global_policy('mixed_float16')); free other "
     "models or tensors held on the device; or use a smaller model."
 )

@@ -233,11 +233,12 @@ def _refuse_distribution(be: Any, model: keras.Model) -> None:
             strategy's scope, or `place` called inside one) or a
             `keras.distribution`.
     """
-    if be.uses_distribution(model):
+    received = be.distribution_of(model)
+    if received is not None:
         raise NotImplementedError(
             "place() cannot pin layers of a model that runs under a distribution "
             "strategy: each replica holds its own copy of the weights on its own "
-            f"device. Received model '{model.name}' under a strategy (built in a "
+            f"device. Received model '{model.name}' under {received} (built in a "
             "tf.distribute strategy's scope, called inside one, or under a "
             "keras.distribution). Under a strategy, safe_predict, safe_evaluate and "
             "MemFit split each batch across the replicas instead; to use place(), "

@@ -293,15 +293,12 @@ class OOMInjector:
         (JAX's train steps write nothing unless the whole step succeeded, so
         a late OOM leaves them exactly as an early one does).
         """
+        from keras_memfit.backend.base import StartableStep
         from support import oom_error, rows_of
 
         def wrapped(data):
             rows = rows_of(data)
-            fail = (
-                self.threshold is not None
-                and rows > self.threshold
-                and (self.phases is None or phase in self.phases)
-            )
+            fail = self._fails(phase, rows)
             self.calls.append(Call(phase, rows, fail))
             if fail and (not self.after or not late_runs_step):
                 raise oom_error(rows)
@@ -312,7 +309,65 @@ class OOMInjector:
 
         # Keep the traced function reachable for output_spec.
         wrapped.__wrapped__ = step
-        return wrapped
+        if not isinstance(step, StartableStep):
+            return wrapped
+        return _InjectedStartable(self, phase, step, wrapped)
+
+    def _fails(self, phase, rows):
+        return (
+            self.threshold is not None
+            and rows > self.threshold
+            and (self.phases is None or phase in self.phases)
+        )
+
+
+class _InjectedStartable:
+    """An injected predict or test step that keeps `start` (JAX's steps started ahead).
+
+    `safe_predict`/`safe_evaluate` start such steps without waiting
+    (`run_in_pieces`'s `start`), so the injected suite runs the path users
+    run (see `_InjectedStarted`).
+    """
+
+    def __init__(self, injector, phase, step, call):
+        self._injector, self._phase, self._step, self._call = injector, phase, step, call
+        self.__wrapped__ = step
+
+    def __call__(self, data):
+        return self._call(data)
+
+    def start(self, data):
+        from support import rows_of
+
+        rows = rows_of(data)
+        return _InjectedStarted(self._injector, self._phase, rows, self._step.start(data))
+
+
+class _InjectedStarted:
+    """A started piece, counted in the injector's `calls` when waited for.
+
+    Counted when waited for, not when started: a piece started after one
+    that failed is dropped unwaited (its state put back), so `calls` lists
+    the pieces whose outcome counted, as when each is waited for at once.
+    Over the threshold it fails when waited for, as an asynchronous OOM
+    does: its state is put back first (the real piece's `undo`).
+    """
+
+    def __init__(self, injector, phase, rows, started):
+        self._injector, self._phase, self._rows, self._started = injector, phase, rows, started
+
+    def wait(self):
+        from support import oom_error
+
+        fail = self._injector._fails(self._phase, self._rows)
+        self._injector.calls.append(Call(self._phase, self._rows, fail))
+        if fail:
+            self._started.undo()
+            raise oom_error(self._rows)
+        return self._started.wait()
+
+    def undo(self):
+        self._started.undo()
 
 
 class _InjectedTrainStep:

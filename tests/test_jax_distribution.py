@@ -256,6 +256,10 @@ def child_memfit_refuses_other_distributions():
         for a, b in zip(before, model.get_weights()):
             np.testing.assert_array_equal(a, b)
         assert distribution.piece_multiple() == 1
+        # place() answers with its own message, naming the distribution, not MemFit's.
+        with pytest.raises(NotImplementedError,
+                           match=r"place\(\) cannot pin .* under keras.distribution.ModelParallel"):
+            keras_memfit.place(model)
     with keras.distribution.DataParallel().scope():
         model = _model()
         real = jax.process_count

@@ -177,48 +177,6 @@ def warn_if_untested_keras() -> None:
         )
 
 
-def tensorflow_train_step() -> Any:
-    """Keras's own `train_step` for the TensorFlow backend (`TensorFlowTrainer.train_step`)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer.train_step
-
-
-def distribute_strategy(model: keras.Model) -> Any:
-    """The distribution strategy `model` was built under, or None (`_distribute_strategy`)."""
-    return getattr(model, "_distribute_strategy", None)
-
-
-def call_has_training_arg(model: keras.Model) -> bool:
-    """Whether `model.call` takes a `training` argument (`_call_has_training_arg`)."""
-    return bool(model._call_has_training_arg)
-
-
-def compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
-    """The training loss of one batch, as Keras's train step computes it (`_compute_loss`)."""
-    return model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-    )
-
-
-def loss_tracker(model: keras.Model) -> Any:
-    """The metric that tracks the mean loss in the logs (`_loss_tracker`)."""
-    return model._loss_tracker
-
-
-def unscale_loss_for_distribution(loss: Any) -> Any:
-    """The loss without the distribution strategy's scaling (as Keras's train step).
-
-    Keras 3.8 began scaling the loss by the number of replicas (and added
-    this function); before it the loss was never scaled, so it is returned
-    as it is.
-    """
-    from keras.src.losses import loss as loss_module
-
-    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
-    return loss if unscale is None else unscale(loss)
-
-
 # ---- Nested structures ----
 
 

@@ -112,7 +112,7 @@ class BatchLoop:
         self.done = 0
         self._begun = -1
         self._per_execution = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        self._pending: list = []  # logs of the open execution's batches
+        self._execution_logs: list = []  # logs of the open execution's batches
 
     def begin(self) -> None:
         """Clear the model's stop flag and send `on_{predict,test}_begin`."""
@@ -174,7 +174,7 @@ class BatchLoop:
             if spe == 1:
                 self._on_batch_end(self.batch - 1, logs)
                 return self._stopped()
-            self._pending.append(logs)
+            self._execution_logs.append(logs)
             if self.batch % spe:
                 return False
             self._end_execution(merge_logs)
@@ -185,7 +185,7 @@ class BatchLoop:
             requested=requested, guard=guard,
             start=start if start is not None and not self._batch_hooks() else None,
         )
-        if self._pending:  # a last, shorter execution
+        if self._execution_logs:  # a last, shorter execution
             self._end_execution(merge_logs)
 
     def _batch_hooks(self) -> bool:
@@ -218,8 +218,8 @@ class BatchLoop:
     def _end_execution(self, merge_logs: Optional[Callable[[list], Any]]) -> None:
         spe = self._per_execution
         begin = (self.batch - 1) // spe * spe
-        logs = merge_logs(self._pending) if merge_logs else self._pending[-1]
-        self._pending = []
+        logs = merge_logs(self._execution_logs) if merge_logs else self._execution_logs[-1]
+        self._execution_logs = []
         self._on_batch_end(begin + spe - 1, logs)  # Keras's end index, also when short
 
     def _stopped(self) -> bool:

@@ -17,12 +17,12 @@ import numpy as np
 from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend import Spec
-from keras_memfit.planning import data as _data
+from keras_memfit.backend.kinds import is_ragged, is_sparse
 
 
 def is_native(leaf: Any) -> bool:
     """Whether an output is ragged or sparse: `model.predict` returns those as they are."""
-    return type(leaf).__name__ == "RaggedTensor" or _data.is_sparse(leaf)
+    return is_ragged(leaf) or is_sparse(leaf)
 
 
 def to_host(leaf: Any) -> Any:

@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from keras_memfit import backend as _backend
+from keras_memfit.backend.kinds import is_foreign_tf_tensor, is_sparse
 from keras_memfit._internal import keras_compat as _keras_compat
 
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
@@ -69,37 +70,6 @@ def _is_array_leaf(value: Any) -> bool:
     if is_foreign_tf_tensor(value):
         return True
     return hasattr(value, "to_numpy") and hasattr(value, "shape")  # pandas
-
-
-def is_foreign_tf_tensor(value: Any) -> bool:
-    """Whether `value` is a dense TensorFlow tensor while Keras runs on another backend.
-
-    Keras's `predict`/`evaluate` on JAX accept such tensors as arrays (its
-    array adapter reads them as numpy), so keras_memfit does too: `_to_array`
-    reads them as numpy arrays, which the backend's steps take. Recognised by
-    class, without importing TensorFlow.
-
-    Example:
-        >>> is_foreign_tf_tensor(tf.constant([[1.0]]))  # with KERAS_BACKEND=jax
-        True
-    """
-    cls = type(value)
-    return (
-        cls.__name__ == "EagerTensor"
-        and cls.__module__.startswith("tensorflow")
-        and keras.backend.backend() != "tensorflow"
-    )
-
-
-def is_sparse(value: Any) -> bool:
-    """Whether `value` is a sparse tensor or matrix (`tf.SparseTensor`, scipy, JAX BCOO).
-
-    keras_memfit cannot take rows of these: they go through Keras's own
-    batching, and a batch of them is run whole (see `rows`).
-    """
-    if type(value).__name__ in ("SparseTensor", "BCOO"):
-        return True
-    return hasattr(value, "tocsr") and hasattr(value, "nnz")  # scipy.sparse
 
 
 def is_array_like(x: Any) -> bool:

@@ -138,7 +138,7 @@ def run_in_pieces(
     Raises:
         OutOfMemoryError: If a piece of a single sample runs out of memory.
     """
-    run = _Run(model, phase, step, on_piece, guard, detail, start)
+    run = _PieceLoop(model, phase, step, on_piece, guard, detail, start)
     planners: Dict[Hashable, BatchPlanner] = {}
     try:
         for chunk in chunks:
@@ -149,7 +149,7 @@ def run_in_pieces(
             if run.rows(chunk, current, accumulation):
                 break
         else:
-            run.settle()
+            run.wait_all()
     finally:
         run.drop()
     return run.done
@@ -174,7 +174,7 @@ class _Ahead:
     started: StartedPiece
 
 
-class _Run:
+class _PieceLoop:
     """One `run_in_pieces` call: its pieces, retries, and the pieces started ahead."""
 
     def __init__(self, model: Any, phase: str, step: Callable[[Any], Any],
@@ -208,7 +208,7 @@ class _Run:
         while offset < n:
             planned = planner.next_size(n - offset)
             if accumulation is not None and offset == 0 and planned < n:
-                if self.settle():
+                if self.wait_all():
                     return True
                 result = _all_or_nothing(
                     self.model, self.phase, chunk, planner, accumulation, self.detail
@@ -223,7 +223,7 @@ class _Run:
                     if outcome:
                         return True
                 continue
-            if self.settle():
+            if self.wait_all():
                 return True
             planner.started(size)
             if self.guard is not None:
@@ -259,7 +259,7 @@ class _Run:
             if not is_retryable_oom(exc):
                 raise
             self.start = None  # one piece at a time from now on
-            if self.settle():  # the earlier rows first
+            if self.wait_all():  # the earlier rows first
                 return True
             self.failed(planner, piece, size, exc)
             del exc
@@ -268,7 +268,7 @@ class _Run:
         self.ahead.append(_Ahead(planner, piece, size, planned, started))
         return len(self.ahead) > AHEAD and self._wait_oldest()
 
-    def settle(self) -> bool:
+    def wait_all(self) -> bool:
         """Wait for every piece started ahead, in order; True when `on_piece` stopped."""
         while self.ahead:
             if self._wait_oldest():

@@ -132,7 +132,7 @@ class Run:
         self.step = 0
         self.epoch_ooms = 0
         self.epoch_split = 1
-        self._pending: List[Event] = []  # the planners' events, not yet located
+        self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
         self._test_parts: Optional[Tuple[Any, Guard]] = None
@@ -371,7 +371,7 @@ class Run:
         planner = self._planners.get(key)
         if planner is None:
             planner = self._planners[key] = BatchPlanner(
-                self.model, phase, signature, None, self._pending, probe="after_oom"
+                self.model, phase, signature, None, self._unlocated, probe="after_oom"
             )
         planner.start_batch(rows)
         return planner
@@ -388,14 +388,14 @@ class Run:
 
     def note_events(self, batch_rows: Optional[int]) -> None:
         """Locate the planners' new events at the current epoch and step (a batch of `batch_rows`)."""
-        for event in self._pending:
+        for event in self._unlocated:
             if event.kind == "oom":
                 self.epoch_ooms += 1
                 if event.phase == "train" and self.fallback:
                     logger.warning("%s", self.fallback)
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
-        self._pending.clear()
+        self._unlocated.clear()
 
 
 def _unsplittable_in(chunks: Iterable[tuple]) -> Optional[str]:

@@ -30,7 +30,7 @@ from keras_memfit.backend.jax.devices import (
     move_variable,
     variable_device,
 )
-from keras_memfit.backend.jax.distribution import piece_multiple, training_replicas
+from keras_memfit.backend.jax.distribution import distribution_of, piece_multiple, training_replicas
 from keras_memfit.backend.jax.memory import (
     compiles_per_shape,
     compute_device,
@@ -63,7 +63,6 @@ from keras_memfit.backend.jax.training import (
     make_accumulator,
     make_custom_train_step,
     make_train_step,
-    uses_distribution,
 )
 
 __all__ = [
@@ -79,7 +78,7 @@ __all__ = [
     # training
     "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
-    "uses_distribution",
+    "distribution_of",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

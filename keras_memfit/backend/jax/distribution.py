@@ -351,11 +351,32 @@ def sharded_accumulator(accumulator: Any) -> Any:
 
 
 def training_replicas(model: keras.Model) -> None:
-    """None: MemFit on JAX has no per-replica batches to split.
+    """None: MemFit on JAX has no per-replica batches to split; raises for what it refuses.
 
     Under `DataParallel`, Keras hands MemFit whole global batches and every
     piece is laid out over the devices by the wrapped steps (see this
-    module's docstring); the other distributions are refused by
-    `check_trainable`.
+    module's docstring).
+
+    Raises:
+        NotImplementedError: For the distributions MemFit cannot train under
+            (see `check_trainable`).
     """
+    check_trainable(model)
     return None
+
+
+def distribution_of(model: keras.Model) -> Optional[str]:
+    """The active `keras.distribution`, named (with the process count when several), or None.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     distribution_of(model)
+        'keras.distribution.DataParallel'
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return None
+    name = f"keras.distribution.{type(distribution).__name__}"
+    if jax.process_count() > 1:
+        name += f" over {jax.process_count()} processes"
+    return name

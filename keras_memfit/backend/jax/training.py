@@ -52,18 +52,6 @@ def has_default_train_step(model: keras.Model) -> bool:
     return getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
 
 
-def uses_distribution(model: keras.Model) -> bool:
-    """False: MemFit trains under a single-process `keras.distribution.DataParallel`.
-
-    For any other `keras.distribution` (ModelParallel, multi-process) this
-    raises `NotImplementedError` itself, naming the JAX case (see
-    `distribution.check_trainable`), rather than answering True for the
-    caller's tf.distribute message.
-    """
-    distribution.check_trainable(model)
-    return False
-
-
 def train_state(model: keras.Model) -> List[List[Any]]:
     """The variables of Keras's JAX train state: trainable, non-trainable, optimizer, metrics."""
     return [_state.variables(model, group) for group in TRAIN_STATE]

@@ -22,6 +22,7 @@ from keras_memfit.backend.tensorflow.devices import (
     variable_device,
 )
 from keras_memfit.backend.tensorflow.distribute import Replicas, training_replicas
+from keras_memfit.backend.tensorflow.replicas import distribution_of
 from keras_memfit.backend.tensorflow.memory import (
     compiles_per_shape,
     compute_device,
@@ -56,7 +57,6 @@ from keras_memfit.backend.tensorflow.training import (
     make_accumulator,
     make_custom_train_step,
     make_train_step,
-    uses_distribution,
 )
 
 __all__ = [
@@ -73,7 +73,7 @@ __all__ = [
     "output_spec", "prepare_test",
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
-    "make_accumulator", "make_custom_train_step", "make_train_step", "uses_distribution",
+    "make_accumulator", "make_custom_train_step", "make_train_step", "distribution_of",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

@@ -25,9 +25,13 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import keras
 import tensorflow as tf
 
-from keras_memfit._internal import keras_compat as _keras_compat
 
 _HOST = "/CPU:0"
+
+
+def _distribute_strategy(model: keras.Model) -> Any:
+    """The distribution strategy `model` was built under, or None (`_distribute_strategy`)."""
+    return getattr(model, "_distribute_strategy", None)
 
 
 def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
@@ -36,10 +40,23 @@ def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
     As in Keras's own trainer: the strategy whose scope the model was
     created in, else the one whose scope is active now.
     """
-    strategy = _keras_compat.distribute_strategy(model)
+    strategy = _distribute_strategy(model)
     if strategy is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
     return strategy
+
+
+def distribution_of(model: Any) -> Optional[str]:
+    """The `tf.distribute` strategy `model` runs under, named, or None (see `active_strategy`).
+
+    Example:
+        >>> with tf.distribute.MirroredStrategy().scope():
+        ...     model = build_model()
+        >>> distribution_of(model)
+        'tf.distribute.MirroredStrategy'
+    """
+    strategy = active_strategy(model)
+    return None if strategy is None else f"tf.distribute.{type(strategy).__name__}"
 
 
 def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:

@@ -4,7 +4,7 @@ MemFit's building blocks for the TensorFlow backend: `make_train_step` (Keras's
 default step, with its small state snapshotted inside the same compiled call),
 `make_custom_train_step` (a model's own `train_step`), `make_accumulator`
 (micro-batch gradients summed and applied as one optimizer step), and the
-checks `has_default_train_step` and `uses_distribution`. Every returned
+checks `has_default_train_step`. Every returned
 object satisfies its protocol in `keras_memfit.backend.base`.
 """
 
@@ -18,7 +18,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
@@ -26,17 +25,47 @@ from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
 logger = logging.getLogger("keras_memfit")
 
 
-def has_default_train_step(model: keras.Model) -> bool:
-    """Whether `model` uses Keras's own `train_step` (no override)."""
-    return getattr(type(model).train_step, "__code__", None) is getattr(
-        _keras_compat.tensorflow_train_step(), "__code__", object()
+def _tensorflow_train_step() -> Any:
+    """Keras's own `train_step` for the TensorFlow backend (`TensorFlowTrainer.train_step`)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.train_step
+
+
+def _call_has_training_arg(model: keras.Model) -> bool:
+    """Whether `model.call` takes a `training` argument (`_call_has_training_arg`)."""
+    return bool(model._call_has_training_arg)
+
+
+def _compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The training loss of one batch, as Keras's train step computes it (`_compute_loss`)."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
     )
 
 
-def uses_distribution(model: keras.Model) -> bool:
-    """Whether `model` was built under a tf.distribute strategy."""
-    return (
-        _keras_compat.distribute_strategy(model) is not None or tf.distribute.has_strategy()
+def _loss_tracker(model: keras.Model) -> Any:
+    """The metric that tracks the mean loss in the logs (`_loss_tracker`)."""
+    return model._loss_tracker
+
+
+def _unscale_loss_for_distribution(loss: Any) -> Any:
+    """The loss without the distribution strategy's scaling (as Keras's train step).
+
+    Keras 3.8 began scaling the loss by the number of replicas (and added
+    this function); before it the loss was never scaled, so it is returned
+    as it is.
+    """
+    from keras.src.losses import loss as loss_module
+
+    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
+    return loss if unscale is None else unscale(loss)
+
+
+def has_default_train_step(model: keras.Model) -> bool:
+    """Whether `model` uses Keras's own `train_step` (no override)."""
+    return getattr(type(model).train_step, "__code__", None) is getattr(
+        _tensorflow_train_step(), "__code__", object()
     )
 
 
@@ -49,17 +78,17 @@ def _rows(x: Any) -> Any:
 
 
 def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
-    if _keras_compat.call_has_training_arg(model):
+    if _call_has_training_arg(model):
         y_pred = model(x, training=True)
     else:
         y_pred = model(x)
-    return y_pred, _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
+    return y_pred, _compute_loss(model, x, y, y_pred, sample_weight)
 
 
 def _track_loss(model: keras.Model, loss: Any, x: Any) -> None:
     """Update the loss tracker as Keras's train step does."""
-    _keras_compat.loss_tracker(model).update_state(
-        _keras_compat.unscale_loss_for_distribution(loss), sample_weight=_rows(x)
+    _loss_tracker(model).update_state(
+        _unscale_loss_for_distribution(loss), sample_weight=_rows(x)
     )
 
 
