@@ -34,8 +34,6 @@ Shared models, data, callbacks and comparisons are in `support.py`.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import List, NamedTuple, Optional
 
 import pytest
@@ -177,12 +175,11 @@ def _run_child_pytest(nodeids, extra_env, timeout):
     Returns (outcome per nodeid from its `-rA` summary, the CompletedProcess).
     """
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra_env)
-    command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-        "--no-header", "-rA", *nodeids,
-    ]
-    result = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    from child import run_child
+
+    result = run_child(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rA", *nodeids],
+        env, timeout,
     )
     outcomes = {}
     for line in result.stdout.splitlines():

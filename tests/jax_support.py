@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from typing import Dict, Optional
 
 import pytest
+
+from tests.child import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JAX_AVAILABLE = importlib.util.find_spec("jax") is not None
@@ -66,10 +67,7 @@ def run_in_jax(
         child_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     child_env.update(env or {})
     limit = str(int(address_space_gb * (1 << 30))) if address_space_gb else "0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.jax_support", target, limit],
-        cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout,
-    )
+    proc = run_child(["-m", "tests.jax_support", target, limit], child_env, timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{target} failed under JAX (exit {proc.returncode}):\n{output[-6000:]}")

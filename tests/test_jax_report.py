@@ -40,9 +40,16 @@ def _models():
 
 
 def _reports():
-    """Each model's `memory_report(model, BATCH).to_dict()`, by name."""
+    """Each model's `memory_report(model, BATCH).to_dict()`, by name.
+
+    Keras's name counters start afresh first, so the layers are named as in
+    a fresh process whatever ran before (the JAX side runs in a child).
+    """
+    import keras
+
     from keras_memfit import memory_report
 
+    keras.utils.clear_session()
     return {name: memory_report(model, BATCH).to_dict() for name, model in _models()}
 
 
