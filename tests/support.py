@@ -28,6 +28,10 @@ BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorf
 # steps, tf.distribute, place): skipped with this reason under another backend.
 # `@pytest.mark.tensorflow(reason="...")` says why in the skip message.
 requires_tensorflow = pytest.mark.tensorflow
+# Keras's torch trainer raises ValueError for steps_per_execution > 1.
+multi_step_execution = pytest.mark.not_on_torch(
+    reason="steps_per_execution > 1: Keras's torch trainer refuses it (ValueError)"
+)
 # Keras on JAX itself has no string or ragged tensors (what Keras's own
 # predict/evaluate take there is what these conformance tests compare with).
 keras_tensorflow_inputs = pytest.mark.tensorflow(
