@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 import keras
 
+from keras_memfit import backend as _backend
 from keras_memfit import data as _data
 from keras_memfit.runner import run_in_pieces
 
@@ -208,6 +209,8 @@ class BatchLoop:
         """
         if self._stopped() or source.from_arrays:
             return
+        if not getattr(_backend.get(), "KERAS_BEGINS_BATCH_BEFORE_FETCH", True):
+            return  # torch: Keras's loop fetches the batch first (no begin without one)
         expected = steps or source.num_batches
         if expected is not None and self.batch >= expected:
             return

@@ -32,6 +32,15 @@ requires_tensorflow = pytest.mark.tensorflow
 multi_step_execution = pytest.mark.not_on_torch(
     reason="steps_per_execution > 1: Keras's torch trainer refuses it (ValueError)"
 )
+# Keras's torch backend has no sparse tensors (`sparse=True` is a ValueError there).
+no_torch_sparse = pytest.mark.not_on_torch(
+    reason="sparse inputs: Keras's torch backend has none (`sparse=True` is refused)"
+)
+# Keras's torch backend infers a layer's output shape by calling it eagerly on 83 rows.
+torch_infers_shapes_by_calling = pytest.mark.not_on_torch(
+    reason="Keras's torch backend infers a layer's output shape by calling it on 83 rows, "
+    "which this test's layer refuses while the model is built"
+)
 # Keras on JAX itself has no string or ragged tensors (what Keras's own
 # predict/evaluate take there is what these conformance tests compare with).
 keras_tensorflow_inputs = pytest.mark.tensorflow(

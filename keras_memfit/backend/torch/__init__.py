@@ -44,6 +44,7 @@ from keras_memfit.backend.torch.memory import (
 )
 from keras_memfit.backend.torch.oom import init_oom_error, is_oom_error, oom_error_bases
 from keras_memfit.backend.torch.steps import (
+    KERAS_BEGINS_BATCH_BEFORE_FETCH,
     KERAS_COUNTS_EACH_BATCH_ONCE,
     VariableGuard,
     guard_variables,
@@ -78,7 +79,7 @@ __all__ = [
     "compiles_per_shape", "compute_device", "memory_limit", "memory_stats", "piece_multiple",
     "replica_devices", "reset_peak",
     # steps
-    "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
+    "KERAS_BEGINS_BATCH_BEFORE_FETCH", "KERAS_COUNTS_EACH_BATCH_ONCE", "VariableGuard", "guard_variables", "make_predict_step",
     "make_test_step", "output_spec", "prepare_test",
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",

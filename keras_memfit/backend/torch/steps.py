@@ -22,6 +22,7 @@ it before retrying).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -29,9 +30,13 @@ import keras
 import numpy as np
 import torch
 
+from keras.src.backend.torch.core import device_scope, to_torch_dtype
+
 from keras_memfit import _keras_compat
-from keras_memfit.backend.base import NO_SPEC
+from keras_memfit.backend.base import NO_SPEC, Spec
 from keras_memfit.backend.torch import memory
+
+logger = logging.getLogger("keras_memfit")
 
 
 def to_tensors(data: Any) -> Any:
@@ -70,13 +75,7 @@ class AfterOOM:
 
 
 class _Step:
-    """A step over a model held weakly.
-
-    Attributes:
-        traced: False: the steps run eagerly, so `output_spec` has no trace.
-    """
-
-    traced = False
+    """A step over a model held weakly (run eagerly; `output_spec` traces on "meta")."""
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
@@ -115,6 +114,44 @@ class PredictStep(_Step):
         return outputs
 
 
+    def spec(self, x: Any) -> Any:
+        """Output structure of `self(x)`, traced on the "meta" device (see `output_spec`)."""
+        model = self._model()
+        first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
+        rows = int(first.shape[0])
+        mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
+                   for v in model.variables]
+
+        def at(n: int) -> Any:
+            with torch.no_grad(), device_scope("meta"):
+                xs = keras.tree.map_structure(
+                    lambda a: None if a is None else torch.empty(
+                        (n,) + tuple(a.shape[1:]), dtype=_torch_dtype(a.dtype), device="meta"),
+                    x,
+                )
+                with keras.StatelessScope(state_mapping=mapping):
+                    return self._run(model, xs)
+
+        # Two batch sizes: the dimensions that follow the batch are unknown.
+        a, b = at(rows), at(rows + 1)
+
+        def describe(left: Any, right: Any) -> Any:
+            if not isinstance(left, torch.Tensor):
+                return left
+            shape = tuple(None if da != db else int(da) for da, db in zip(left.shape, right.shape))
+            if len(left.shape) != len(right.shape):
+                shape = None
+            return Spec(shape, np.dtype(keras.backend.standardize_dtype(left.dtype)))
+
+        return keras.tree.map_structure(describe, a, b)
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return to_torch_dtype(keras.backend.standardize_dtype(dtype))
+
+
 class TestStep(_Step):
     """`(x, y, sample_weight) -> logs`: the model's `test_step`, eagerly."""
 
@@ -134,6 +171,9 @@ def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None
 # Keras's torch steps run eagerly: every batch's shape is known, so its
 # per-output loss trackers weight each batch by its rows.
 KERAS_COUNTS_EACH_BATCH_ONCE = False
+# Keras's torch loops take each batch from the epoch iterator, then call
+# `on_*_batch_begin`: a generator that runs out gets no extra begin.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = False
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
@@ -190,10 +230,27 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """`NO_SPEC`: the steps run eagerly, so the first piece's outputs describe them.
+    """Output structure of `step(x)`, traced on PyTorch's "meta" device; `NO_SPEC` where
+    it cannot be traced.
+
+    The step runs on meta tensors (a shape and a dtype, no storage: nothing
+    is computed or allocated) with the model's variables mapped to meta
+    tensors of their shapes (`keras.StatelessScope`), at two batch sizes:
+    each tensor leaf becomes a `keras_memfit.backend.Spec` whose dimensions
+    that follow the batch size are None; a leaf that is not a tensor is
+    returned as it is. Where an op has no meta kernel (or anything else in
+    the trace raises), `NO_SPEC`: the first piece's outputs describe the step.
 
     Example:
         >>> output_spec(make_predict_step(model), x[:8])
-        NO_SPEC
+        Spec(shape=(None, 10), dtype=dtype('float32'))
     """
-    return NO_SPEC
+    if not isinstance(step, PredictStep):
+        step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
+    if not isinstance(step, PredictStep):
+        return NO_SPEC
+    try:
+        return step.spec(x)
+    except Exception as exc:  # noqa: BLE001 - no meta kernel: describe from the first piece
+        logger.debug("safe_predict: no meta-device trace of the predict step (%s)", exc)
+        return NO_SPEC
