@@ -183,13 +183,25 @@ def now_utc() -> str:
 def versions() -> Dict[str, str]:
     """Versions of what runs, and the devices the Keras backend sees.
 
-    Imports Keras, then the active backend's library (TensorFlow, or JAX with
-    `KERAS_BACKEND=jax`) to ask what it sees; the devices are the last key,
-    "Devices seen by TensorFlow" or "Devices seen by JAX".
+    Imports Keras, then the active backend's library (TensorFlow, JAX with
+    `KERAS_BACKEND=jax`, torch with `KERAS_BACKEND=torch`) to ask what it
+    sees; the devices are the last key, "Devices seen by TensorFlow", "...
+    by JAX" or "... by torch".
     """
     import keras
     import numpy as np
 
+    if keras.backend.backend() == "torch":
+        import torch
+
+        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return {
+            "Python": platform.python_version(),
+            "torch": torch.__version__,
+            "Keras": keras.__version__,
+            "NumPy": np.__version__,
+            "Devices seen by torch": ", ".join(devices),
+        }
     if keras.backend.backend() == "jax":
         import jax
 

@@ -42,6 +42,7 @@ Usage (from the repository root):
     python -m benchmarks.footprint --backend tensorflow      # ~15-25 min
     python -m benchmarks.footprint --backend jax
     python -m benchmarks.footprint --backend jax --parts fit --batches 8
+    python -m benchmarks.footprint --backend torch   # fit, predict, peak (CUDA only)
     python -m benchmarks.footprint --quick --output /tmp/R.md --json /tmp/f.json
 
 A run writes its backend's `footprint-<backend>` section of
@@ -64,6 +65,9 @@ from benchmarks import common
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks")
 PARTS = ("fit", "predict", "peak", "compiles")
+# Keras's torch steps run eagerly (torch.compile only with jit_compile=True,
+# which keras_memfit's steps do not use): no compilations to count.
+BACKEND_PARTS = {"torch": ("fit", "predict", "peak")}
 RESOLUTION = 0.01
 STEP = 8  # widths are multiples of 8
 # The plain bisection's first bracket per call; MemFit's is around plain's result.
@@ -72,12 +76,18 @@ FULL = {
                        peak_width=8192, resolution=RESOLUTION),
     "jax": dict(limit=3.0, fit=(30000, 60000), predict=(120000, 200000),
                 peak_width=8192, resolution=RESOLUTION),
+    # torch: GiB of address space above what importing torch maps (the CUDA
+    # build maps ~3.8 GB, the CPU build ~0.8 GB: see footprint_child.main).
+    "torch": dict(limit=2.0, fit=(30000, 80000), predict=(150000, 300000),
+                  peak_width=8192, resolution=RESOLUTION),
 }
 QUICK = {  # two tries per bisection: brackets around the full run's results, coarse
     "tensorflow": dict(limit=500, fit=(12992, 13504), predict=(40000, 64000),
                        peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
     "jax": dict(limit=3.0, fit=(37504, 40000), predict=(120000, 200000),
                 peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
+    "torch": dict(limit=2.0, fit=(40000, 70000), predict=(150000, 300000),
+                  peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
 }
 COMPILES = {
     "tensorflow": dict(limit=600, scenario="cnn", predict_rows=28000, predict_oracle_batch=256,
@@ -95,6 +105,11 @@ def child_env(backend: str, cap_mb: Optional[int], cpu: bool = True) -> Dict[str
 
     if backend == "tensorflow":
         return jobs.child_environment(cap_mb)
+    if backend == "torch":
+        env = jobs.child_environment(None, "torch")
+        if not cpu:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        return env
     env = jobs.child_environment(None, "jax")
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
@@ -270,12 +285,13 @@ def measure_compiles(backend: str) -> Dict[str, Any]:
 # ------------------------------------------------------------------ main
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", choices=("tensorflow", "jax"), default=None,
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default=None,
                         help="default: KERAS_BACKEND, else tensorflow")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=None)
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--limit", type=float, default=None,
-                        help="MiB (tensorflow) or GiB (jax) for the widest-model parts")
+                        help="MiB (tensorflow), GiB (jax) or GiB above torch's import (torch) "
+                             "for the widest-model parts")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny CI configuration (fit and peak, batch 8, two tries a bisection)")
     parser.add_argument("--output", default=None, help="RESULTS.md to write the section into")
@@ -290,14 +306,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     backend = args.backend or os.environ.get("KERAS_BACKEND", "tensorflow")
     if backend not in FULL:
-        print(f"error: --backend tensorflow or jax; received {backend!r}", file=sys.stderr)
+        print(f"error: --backend tensorflow, jax or torch; received {backend!r}",
+              file=sys.stderr)
         return 2
     settings = dict((QUICK if args.quick else FULL)[backend])
     if args.limit:
         scale = args.limit / settings["limit"]
         settings.update(limit=args.limit, **{k: (settings[k][0] * scale, settings[k][1] * scale)
                                              for k in ("fit", "predict")})
-    parts = args.parts or (["fit", "peak"] if args.quick else list(PARTS))
+    parts = args.parts or (["fit", "peak"] if args.quick else list(BACKEND_PARTS.get(backend, PARTS)))
     batches = args.batches or ([8] if args.quick else [8, 1])
     output = args.output or (None if args.quick else os.path.join(HERE, "RESULTS.md"))
     json_path = args.json or (None if args.quick else os.path.join(HERE, "footprint.json"))

@@ -133,8 +133,40 @@ def part_peak(config: Dict[str, Any]) -> Dict[str, Any]:
     return {"available": True, "runs": runs, "param_bytes": 4 * params}
 
 
+def _torch_baseline() -> int:
+    """Address space mapped once torch, Keras and keras_memfit ran a tiny fit (their own)."""
+    import keras
+    import numpy as np
+
+    import keras_memfit
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    model.fit(np.ones((2, 1)), np.ones((2, 1)), verbose=0, callbacks=[keras_memfit.MemFit()])
+    keras_memfit.safe_predict(model, np.ones((2, 1)), verbose=0)
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def _torch_peak_reader():
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    def read():
+        return {"current": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+
+    return read, torch.cuda.reset_peak_memory_stats
+
+
 def _peak_reader():
     """(read, reset) of the backend's allocator statistics, or None where there are none."""
+    if backend() == "torch":
+        return _torch_peak_reader()
     if backend() == "tensorflow":
         import tensorflow as tf
 
@@ -316,6 +348,9 @@ def main(argv: List[str]) -> int:
     limit_gb, config = float(argv[0]), json.loads(argv[1])
     if limit_gb > 0 and os.environ.get("KERAS_BACKEND") == "jax":
         limit = int(limit_gb * 2**30)  # before jax starts: real, recoverable OOMs
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    elif limit_gb > 0 and os.environ.get("KERAS_BACKEND") == "torch":
+        limit = _torch_baseline() + int(limit_gb * 2**30)  # headroom above torch's own
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     result = PARTS[config["part"]](config)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

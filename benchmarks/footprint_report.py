@@ -26,6 +26,9 @@ def _limit(data: Dict[str, Any]) -> str:
     limit = data["settings"]["limit"]
     if data["backend"] == "tensorflow":
         return f"TensorFlow's capped CPU allocator at {limit:g} MiB"
+    if data["backend"] == "torch":
+        return (f"an address-space limit (RLIMIT_AS) of {limit:g} GiB above what torch, "
+                "Keras and keras_memfit map after a tiny fit (torch's CPU allocator)")
     return f"an address-space limit (RLIMIT_AS) of {limit:g} GiB on JAX's CPU client"
 
 
@@ -63,11 +66,15 @@ def peak_lines(data: Dict[str, Any], peak: Dict[str, Any]) -> List[str]:
     if not peak.get("available"):
         where = ("not available on JAX's CPU client (its devices report no memory "
                  "statistics)" if data["backend"] == "jax" else
+                 "not available on torch's CPU (statistics come from CUDA's caching "
+                 "allocator)" if data["backend"] == "torch" else
                  f"not available: {peak.get('error', 'the BFC allocator is off')}")
         return [f"W={width}, batch_size 8: peak memory {where}."]
     how = ("`tf.config.experimental.get_memory_info('CPU:0')['peak']`, BFC allocator "
            "capped far above the need, `reset_memory_stats` before each fit, plain and "
            "MemFit interleaved in one process" if data["backend"] == "tensorflow" else
+           "`torch.cuda.max_memory_allocated()`, `reset_peak_memory_stats` before each fit, "
+           "one variant per process" if data["backend"] == "torch" else
            "`jax.devices()[0].memory_stats()['peak_bytes_in_use']`, one variant per process")
     lines = [f"W={width} (weights {_mib(peak['param_bytes'])}), batch_size 8, two steps; "
              f"{how}. \"added\": peak minus the bytes in use before the call.", "",

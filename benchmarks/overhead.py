@@ -29,6 +29,7 @@ Usage (from the repository root):
     KERAS_BACKEND=jax python -m benchmarks.overhead   # the same on JAX (no
                                              # TensorFlow needed); its own
                                              # section, "overhead-jax"
+    KERAS_BACKEND=torch python -m benchmarks.overhead # on torch: "overhead-torch"
 """
 
 from __future__ import annotations
@@ -67,10 +68,14 @@ SECTION_KEY = "overhead"
 SECTION_TITLE = "Overhead with no memory pressure"
 JAX_SECTION_KEY = "overhead-jax"  # KERAS_BACKEND=jax writes its own section
 JAX_SECTION_TITLE = "Overhead with no memory pressure, JAX backend"
+TORCH_SECTION_KEY = "overhead-torch"  # KERAS_BACKEND=torch too
+TORCH_SECTION_TITLE = "Overhead with no memory pressure, PyTorch backend"
 
 
 def section_key_and_title() -> Tuple[str, str]:
-    """The RESULTS.md section of the active Keras backend (JAX has its own)."""
+    """The RESULTS.md section of the active Keras backend (JAX and torch have their own)."""
+    if os.environ.get("KERAS_BACKEND") == "torch":
+        return TORCH_SECTION_KEY, TORCH_SECTION_TITLE
     if os.environ.get("KERAS_BACKEND") == "jax":
         return JAX_SECTION_KEY, JAX_SECTION_TITLE
     return SECTION_KEY, SECTION_TITLE

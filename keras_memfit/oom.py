@@ -7,7 +7,7 @@ is re-raised by keras_memfit untouched: same object, same type, same traceback.
 
 The backend-specific forms (TensorFlow's `ResourceExhaustedError` and its
 `InternalError` variants; JAX's `JaxRuntimeError` allocation, dispatch, TPU
-and YNNPACK forms) live behind the backend seam in `keras_memfit.backend`; the forms shared across backends (host `MemoryError`,
+and YNNPACK forms; torch's allocator errors) live behind the backend seam in `keras_memfit.backend`; the forms shared across backends (host `MemoryError`,
 XLA, CUDA/cuBLAS/cuDNN allocation failures) live here.
 """
 
@@ -97,7 +97,11 @@ def is_oom_error(exc: BaseException) -> bool:
     allocating/while trying to allocate N bytes", "INTERNAL: Error
     dispatching computation: Out of memory ...", the TPU's "Allocation
     (size=N) would exceed memory", and "YNNPACK operation failed" only under
-    an address-space limit (see `keras_memfit.backend.jax.oom`); XLA's "RESOURCE_EXHAUSTED: Out of memory"; cuBLAS and
+    an address-space limit (see `keras_memfit.backend.jax.oom`); with torch,
+    `torch.OutOfMemoryError`, the CPU allocator's "DefaultCPUAllocator: can't
+    allocate memory" `RuntimeError` (also as Keras re-raises it from a layer),
+    cuBLAS/cuDNN allocation failures and "MPS backend out of memory" (see
+    `keras_memfit.backend.torch.oom`); XLA's "RESOURCE_EXHAUSTED: Out of memory"; cuBLAS and
     cuDNN allocation failures; and `MemoryError`. False for everything else,
     including `KeyboardInterrupt` and errors that merely mention memory.
 

@@ -1,10 +1,12 @@
 """Shared test harness: real OOMs under a capped allocator, and fault injection.
 
-The suite runs on Keras's active backend (`KERAS_BACKEND`: tensorflow, or
-jax). Tests that exercise TensorFlow itself carry `@pytest.mark.tensorflow`
+The suite runs on Keras's active backend (`KERAS_BACKEND`: tensorflow, jax
+or torch). Tests that exercise TensorFlow itself carry `@pytest.mark.tensorflow`
 (a reason may be given); they, and the `memory_cap`, `two_devices` and `gpu`
 tests (TensorFlow's allocator and devices), are skipped with that reason on
-another backend. JAX's real OOMs are tests/test_jax_real_oom.py's.
+another backend. JAX's real OOMs are tests/test_jax_real_oom.py's, torch's
+tests/test_torch_real_oom.py's. `@pytest.mark.not_on_torch(reason=...)`
+skips what Keras's torch backend cannot do (steps_per_execution > 1).
 
 Real OOMs
     `@pytest.mark.memory_cap(mb)` runs the test in a fresh subprocess whose
@@ -88,6 +90,12 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "not_on_torch(reason=...): needs what Keras's torch backend does not have (e.g. "
+        "steps_per_execution > 1, which its trainer refuses); skipped with the reason "
+        "under KERAS_BACKEND=torch",
+    )
+    config.addinivalue_line(
+        "markers",
         "compat: the compatibility subset that CI runs on older TensorFlow + Keras "
         "(every test of the modules in conftest.COMPAT_MODULES)",
     )
@@ -112,6 +120,7 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in COMPAT_MODULES:
             item.add_marker(pytest.mark.compat)
     _skip_tensorflow_only(items)
+    _skip_not_on_torch(items)
     gpu_marked = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_marked or _backend() != "tensorflow":
         return
@@ -137,6 +146,17 @@ _TENSORFLOW_ONLY = {
     "two_devices": "two logical TensorFlow CPU devices",
     "gpu": "a GPU as TensorFlow sees it",
 }
+
+
+def _skip_not_on_torch(items) -> None:
+    """Skip, with the reason, the tests marked `not_on_torch` under KERAS_BACKEND=torch."""
+    marked = [item for item in items if item.get_closest_marker("not_on_torch")]
+    if not marked or _backend() != "torch":
+        return
+    for item in marked:
+        why = item.get_closest_marker("not_on_torch").kwargs.get(
+            "reason", "Keras's torch backend lacks what it needs")
+        item.add_marker(pytest.mark.skip(reason=f"not on KERAS_BACKEND=torch: {why}"))
 
 
 def _skip_tensorflow_only(items) -> None:
@@ -377,6 +397,9 @@ class _InjectedTrainStep:
     (TensorFlow: small state restored, `last_outcome` set). On JAX a step
     writes the model's state only once its whole computation succeeded, so a
     late OOM is raised before the step, as it leaves the state (`UNTOUCHED`).
+    On torch the step has updated the weights in place once it ran whole, so
+    a late OOM is raised before it too (its own restore of what a failed
+    forward or backward pass touched: tests/test_torch_train_step.py).
     A custom step cannot tell (`last_outcome` stays None).
     """
 
@@ -420,7 +443,7 @@ def inject_oom(monkeypatch):
     # halving; the planner of steps compiled per shape (XLA) has its own tests
     # (test_jax_compiles.py, test_tf_compiles.py).
     monkeypatch.setattr(backend, "compiles_per_shape", lambda model: False)
-    late_runs_step = BACKEND != "jax"  # see _InjectedTrainStep
+    late_runs_step = BACKEND == "tensorflow"  # see _InjectedTrainStep
     injector = OOMInjector()
     wrap_factory(monkeypatch, "make_predict_step", lambda step: injector.wrap("predict", step))
     wrap_factory(monkeypatch, "make_test_step", lambda step: injector.wrap("evaluate", step))

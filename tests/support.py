@@ -22,12 +22,25 @@ REF_BATCH = 16  # the batch size of the `reference` predictions
 # ---------------------------------------------------------------------------
 # The active backend: its errors and its keras_memfit package
 # ---------------------------------------------------------------------------
-BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorflow, jax)
+BACKEND = keras.backend.backend()  # the suite runs under KERAS_BACKEND (tensorflow, jax, torch)
 
 # Tests that exercise TensorFlow itself (its capped BFC allocator, tf.function
 # steps, tf.distribute, place): skipped with this reason under another backend.
 # `@pytest.mark.tensorflow(reason="...")` says why in the skip message.
 requires_tensorflow = pytest.mark.tensorflow
+# Keras's torch trainer raises ValueError for steps_per_execution > 1.
+multi_step_execution = pytest.mark.not_on_torch(
+    reason="steps_per_execution > 1: Keras's torch trainer refuses it (ValueError)"
+)
+# Keras's torch backend has no sparse tensors (`sparse=True` is a ValueError there).
+no_torch_sparse = pytest.mark.not_on_torch(
+    reason="sparse inputs: Keras's torch backend has none (`sparse=True` is refused)"
+)
+# Keras's torch backend infers a layer's output shape by calling it eagerly on 83 rows.
+torch_infers_shapes_by_calling = pytest.mark.not_on_torch(
+    reason="Keras's torch backend infers a layer's output shape by calling it on 83 rows, "
+    "which this test's layer refuses while the model is built"
+)
 # Keras on JAX itself has no string or ragged tensors (what Keras's own
 # predict/evaluate take there is what these conformance tests compare with).
 keras_tensorflow_inputs = pytest.mark.tensorflow(
@@ -70,8 +83,13 @@ def oom_error_class() -> type:
     """The class of the active backend's real OOM errors.
 
     TensorFlow: `tf.errors.ResourceExhaustedError`; JAX:
-    `jax.errors.JaxRuntimeError` (a `RESOURCE_EXHAUSTED` status).
+    `jax.errors.JaxRuntimeError` (a `RESOURCE_EXHAUSTED` status); torch:
+    `torch.OutOfMemoryError`.
     """
+    if BACKEND == "torch":
+        import torch
+
+        return torch.OutOfMemoryError
     if BACKEND == "jax":
         import jax
 
@@ -86,11 +104,20 @@ def oom_error(rows: Any = "N") -> BaseException:
 
     TensorFlow: `ResourceExhaustedError("OOM when allocating tensor ...")`;
     JAX: `JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating N
-    bytes.")`, the form XLA's CPU and GPU clients raise.
+    bytes.")`, the form XLA's CPU and GPU clients raise; torch:
+    `torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")`, the
+    form CUDA's caching allocator raises.
 
     Example:
         >>> raise oom_error(64)
     """
+    if BACKEND == "torch":
+        import torch
+
+        size = rows * 4096 if isinstance(rows, int) else 4096
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {size} bytes. (injected, {rows} rows)"
+        )
     if BACKEND == "jax":
         import jax
 
@@ -114,8 +141,11 @@ def runtime_error(message: str, status: str = "INVALID_ARGUMENT") -> BaseExcepti
 
     Returns:
         TensorFlow: `tf.errors.InvalidArgumentError` (or `InternalError`); JAX:
-        `JaxRuntimeError` with that XLA status.
+        `JaxRuntimeError` with that XLA status; torch: a plain `RuntimeError`
+        (as torch raises its runtime failures).
     """
+    if BACKEND == "torch":
+        return RuntimeError(f"{status}: {message}")
     if BACKEND == "jax":
         import jax
 
@@ -128,7 +158,7 @@ def runtime_error(message: str, status: str = "INVALID_ARGUMENT") -> BaseExcepti
 
 
 # How the backend names the host device in keras_memfit's messages.
-HOST_DEVICE = {"jax": "cpu:0"}.get(BACKEND, "CPU:0")
+HOST_DEVICE = {"jax": "cpu:0", "torch": "cpu:0"}.get(BACKEND, "CPU:0")
 
 
 # ---------------------------------------------------------------------------

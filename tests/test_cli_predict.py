@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 
+import keras
 import numpy as np
 import pytest
 
@@ -20,6 +21,12 @@ from cli_support import assert_one_line_error, run_cli
 from keras_memfit.app import cli, digits
 
 N = 60  # not a multiple of the batch sizes used, so last batches are partial
+
+# The command line runs its model on TensorFlow (app.env.worker_environment);
+# the references come from the suite's backend: under KERAS_BACKEND=torch its
+# CPU convolution differs from TensorFlow's by up to 2.5e-5 relative (measured).
+CLI_RTOL = 1e-5 if keras.backend.backend() == "tensorflow" else 1e-4
+
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,7 @@ def test_train_csv_with_labels_to_a_probability_csv(files):
     header, rows = _read_csv(out)
     assert header == ["ImageId"] + [f"p{i}" for i in range(10)]
     np.testing.assert_array_equal(rows[:, 0], np.arange(1, N + 1))
-    np.testing.assert_allclose(rows[:, 1:], files["cnn"], rtol=1e-5)
+    np.testing.assert_allclose(rows[:, 1:], files["cnn"], rtol=CLI_RTOL)
 
 
 def test_npy_scaled_to_npy_and_the_summary(files):
@@ -120,7 +127,7 @@ def test_npy_scaled_to_npy_and_the_summary(files):
                   "--scale", "255", "--batch-size", 16)
     written = np.load(out)
     assert written.shape == (N, 10) and written.dtype == np.float32
-    np.testing.assert_allclose(written, files["cnn"], rtol=1e-5)
+    np.testing.assert_allclose(written, files["cnn"], rtol=CLI_RTOL)
     lines = result.stdout.splitlines()
     assert len(lines) == 3, result.stdout
     assert re.match(rf"keras-memfit predict: {N} samples of pixels\.npy \(scaled by 1/255\) "
@@ -135,7 +142,7 @@ def test_single_array_npz_of_flat_rows_is_reshaped_not_scaled(files):
     folder = files["folder"]
     out = folder / "flat_out.npy"
     _run(folder / "cnn.keras", folder / "flat.npz", "--out", out, "--quiet")
-    np.testing.assert_allclose(np.load(out), files["cnn"], rtol=1e-5)
+    np.testing.assert_allclose(np.load(out), files["cnn"], rtol=CLI_RTOL)
 
 
 def test_multi_input_npz_maps_arrays_by_input_name(files):

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from keras_memfit import backend, safe_evaluate
 from support import (
+    multi_step_execution,
+    no_torch_sparse,
     KERAS_DROPIN_SINCE_3_13,
     Batches,
     Recorder,
@@ -253,6 +255,7 @@ def _sparse_xy(n=7):
     return x, np.arange(n, dtype="float32").reshape(n, 1)
 
 
+@no_torch_sparse
 def test_sparse_input_as_keras():
     got, want, safe_rec, keras_rec = both(
         _sparse_regressor(), lambda: (_sparse_xy(), {"batch_size": 2}), return_dict=True
@@ -261,6 +264,7 @@ def test_sparse_input_as_keras():
     assert _calls(safe_rec) == _calls(keras_rec)
 
 
+@no_torch_sparse
 def test_scipy_sparse_input_as_keras():
     sparse = pytest.importorskip("scipy.sparse")
     x, y = _sparse_xy()
@@ -299,6 +303,7 @@ def test_optional_none_input_as_keras(inject_oom):
 # ---------------------------------------------------------------------------
 # steps_per_execution, positional arguments, unknown keywords (item 3)
 # ---------------------------------------------------------------------------
+@multi_step_execution
 @KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_callbacks_as_keras():
     x, y = _data(28)

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from keras_memfit import safe_predict
 from support import (
+    multi_step_execution,
+    no_torch_sparse,
     KERAS_DROPIN_SINCE_3_13,
     Recorder,
     assert_same_result,
@@ -209,11 +211,13 @@ def test_ragged_input_split_after_oom_as_keras(inject_oom):
 # ---------------------------------------------------------------------------
 # Sparse inputs (item 3): Keras batches them, each batch runs whole
 # ---------------------------------------------------------------------------
+@no_torch_sparse
 @KERAS_DROPIN_SINCE_3_13
 def test_sparse_tensor_input_as_keras():
     assert_conforms(_sparse_model(), _sparse, 2)
 
 
+@no_torch_sparse
 @KERAS_DROPIN_SINCE_3_13
 def test_sparse_dataset_as_keras():
     assert_conforms(
@@ -232,6 +236,7 @@ def test_sparse_input_that_runs_out_of_memory_says_it_cannot_be_split(inject_oom
     assert inject_oom.ooms("predict") == [4]
 
 
+@no_torch_sparse
 def test_scipy_sparse_input_as_keras():
     sparse = pytest.importorskip("scipy.sparse")
     dense = np.eye(3, dtype="float32")[np.arange(7) % 3]
@@ -303,6 +308,7 @@ def _executing(model, per_execution=3):
     return model
 
 
+@multi_step_execution
 @KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_callbacks_as_keras():
     got, _ = assert_conforms(_executing(_dense_model()), _rows, 4)  # 7 batches
@@ -311,6 +317,7 @@ def test_steps_per_execution_callbacks_as_keras():
     assert [b for b, _ in keras_rec.of("predict_batch_begin")] == [0, 3, 6]
 
 
+@multi_step_execution
 @KERAS_DROPIN_SINCE_3_13
 def test_steps_per_execution_with_a_dataset_as_keras():
     assert_conforms(
@@ -319,6 +326,7 @@ def test_steps_per_execution_with_a_dataset_as_keras():
     )
 
 
+@multi_step_execution
 def test_steps_per_execution_after_an_oom_counts_pieces(inject_oom):
     # Documented: after an OOM each piece is a batch for the callbacks, and an
     # execution is steps_per_execution pieces; every row is in one batch_end.

@@ -22,6 +22,7 @@ from memfit_support import (
     _two_output_model,
 )
 from support import (
+    multi_step_execution,
     Batches,
     backend_module,
 )
@@ -157,6 +158,7 @@ def test_accumulate_validation_data(inject_oom):
     _assert_same_training(*pair[:4])
 
 
+@multi_step_execution
 def test_accumulate_steps_per_execution(inject_oom):
     x, y, _ = _data(n=80)  # 5 batches: one execution of 3, one of 2
     build = lambda: _classifier(steps_per_execution=3)  # noqa: E731

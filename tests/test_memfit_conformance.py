@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from keras_memfit import MemFit
-from support import BACKEND, CustomStepModel, Recorder, requires_keras
+from support import BACKEND, CustomStepModel, Recorder, requires_keras, multi_step_execution
 
 _OPTIONAL_INPUTS = requires_keras(
     (3, 15),
@@ -236,12 +236,14 @@ def test_fit_without_memory_pressure_has_kerass_history_and_logs():
     assert not MEMFIT_KEYS & set(history.history)
 
 
+@multi_step_execution
 def test_fit_with_steps_per_execution_calls_back_as_keras():
     build = lambda: _dense(steps_per_execution=3)  # noqa: E731
     _assert_same_fit(build, lambda: _xy(n=56), epochs=1, batch_size=8,
                      validation_data=_xy(n=56, seed=4))
 
 
+@multi_step_execution
 def test_evaluate_and_predict_with_steps_per_execution_call_back_as_keras():
     x, y = _xy(n=56)  # 7 batches of 8: executions of 3, 3 and 1 batches
     model = _dense(steps_per_execution=3)

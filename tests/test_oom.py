@@ -369,7 +369,7 @@ def test_safe_predict_raises_out_of_memory_error_chained_to_the_original(always_
     assert err.model_name == "tiny_net"
     assert err.phase == "predict"
     assert err.batch_shape == ((1, 4),)
-    device = {"jax": "cpu:0"}.get(BACKEND, "CPU:0")  # as the backend names it
+    device = {"jax": "cpu:0", "torch": "cpu:0"}.get(BACKEND, "CPU:0")  # as the backend names it
     assert err.device == device
     assert "tiny_net" in str(err) and "(1, 4)" in str(err) and device in str(err)
     # It halved down to a single sample before giving up.

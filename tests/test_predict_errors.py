@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from keras_memfit import OutOfMemoryError, safe_predict
 from support import (
+    torch_infers_shapes_by_calling,
     Batches,
     HOST_DEVICE,
     assert_same_result,
@@ -197,6 +198,7 @@ class FailsAbove(keras.layers.Layer):
         return x * 2.0
 
 
+@torch_infers_shapes_by_calling
 def test_non_oom_error_inside_the_model_propagates_unchanged():
     inputs = keras.Input((3,))
     model = keras.Model(inputs, FailsAbove(10)(inputs))

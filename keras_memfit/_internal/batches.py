@@ -47,10 +47,18 @@ def _splittable(leaf: Any) -> bool:
         return True
     if isinstance(leaf, np.ndarray):
         return leaf.ndim >= 1
-    if not keras.ops.is_tensor(leaf) or any(hasattr(leaf, a) for a in _NOT_DENSE):
+    if not keras.ops.is_tensor(leaf) or not _dense(leaf):
         return False
     rank = _rank(leaf)
     return bool(rank) and leaf.shape[0] is not None
+
+
+def _dense(leaf: Any) -> bool:
+    """Whether a tensor is dense (torch's tensors all have `indices`: their layout says)."""
+    layout = getattr(leaf, "layout", None)
+    if layout is not None and hasattr(leaf, "is_sparse"):  # a torch.Tensor
+        return str(layout) == "torch.strided"
+    return not any(hasattr(leaf, a) for a in _NOT_DENSE)
 
 
 def _describe(leaf: Any) -> str:

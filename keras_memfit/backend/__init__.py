@@ -11,8 +11,8 @@ which also types the values that cross the seam (`Spec`, `NO_SPEC`,
 
 `get()` returns the active backend's package; it is the only way the rest of
 keras_memfit reaches a backend, and it imports nothing until it is called.
-TensorFlow and JAX are implemented; `get()` names the backend in its error for
-the others, so adding PyTorch means adding one package here.
+TensorFlow, JAX and PyTorch ("torch") are implemented; `get()` names the
+backend in its error for the others.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NO_SPEC", "Spec", "StartableStep", "StepOutcome", "SUPPORTED", "get", "name"]
 
-SUPPORTED: Tuple[str, ...] = ("tensorflow", "jax")
+SUPPORTED: Tuple[str, ...] = ("tensorflow", "jax", "torch")
 
 
 def name() -> str:
@@ -51,6 +51,6 @@ def get() -> "Backend":
         return importlib.import_module(f"keras_memfit.backend.{active}")
     raise NotImplementedError(
         f"keras_memfit supports the Keras backends {list(SUPPORTED)}; the "
-        f"active backend is {active!r}. Set KERAS_BACKEND=tensorflow or "
-        "KERAS_BACKEND=jax before importing keras (PyTorch support is planned)."
+        f"active backend is {active!r}. Set KERAS_BACKEND=tensorflow, "
+        "KERAS_BACKEND=jax or KERAS_BACKEND=torch before importing keras."
     )

@@ -242,6 +242,11 @@ class Backend(Protocol):
     # Whether Keras's own test step counts each batch once in per-output losses
     # (a step traced with an unknown batch size), rather than per sample.
     KERAS_COUNTS_EACH_BATCH_ONCE: bool
+    # Whether Keras's predict/evaluate loops call `on_*_batch_begin` before
+    # fetching the batch (TensorFlow, JAX: once more, for a batch that never
+    # came, when a generator runs out) or after (torch). Optional: a backend
+    # without it counts as True.
+    KERAS_BEGINS_BATCH_BEFORE_FETCH: bool
 
     def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable: ...
     def make_test_step(self, model: Any, exact: bool = False) -> Callable: ...

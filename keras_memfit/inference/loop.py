@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple
 
 import keras
 
+from keras_memfit import backend as _backend
 from keras_memfit.backend.base import StartedPiece
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.runner import run_in_pieces
@@ -209,6 +210,8 @@ class BatchLoop:
         """
         if self._stopped() or source.from_arrays:
             return
+        if not getattr(_backend.get(), "KERAS_BEGINS_BATCH_BEFORE_FETCH", True):
+            return  # torch: Keras's loop fetches the batch first (no begin without one)
         expected = steps or source.num_batches
         if expected is not None and self.batch >= expected:
             return

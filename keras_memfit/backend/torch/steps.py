@@ -1,0 +1,256 @@
+"""Predict and test steps, their traced outputs, and variable guards.
+
+Keras's torch trainer runs its steps eagerly (`torch.compile` only with
+`jit_compile=True`), updating variables in place; nothing is donated, so a
+step that runs out of memory leaves the model's weights as they were. What a
+failed test step may already have changed is the metric state (the loss
+tracker is updated before the metrics): `safe_evaluate` and MemFit guard it
+with a `VariableGuard`.
+
+The steps here run the model's own `predict_step`/`test_step` eagerly under
+`torch.no_grad()`, as Keras's do, on the batch converted to torch tensors on
+Keras's device (as Keras's torch data loader hands them over). A model
+compiled with `jit_compile=True` runs them eagerly too: the same
+computation, without `torch.compile`'s compilation per new piece shape.
+
+After a step ran out of memory, PyTorch's CUDA cache still holds the failed
+step's blocks: the next step returns them to the device first
+(`torch.cuda.empty_cache()`), once the caller has dropped the exception (its
+traceback holds the failed step's tensors; keras_memfit's retry loop drops
+it before retrying).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, List, Optional, Sequence
+
+import keras
+import numpy as np
+import torch
+
+from keras.src.backend.torch.core import device_scope, to_torch_dtype
+
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.torch import memory
+
+logger = logging.getLogger("keras_memfit")
+
+
+def to_tensors(data: Any) -> Any:
+    """`data` with every numpy array as a torch tensor on Keras's device (None stays None)."""
+
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            return keras.ops.convert_to_tensor(leaf)
+        return leaf
+
+    return keras.tree.map_structure(convert, data)
+
+
+class AfterOOM:
+    """Empties PyTorch's CUDA cache before the next call once a call raised.
+
+    Example:
+        >>> cleanup = AfterOOM()
+        >>> cleanup.before_call(); ...; cleanup.failed()
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = False
+
+    def before_call(self) -> None:
+        """Release the cache a failed call left (the caller dropped its exception by now)."""
+        if self._pending:
+            self._pending = False
+            memory.release_cached()
+
+    def failed(self) -> None:
+        """Note that a call raised: the next one empties the cache first."""
+        self._pending = True
+
+
+class _Step:
+    """A step over a model held weakly (run eagerly; `output_spec` traces on "meta")."""
+
+    def __init__(self, model: keras.Model) -> None:
+        self._model_ref = weakref.ref(model)
+        self._after_oom = AfterOOM()
+
+    def _model(self) -> keras.Model:
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("the model of this step was deleted")
+        return model
+
+    def __call__(self, data: Any) -> Any:
+        self._after_oom.before_call()
+        try:
+            with torch.no_grad():
+                return self._run(self._model(), to_tensors(data))
+        except Exception:
+            self._after_oom.failed()
+            raise
+
+    def _run(self, model: keras.Model, data: Any) -> Any:
+        raise NotImplementedError
+
+
+class PredictStep(_Step):
+    """`x -> outputs`: the model's `predict_step` (then `postprocess`), eagerly."""
+
+    def __init__(self, model: keras.Model, postprocess: Optional[Callable]) -> None:
+        super().__init__(model)
+        self._postprocess = postprocess
+
+    def _run(self, model: keras.Model, x: Any) -> Any:
+        outputs = model.predict_step((x,))
+        if self._postprocess is not None:
+            outputs = self._postprocess(outputs)
+        return outputs
+
+
+    def spec(self, x: Any) -> Any:
+        """Output structure of `self(x)`, traced on the "meta" device (see `output_spec`)."""
+        model = self._model()
+        first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
+        rows = int(first.shape[0])
+        mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
+                   for v in model.variables]
+
+        def at(n: int) -> Any:
+            with torch.no_grad(), device_scope("meta"):
+                xs = keras.tree.map_structure(
+                    lambda a: None if a is None else torch.empty(
+                        (n,) + tuple(a.shape[1:]), dtype=_torch_dtype(a.dtype), device="meta"),
+                    x,
+                )
+                with keras.StatelessScope(state_mapping=mapping):
+                    return self._run(model, xs)
+
+        # Two batch sizes: the dimensions that follow the batch are unknown.
+        a, b = at(rows), at(rows + 1)
+
+        def describe(left: Any, right: Any) -> Any:
+            if not isinstance(left, torch.Tensor):
+                return left
+            shape = tuple(None if da != db else int(da) for da, db in zip(left.shape, right.shape))
+            if len(left.shape) != len(right.shape):
+                shape = None
+            return Spec(shape, np.dtype(keras.backend.standardize_dtype(left.dtype)))
+
+        return keras.tree.map_structure(describe, a, b)
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return to_torch_dtype(keras.backend.standardize_dtype(dtype))
+
+
+class TestStep(_Step):
+    """`(x, y, sample_weight) -> logs`: the model's `test_step`, eagerly."""
+
+    def _run(self, model: keras.Model, data: Any) -> Any:
+        return model.test_step(data)
+
+
+def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
+    """An `x -> outputs` step running `model.predict_step` then `postprocess`.
+
+    Example:
+        >>> outputs = make_predict_step(model)(x[:64])
+    """
+    return PredictStep(model, postprocess)
+
+
+# Keras's torch steps run eagerly: every batch's shape is known, so its
+# per-output loss trackers weight each batch by its rows.
+KERAS_COUNTS_EACH_BATCH_ONCE = False
+# Keras's torch loops take each batch from the epoch iterator, then call
+# `on_*_batch_begin`: a generator that runs out gets no extra begin.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = False
+
+
+def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
+    """A `(x, y, sample_weight) -> logs` step running `model.test_step`.
+
+    `exact` is accepted for the seam's sake: eager steps already count
+    per-output losses per sample.
+
+    Example:
+        >>> logs = make_test_step(model)((x[:64], y[:64], None))
+    """
+    return TestStep(model)
+
+
+class VariableGuard:
+    """Copies of some variables, taken before a step and restored if it fails.
+
+    The copies are clones on the variables' own devices (the guarded state is
+    small: metrics, counters, non-trainable layer state); `restore` copies
+    them back in place.
+
+    Example:
+        >>> guard = VariableGuard(model.metrics_variables)
+        >>> guard.snapshot(); ...; guard.restore()
+    """
+
+    def __init__(self, variables: Sequence[Any]) -> None:
+        self._variables = list(variables)
+        self._saved: Optional[List[Any]] = None
+
+    def snapshot(self) -> None:
+        """Record the variables' current values."""
+        with torch.no_grad():
+            self._saved = [v.value.detach().clone() for v in self._variables]
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        if self._saved is None:
+            return
+        with torch.no_grad():
+            for v, saved in zip(self._variables, self._saved):
+                v.value.copy_(saved)
+
+
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    """A `VariableGuard` over `variables` (see its docstring)."""
+    return VariableGuard(variables)
+
+
+def prepare_test(model: keras.Model, batch: Any) -> None:
+    """Build the model, its compiled metrics and loss before steps run."""
+    x, y, sample_weight = batch
+    _keras_compat.symbolic_build(model, (x, y, sample_weight))
+
+
+def output_spec(step: Callable, x: Any) -> Any:
+    """Output structure of `step(x)`, traced on PyTorch's "meta" device; `NO_SPEC` where
+    it cannot be traced.
+
+    The step runs on meta tensors (a shape and a dtype, no storage: nothing
+    is computed or allocated) with the model's variables mapped to meta
+    tensors of their shapes (`keras.StatelessScope`), at two batch sizes:
+    each tensor leaf becomes a `keras_memfit.backend.Spec` whose dimensions
+    that follow the batch size are None; a leaf that is not a tensor is
+    returned as it is. Where an op has no meta kernel (or anything else in
+    the trace raises), `NO_SPEC`: the first piece's outputs describe the step.
+
+    Example:
+        >>> output_spec(make_predict_step(model), x[:8])
+        Spec(shape=(None, 10), dtype=dtype('float32'))
+    """
+    if not isinstance(step, PredictStep):
+        step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
+    if not isinstance(step, PredictStep):
+        return NO_SPEC
+    try:
+        return step.spec(x)
+    except Exception as exc:  # noqa: BLE001 - no meta kernel: describe from the first piece
+        logger.debug("safe_predict: no meta-device trace of the predict step (%s)", exc)
+        return NO_SPEC

@@ -1,0 +1,149 @@
+"""Symbolic traces of a model on torch: every layer and operation call of one forward pass.
+
+The torch counterpart of the other backends' `tracing` (`memory_report`'s
+input): the model is called on PyTorch's "meta" device (tensors with a shape
+and a dtype, no storage: nothing runs, nothing is allocated), its variables
+mapped to meta tensors of their shapes in a `keras.StatelessScope`, with
+`Layer.__call__` and `Operation.__call__` wrapped to record each call. A
+layer whose ops have no meta implementation makes the pass fall back to a
+real one at the same two small batch sizes on Keras's device, under
+`torch.no_grad()` (as Keras's own `compute_output_spec` on torch does).
+Shapes are static, so the pass runs at two batch sizes and a dimension that
+differs between them is the batch's (None), as on JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import keras
+import torch
+from keras.src.backend.torch.core import device_scope
+
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit.backend._layer_calls import CallRecorder, Info, traced_calls
+from keras_memfit.backend.base import Trace, TracedTensor
+
+logger = logging.getLogger("keras_memfit")
+
+# Two batch sizes unlikely to equal a model's other dimensions.
+_BATCHES = (7, 11)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    from keras.src.backend.torch.core import to_torch_dtype
+
+    return to_torch_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _record_forward(model: keras.Model, batch: int, meta: bool) -> CallRecorder:
+    """One forward pass at `batch` rows (on "meta", or for real): its calls, inputs, outputs."""
+    struct, positional = _keras_compat.input_structure(model)
+    keys: Dict[int, str] = {}
+    alive: List[Any] = []  # the traced tensors, kept so that their ids stay unique
+
+    def describe(value: Any) -> Optional[Info]:
+        if not isinstance(value, torch.Tensor):
+            return None
+        key = keys.get(id(value))
+        if key is None:
+            key = keys[id(value)] = f"t{len(keys)}"
+            alive.append(value)
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        return key, tuple(int(d) for d in value.shape), dtype
+
+    recorder = CallRecorder(describe)
+    device = "meta" if meta else None
+
+    def tensor(t: Any) -> Any:
+        return torch.zeros((batch,) + tuple(t.shape[1:]), dtype=_torch_dtype(t.dtype),
+                           device=device)
+
+    mapping = []
+    if meta:
+        mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
+                   for v in model.variables]
+    with torch.no_grad():
+        if meta:
+            with device_scope("meta"):
+                inputs = keras.tree.map_structure(tensor, struct)
+        else:
+            inputs = keras.tree.map_structure(
+                lambda t: keras.ops.convert_to_tensor(tensor(t).numpy()), struct)
+        recorder.inputs = recorder.infos(inputs)
+        # Keras reads a variable in the innermost StatelessScope only: the
+        # mapping to meta tensors is that scope (no variable changes either).
+        with recorder.patched(), keras.StatelessScope(state_mapping=mapping):
+            if meta:
+                with device_scope("meta"):
+                    outputs = _call(model, inputs, positional)
+            else:
+                outputs = _call(model, inputs, positional)
+        recorder.outputs = [info[0] for info in recorder.infos(outputs)]
+    return recorder
+
+
+def _call(model: keras.Model, inputs: Any, positional: bool) -> Any:
+    return model(inputs, training=False) if positional else model(**inputs, training=False)
+
+
+def _record(model: keras.Model, batch: int) -> CallRecorder:
+    try:
+        return _record_forward(model, batch, meta=True)
+    except Exception as exc:  # an op without a meta kernel: trace for real, small
+        logger.debug("memory_report: the meta-device trace of %r failed (%s); tracing "
+                     "at batch %d on Keras's device", model.name, exc, batch)
+        return _record_forward(model, batch, meta=False)
+
+
+def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
+    """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
+    out = []
+    for (key, shape, dtype), other in zip(a, b):
+        other_shape = other[1]
+        if len(other_shape) != len(shape):
+            other_shape = (None,) * len(shape)
+        out.append(TracedTensor(
+            key, tuple(None if d != e else d for d, e in zip(shape, other_shape)), dtype
+        ))
+    return tuple(out)
+
+
+def trace_layer_calls(model: keras.Model) -> Trace:
+    """Every layer and operation call of one symbolic forward pass of `model`.
+
+    Args:
+        model: A built Keras model.
+
+    Returns:
+        The `Trace`: the model's input tensors, its output keys and every
+        call below the model's own, in call order (`parent` None for the
+        model's direct children). Shapes have None for the batch dimension
+        (and any other dimension that follows the batch size).
+
+    Raises:
+        ValueError: If the model has not been built, or its forward pass
+            makes different calls at two batch sizes.
+
+    Example:
+        >>> trace = trace_layer_calls(model)
+        >>> [type(call.op).__name__ for call in trace.calls][:2]
+        ['Conv2D', 'Conv2D']
+    """
+    first, second = (_record(model, n) for n in _BATCHES)
+    records, others = first.records, second.records
+    if len(records) != len(others) or any(
+        a["op"] is not b["op"] for a, b in zip(records, others)
+    ):
+        raise ValueError(
+            f"the forward pass of model {model.name!r} calls different layers at batch "
+            f"sizes {_BATCHES[0]} and {_BATCHES[1]} (received {len(records)} and "
+            f"{len(others)} calls); memory_report needs one call graph for every batch size"
+        )
+
+    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
+        return _merge(records[index][which], others[index][which])
+
+    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs),
+                 traced_calls(records, tensors))

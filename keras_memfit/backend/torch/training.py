@@ -1,0 +1,270 @@
+"""Train steps that can tell how far a failed call got, and gradient accumulation.
+
+MemFit's building blocks for the torch backend. Keras's torch train step
+runs eagerly and updates the weights in place: forward pass, loss, the loss
+tracker, `loss.backward()`, `optimizer.apply`, then the metrics. Nothing is
+donated, so an OOM in the forward or backward pass leaves the weights and
+optimizer variables as they were; but the loss tracker (updated before the
+backward pass), BatchNorm statistics and RNG seeds may already have moved,
+and the gradients of the failed step still sit in the weights' `.grad`.
+
+`TrainStep` is that step, snapshotting the small state before it runs
+(`train_state_variables`: metrics, counters, non-trainable layer state) and
+restoring it when the step raises; it drops the failed step's gradients, and
+knows whether `optimizer.apply` had begun (`StepOutcome.UPDATE_BEGAN`: the
+weights may be partly updated in place; the step must not be retried).
+`GradientAccumulator` sums micro-batch gradients into one buffer the size of
+the trainable weights and applies them as one optimizer step. Every returned
+object satisfies its protocol in `keras_memfit.backend.base`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+import torch
+from keras.src.backend.torch.trainer import TorchTrainer
+
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal.model_state import train_state_variables
+from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.torch.steps import AfterOOM, VariableGuard, to_tensors
+
+
+def has_default_train_step(model: keras.Model) -> bool:
+    """Whether `model` uses Keras's own `train_step` (no override)."""
+    return getattr(type(model).train_step, "__code__", None) is TorchTrainer.train_step.__code__
+
+
+def check_not_distributed(what: str) -> None:
+    """Raise `NotImplementedError` naming `what` when `torch.distributed` is in use."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise NotImplementedError(
+            f"{what} on the torch backend runs in one process on one device; received a "
+            f"model in a torch.distributed process group (world size "
+            f"{dist.get_world_size()}, e.g. DistributedDataParallel), whose processes "
+            "would have to split every batch alike. Run it without torch.distributed, "
+            "or use KERAS_BACKEND=tensorflow with tf.distribute.MirroredStrategy."
+        )
+
+
+def training_replicas(model: keras.Model) -> None:
+    """None: one device; `NotImplementedError` under `torch.distributed` (DDP).
+
+    Raises:
+        NotImplementedError: If a `torch.distributed` process group is
+            initialized (DistributedDataParallel, several processes).
+    """
+    check_not_distributed("MemFit")
+    return None
+
+
+def distribution_of(model: keras.Model) -> Optional[str]:
+    """"torch.distributed (world size N)" when a process group is initialized, else None."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return f"torch.distributed (world size {dist.get_world_size()})"
+    return None
+
+
+def _rows(x: Any) -> int:
+    return int(next(i for i in keras.tree.flatten(x) if i is not None).shape[0])
+
+
+def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
+    """Keras's torch train step up to the loss, the loss tracker updated as it does."""
+    if _keras_compat.call_has_training_arg(model):
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    loss = _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
+    _keras_compat.loss_tracker(model).update_state(loss, sample_weight=_rows(x))
+    return y_pred, loss
+
+
+def drop_gradients(weights: Sequence[Any]) -> None:
+    """Free the gradients `backward()` left on `weights` (`.grad = None`)."""
+    for w in weights:
+        w.value.grad = None
+
+
+class TrainStep:
+    """Keras's default torch train step, which can tell how far a failed call got.
+
+    The same computation as `TorchTrainer.train_step`. Before it runs, the
+    small state (`guarded`) is snapshotted; when it raises an `Exception`,
+    that state is restored, the gradients it made are dropped and
+    `last_outcome` says `RESTORED` (the weights untouched) or `UPDATE_BEGAN`
+    (`optimizer.apply` had begun). The gradients are also dropped after a
+    step that succeeded (Keras's own step keeps them until the next one).
+
+    Attributes:
+        snapshots_itself: True: callers need no `Guard` around a call.
+        last_outcome: The outcome of the last call that raised, or None.
+
+    Example:
+        >>> logs = make_train_step(model)((x[:64], y[:64]))
+    """
+
+    snapshots_itself = True
+
+    def __init__(self, model: keras.Model, guarded: Sequence[Any]) -> None:
+        self._model_ref = weakref.ref(model)
+        self._guard = VariableGuard(guarded)
+        self._after_oom = AfterOOM()
+        self.last_outcome: Optional[StepOutcome] = None
+
+    def __call__(self, data: Any) -> Dict[str, Any]:
+        model = self._model_ref()
+        self._after_oom.before_call()
+        weights = model.trainable_weights
+        self._guard.snapshot()
+        began = False
+        try:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
+            drop_gradients(weights)
+            y_pred, loss = _forward_loss(model, x, y, sample_weight)
+            if model.optimizer is not None:
+                loss = model.optimizer.scale_loss(loss)
+            if weights:
+                loss.backward()
+                del loss
+                gradients = [w.value.grad for w in weights]
+                began = True
+                with torch.no_grad():
+                    model.optimizer.apply(gradients, weights)
+                del gradients
+                drop_gradients(weights)
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        except Exception:
+            drop_gradients(weights)
+            self._guard.restore()
+            self.last_outcome = StepOutcome.UPDATE_BEGAN if began else StepOutcome.RESTORED
+            self._after_oom.failed()
+            raise
+
+
+def make_train_step(model: keras.Model) -> TrainStep:
+    """A `TrainStep` for `model`, guarding `train_state_variables(model)`."""
+    return TrainStep(model, train_state_variables(model))
+
+
+class CustomTrainStep:
+    """A model's own (overridden) `train_step`, run eagerly as Keras runs it.
+
+    It cannot tell how far a failed call got: callers snapshot the small
+    state with a `Guard` around each call. The gradients a failed call left
+    on the weights are dropped.
+
+    Attributes:
+        snapshots_itself: False.
+        last_outcome: Always None (unknown).
+    """
+
+    snapshots_itself = False
+    last_outcome: Optional[StepOutcome] = None
+
+    def __init__(self, model: keras.Model) -> None:
+        self._model_ref = weakref.ref(model)
+        self._after_oom = AfterOOM()
+
+    def __call__(self, data: Any) -> Dict[str, Any]:
+        model = self._model_ref()
+        self._after_oom.before_call()
+        try:
+            return model.train_step(to_tensors(data))
+        except Exception:
+            drop_gradients(model.trainable_weights)
+            self._after_oom.failed()
+            raise
+
+
+def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
+    """A `CustomTrainStep` running `model.train_step`."""
+    return CustomTrainStep(model)
+
+
+class GradientAccumulator:
+    """Sums weighted micro-batch gradients in place and applies them as one optimizer step.
+
+    The sums are one tensor per trainable weight, made by `reset()` (only once
+    a batch has had to be split: exact accumulation's one extra buffer) and
+    dropped by `apply()`. `add` runs Keras's torch train step up to the
+    gradients on a micro-batch (forward pass, loss, loss tracker), adds
+    `weight` times the gradient of the scaled loss to the sums, frees the
+    micro-batch's gradients and updates the metrics; `apply` runs
+    `optimizer.apply` once on the sums (one step: `iterations` + 1).
+
+    Example:
+        >>> acc = make_accumulator(model)
+        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
+        >>> acc.apply()
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self._model_ref = weakref.ref(model)
+        self._sums: Optional[List[Optional[Any]]] = None
+        self._after_oom = AfterOOM()
+
+    def reset(self) -> None:
+        """Start a new batch: the sums dropped (made by the first `add`)."""
+        self._sums = None
+        self._after_oom.before_call()
+
+    def add(self, data: Any, weight: float) -> None:
+        """Add `weight` times the gradient of the loss on micro-batch `data`."""
+        model = self._model_ref()
+        weights = model.trainable_weights
+        self._after_oom.before_call()
+        try:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
+            drop_gradients(weights)
+            y_pred, loss = _forward_loss(model, x, y, sample_weight)
+            scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
+            del loss
+            if weights:
+                (scaled * weight).backward()
+                del scaled
+                self._add_gradients(weights)
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        except Exception:
+            drop_gradients(weights)
+            self._after_oom.failed()
+            raise
+
+    def _add_gradients(self, weights: Sequence[Any]) -> None:
+        """Move the micro-batch's gradients into the sums (the first one's become them)."""
+        with torch.no_grad():
+            if self._sums is None:
+                self._sums = [None] * len(weights)
+            for i, w in enumerate(weights):
+                grad, w.value.grad = w.value.grad, None
+                if grad is None:
+                    continue
+                if self._sums[i] is None:
+                    self._sums[i] = grad  # the sums cost no buffer of their own until now
+                else:
+                    self._sums[i].add_(grad)
+                del grad
+
+    def apply(self) -> None:
+        """Apply the summed gradients as one optimizer step (weights without any are skipped)."""
+        model = self._model_ref()
+        weights = model.trainable_weights
+        sums, self._sums = self._sums or [None] * len(weights), None
+        try:
+            with torch.no_grad():
+                model.optimizer.apply(list(sums), weights)
+        except Exception:
+            self._after_oom.failed()
+            raise
+        finally:
+            del sums
+
+
+def make_accumulator(model: keras.Model) -> GradientAccumulator:
+    """A `GradientAccumulator` over `model`'s trainable weights."""
+    return GradientAccumulator(model)
