@@ -421,3 +421,52 @@ def test_memfit_trains_at_batch_one_where_plain_keras_does_and_its_two_programs_
     np.testing.assert_allclose(memfit["sums"], plain["sums"], rtol=1e-5)
     for got, expected in zip(memfit["sample"], plain["sample"]):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def child_a_failed_fused_step_is_reported():
+    """Keras's fused step (run where the two programs would not fit) that runs out of
+    memory has lost its donated state: the step says `UPDATE_BEGAN` and MemFit
+    raises its OutOfMemoryError saying so, without retrying."""
+    import jax
+
+    import keras_memfit
+    from keras_memfit.backend.base import StepOutcome
+    from keras_memfit.backend.jax import training
+
+    calls = [0]
+
+    def fused_and_failing(self, model, current, data):
+        calls[0] += 1
+
+        def fails(state, data):  # as a donating program that could not allocate
+            for group in state:
+                for a in group:
+                    a.delete()
+            raise jax.errors.JaxRuntimeError(_ALLOC)
+
+        self._fused = fails
+        return "fused"
+
+    training.TrainStep._choose = fused_and_failing
+    x, y = _data()
+    model = _model()
+    step = training.make_train_step(model)
+    try:
+        step((x[:16], y[:16]))
+    except jax.errors.JaxRuntimeError:
+        pass
+    else:
+        raise AssertionError("the failed fused step went unreported")
+    assert step.last_outcome is StepOutcome.UPDATE_BEGAN
+    model = _model()
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[keras_memfit.MemFit()])
+    except keras_memfit.OutOfMemoryError as err:
+        assert "lost" in str(err), str(err)
+    else:
+        raise AssertionError("MemFit went on after a failed fused step")
+    assert calls[0] == 2, calls  # one shape each: not retried
+
+
+def test_a_failed_fused_step_is_reported_not_retried():
+    run_in_jax(__file__, "child_a_failed_fused_step_is_reported")

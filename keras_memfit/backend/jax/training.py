@@ -298,16 +298,21 @@ class TrainStep:
 
     def _call_fused(self, model: keras.Model, current: List[List[Any]],
                     data: Any) -> Dict[str, Any]:
-        """Keras's own step on the whole state (donated); not waited for, as the update."""
+        """Keras's own step on the whole state (donated), waited for.
+
+        Waited for (unlike the update program) so that its OOM, which loses
+        the donated state, is reported by this step (`UPDATE_BEGAN`: MemFit's
+        `OutOfMemoryError`) rather than by whatever reads the state next;
+        it runs only where memory is short, where steps are long.
+        """
         try:
-            logs, state = self._fused(tuple(current), data)
+            logs, state = jax.block_until_ready(self._fused(tuple(current), data))
         except Exception:
             lost = any(getattr(a, "is_deleted", lambda: False)()
                        for group in current for a in group)
             self.last_outcome = StepOutcome.UPDATE_BEGAN if lost else StepOutcome.UNTOUCHED
             raise
         _state.put(model, TRAIN_STATE, state)
-        self._last_update = _first_array(state[0])
         return logs
 
     def _wait_for_update(self) -> None:
