@@ -100,7 +100,15 @@ PEAK_CAP_MB = 8192  # TensorFlow: the BFC allocator on (its statistics), far abo
 
 # ------------------------------------------------------------------ children
 def child_env(backend: str, cap_mb: Optional[int], cpu: bool = True) -> Dict[str, str]:
-    """A child's environment (`benchmarks.jobs.child_environment`, on `backend`)."""
+    """A child's environment (`benchmarks.jobs.child_environment`, on `backend`).
+
+    On JAX's CPU client, `MALLOC_ARENA_MAX=1`: each thread's glibc malloc
+    arena reserves 64 MiB of address space that it does not use, and how many
+    threads get one varies from run to run (measured: about 900 MiB of the
+    3 GiB limit reserved so, against about 700 MiB left for the model), so
+    under `RLIMIT_AS` they, not the calls, would set the widest model. The
+    same environment for plain Keras and keras_memfit.
+    """
     from benchmarks import jobs
 
     if backend == "tensorflow":
@@ -113,6 +121,7 @@ def child_env(backend: str, cap_mb: Optional[int], cpu: bool = True) -> Dict[str
     env = jobs.child_environment(None, "jax")
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
+        env["MALLOC_ARENA_MAX"] = "1"
     else:
         env.pop("CUDA_VISIBLE_DEVICES", None)
     return env

@@ -29,7 +29,10 @@ def _limit(data: Dict[str, Any]) -> str:
     if data["backend"] == "torch":
         return (f"an address-space limit (RLIMIT_AS) of {limit:g} GiB above what torch, "
                 "Keras and keras_memfit map after a tiny fit (torch's CPU allocator)")
-    return f"an address-space limit (RLIMIT_AS) of {limit:g} GiB on JAX's CPU client"
+    return (f"an address-space limit (RLIMIT_AS) of {limit:g} GiB on JAX's CPU client "
+            "(`MALLOC_ARENA_MAX=1`; kernels from an initializer without temporaries, "
+            "waited for one by one; the variables waited for, not copied to the host: "
+            "see `benchmarks/footprint_child.py`)")
 
 
 def _stopped_by(result: Dict[str, Any]) -> str:

@@ -325,3 +325,148 @@ def test_memfit_trains_a_width_plain_keras_trains_under_a_real_limit(tmp_path):
 
 def test_a_failed_update_program_is_reported_not_retried():
     run_in_jax(__file__, "child_a_failed_update_is_reported")
+
+
+# ------------------------------ batch 1: Keras's fused step where the two programs do not fit
+BATCH_ONE_WIDE = 32_768  # weights P = 256 MiB: the two programs need 1.5 P, Keras's step P / 2
+# x P of address space left once the model and Adam's slots exist; measured with
+# MALLOC_ARENA_MAX=1: plain Keras trains from 1.75 (1.5 fails), the two programs
+# fail up to 2.25 at least.
+BATCH_ONE_HEADROOM = float(os.environ.get("KERAS_MEMFIT_HEADROOM", 2.0))
+
+
+def child_batch_one_fit():
+    """Two steps at batch 1 of the wide model under an address-space limit set 2 P
+    above what the model, its Adam slots and JAX already hold: Keras's fused
+    step (temporaries about P / 2: XLA fuses a rank-one gradient into its
+    update) fits, MemFit's two programs (all gradients, P, then the update)
+    do not. $KERAS_MEMFIT_WIDE_MODE: "plain" Keras, "memfit", or "split"
+    (MemFit forced to its two programs, which must then run out of memory)."""
+    import logging
+    import resource
+
+    import jax
+
+    import keras_memfit
+    from keras_memfit.backend.jax import training
+
+    mode = os.environ["KERAS_MEMFIT_WIDE_MODE"]
+    if mode == "split":
+        training.TrainStep._choose = lambda self, model, current, data: "split"
+    model = _wide_model(BATCH_ONE_WIDE)
+    model.optimizer.build(model.trainable_variables)  # the slots exist before the limit
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 1024), dtype=np.float32)
+    y = rng.random((2, 1024), dtype=np.float32)
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    with open("/proc/self/status") as status:
+        in_use = next(int(line.split()[1]) * 1024 for line in status
+                      if line.startswith("VmSize:"))
+    limit = in_use + int(BATCH_ONE_HEADROOM * weights)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    class Warnings(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    warnings = Warnings()
+    logging.getLogger("keras_memfit").addHandler(warnings)
+    summary = {"fused_warnings": 0}
+    try:
+        history = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
+                            callbacks=[] if mode == "plain" else [keras_memfit.MemFit()])
+        jax.block_until_ready([v.value for v in model.variables])  # a failure surfaces
+    except Exception as err:  # noqa: BLE001 - the outcome the test checks
+        summary["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        summary["oom"] = bool(keras_memfit.is_oom_error(err))
+    else:
+        sample = np.random.default_rng(1)
+        summary.update({
+            "loss": history.history["loss"],
+            "iterations": int(model.optimizer.iterations.value),
+            "sums": [float(np.asarray(v.value, np.float64).sum())
+                     for v in model.trainable_variables + model.optimizer.variables],
+            "sample": [np.asarray(v.value).ravel()[
+                sample.integers(0, v.value.size, 1000)].tolist()
+                for v in model.trainable_variables],
+        })
+    summary["fused_warnings"] = sum("Keras's own fused train step" in m
+                                    for m in warnings.messages)
+    with open(os.environ["KERAS_MEMFIT_JAX_OUT"], "w") as f:
+        json.dump(summary, f)
+
+
+def test_memfit_trains_at_batch_one_where_plain_keras_does_and_its_two_programs_do_not(
+        tmp_path):
+    results = {}
+    for mode in ("plain", "split", "memfit"):
+        out = str(tmp_path / f"{mode}.json")
+        run_in_jax(__file__, "child_batch_one_fit",
+                   env={"KERAS_MEMFIT_JAX_OUT": out, "KERAS_MEMFIT_WIDE_MODE": mode,
+                        "MALLOC_ARENA_MAX": "1"})
+        with open(out) as f:
+            results[mode] = json.load(f)
+    plain, split, memfit = results["plain"], results["split"], results["memfit"]
+    assert "error" not in plain, plain  # plain Keras trains under this limit
+    # the two programs do not fit there (MemFit before it ran Keras's step there)
+    assert split.get("oom") and "OutOfMemoryError" in split["error"], split
+    assert "error" not in memfit, memfit
+    assert memfit["fused_warnings"] == 1, memfit  # one shape, one warning
+    assert memfit["iterations"] == plain["iterations"] == 2
+    np.testing.assert_allclose(memfit["loss"], plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(memfit["sums"], plain["sums"], rtol=1e-5)
+    for got, expected in zip(memfit["sample"], plain["sample"]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def child_a_failed_fused_step_is_reported():
+    """Keras's fused step (run where the two programs would not fit) that runs out of
+    memory has lost its donated state: the step says `UPDATE_BEGAN` and MemFit
+    raises its OutOfMemoryError saying so, without retrying."""
+    import jax
+
+    import keras_memfit
+    from keras_memfit.backend.base import StepOutcome
+    from keras_memfit.backend.jax import training
+
+    calls = [0]
+
+    def fused_and_failing(self, model, current, data):
+        calls[0] += 1
+
+        def fails(state, data):  # as a donating program that could not allocate
+            for group in state:
+                for a in group:
+                    a.delete()
+            raise jax.errors.JaxRuntimeError(_ALLOC)
+
+        self._fused = fails
+        return "fused"
+
+    training.TrainStep._choose = fused_and_failing
+    x, y = _data()
+    model = _model()
+    step = training.make_train_step(model)
+    try:
+        step((x[:16], y[:16]))
+    except jax.errors.JaxRuntimeError:
+        pass
+    else:
+        raise AssertionError("the failed fused step went unreported")
+    assert step.last_outcome is StepOutcome.UPDATE_BEGAN
+    model = _model()
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[keras_memfit.MemFit()])
+    except keras_memfit.OutOfMemoryError as err:
+        assert "lost" in str(err), str(err)
+    else:
+        raise AssertionError("MemFit went on after a failed fused step")
+    assert calls[0] == 2, calls  # one shape each: not retried
+
+
+def test_a_failed_fused_step_is_reported_not_retried():
+    run_in_jax(__file__, "child_a_failed_fused_step_is_reported")

@@ -110,6 +110,22 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
     return int(stats["bytes_limit"]), True
 
 
+def free_bytes(device: str) -> Optional[int]:
+    """Bytes `device` can still allocate (its limit less what is in use), or None if unknown.
+
+    On JAX's CPU client under `RLIMIT_AS` the limit less the process's
+    virtual size (what an allocation fails against); on a GPU its allocator's
+    `bytes_limit` less `bytes_in_use`; None without either (CPU, no limit).
+
+    Example:
+        >>> free_bytes(compute_device())  # no limit on this CPU
+    """
+    stats = _raw_stats(device)
+    if stats is None or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
+
+
 def reset_peak(device: str) -> None:
     """Start a new peak measurement on `device` (see the module docstring)."""
     stats = _raw_stats(device)

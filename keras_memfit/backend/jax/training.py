@@ -18,8 +18,20 @@ instead (`TrainStep`), at the same peak memory as Keras's own:
    is lost, and the next step says so (`StepOutcome.UPDATE_BEGAN`).
 
 Measured with `memory_analysis()` on the wide MLP of `benchmarks/footprint.py`
-(Adam): Keras's donating step holds the state (weights and two slots) plus one
-gradient per weight at its peak; so do the two programs. A model's own
+(Adam), where the weights dominate: at batch 8 Keras's donating step holds the
+state (weights and two slots) plus one gradient per weight at its peak; so do
+the two programs. At batch 1 it holds less: XLA fuses the rank-one gradient
+of a kernel into that kernel's update, so one kernel's gradient is never
+materialised (its temporaries: half the weights' size), while the gradient
+program must output every gradient. So, per input shape, before its first
+run, the step compares the two programs' buffers (`memory_analysis()`) with
+the device's free memory (`memory.free_bytes`: a GPU's allocator, JAX's CPU
+under `RLIMIT_AS`); where they would not fit and Keras's own fused, donating
+step would, it runs that step instead (`fused`: the memory of plain Keras,
+logged once as a WARNING). An OOM there loses the donated state, as it does
+in plain Keras (`StepOutcome.UPDATE_BEGAN`: MemFit raises `OutOfMemoryError`
+saying so). Where the free memory is unknown, or under a
+`keras.distribution`, the two programs always run. A model's own
 `train_step` cannot be split: it runs whole without donation, and holds the
 old and new state together (one extra copy of the training state).
 
@@ -30,8 +42,10 @@ protocol in `keras_memfit.backend.base`.
 
 from __future__ import annotations
 
+import gc
+import logging
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +53,19 @@ import keras
 from keras.src.backend.jax.trainer import JAXTrainer
 
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.jax.oom import is_oom_error
 from keras_memfit.backend.jax import distribution
+from keras_memfit.backend.jax import memory as _memory
 from keras_memfit.backend.jax import state as _state
 from keras_memfit.backend.jax.steps import _compile
 
+logger = logging.getLogger("keras_memfit")
+
 TRAIN_STATE = _state.GROUPS["train"]
 UPDATED = ("trainable", "optimizer")  # what the update program writes in place
+# The two programs are kept unless they need this much more than is free: room
+# for what a step allocates beside its programs (the batch's logs, dispatch).
+SPLIT_MARGIN = 16 << 20
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -76,6 +97,24 @@ def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimiz
     return grads, logs, non_trainable, metrics
 
 
+def _nbytes(tree: Any) -> int:
+    """Bytes of the array leaves of `tree` (NumPy or JAX)."""
+    return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
+               if hasattr(leaf, "dtype") and hasattr(leaf, "size"))
+
+
+def _new_bytes(analysis: Any) -> int:
+    """What a compiled program allocates when it runs: outputs not aliased to inputs, temps."""
+    return (analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes)
+
+
+def _signature(data: Any) -> Tuple[Any, ...]:
+    """The shapes and dtypes of `data`'s leaves: one compiled program per signature."""
+    return tuple((getattr(leaf, "shape", None), getattr(leaf, "dtype", type(leaf)))
+                 for leaf in jax.tree_util.tree_leaves(data))
+
+
 def _first_array(tree: Any) -> Any:
     """One array of `tree` (a compiled program's outputs are ready together), or `tree`."""
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -89,16 +128,18 @@ class TrainStep:
 
     See the module docstring. The new state is the model's only once the
     gradient program succeeded; the update program then replaces the weights
-    and optimizer variables in place. A model's own `train_step` (`custom`)
-    runs whole, compiled without donation, and its new state is written once
-    it finished.
+    and optimizer variables in place. Where an input shape's two programs
+    would not fit in the free memory and Keras's fused step would, that
+    shape runs Keras's step instead (`_choose_fused`). A model's own
+    `train_step` (`custom`) runs whole, compiled without donation, and its
+    new state is written once it finished.
 
     Attributes:
         snapshots_itself: True: a failed gradient program wrote nothing, so
             callers need no `Guard`.
         last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or
             `StepOutcome.UPDATE_BEGAN` when the previous step's update
-            program failed (its donated state is lost).
+            program, or a fused step, failed (its donated state is lost).
 
     Example:
         >>> logs = make_train_step(model)((x[:64], y[:64]))
@@ -129,9 +170,19 @@ class TrainStep:
         def update_fn(trainable, optimizer, grads):
             return model_ref().optimizer.stateless_apply(optimizer, grads, trainable)
 
+        # Keras's own step, donating the whole state as Keras's does: run only
+        # where the two programs would not fit (see the module docstring).
+        def fused_fn(state, data):
+            return model_ref().train_step(state, data)
+
         self._gradients = _compile(model, grad_fn)
         self._compiled = self._gradients is not grad_fn
         self._update = _compile(model, update_fn, donate_argnums=(0, 1))
+        self._fused = _compile(model, fused_fn, donate_argnums=(0,))
+        self._update_bytes: Optional[int] = None  # what the update program allocates
+        # data signature -> "fused" (Keras's step), "tight" (the two programs,
+        # collecting garbage first) or "split" (the two programs)
+        self._mode_for: Dict[Tuple[Any, ...], str] = {}
         self._last_update: Any = None  # an output of the last update program
 
     def __call__(self, data: Any) -> Dict[str, Any]:
@@ -139,10 +190,32 @@ class TrainStep:
             return self._call_whole(data)
         self._wait_for_update()
         model = self._model_ref()
-        trainable, non_trainable, optimizer, metrics = _state.get(model, TRAIN_STATE)
+        current = _state.get(model, TRAIN_STATE)
+        mode = "split"
+        if self._compiled:
+            key = _signature(data)
+            mode = self._mode_for.get(key)
+            if mode is None:
+                mode = self._mode_for[key] = self._choose(model, current, data)
+            if mode == "fused":
+                return self._call_fused(model, current, data)
+        trainable, non_trainable, optimizer, metrics = current
+        if mode == "tight":
+            gc.collect()
         try:
-            outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
-            jax.block_until_ready(_first_array(outputs) if self._compiled else outputs)
+            try:
+                outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
+                jax.block_until_ready(_first_array(outputs) if self._compiled else outputs)
+            except Exception as err:
+                if mode == "split" or not is_oom_error(err):
+                    raise
+                # Tight: memory the last step freed may wait for Python's cycle
+                # collector (measured: the size of the weights after a step at
+                # batch 1); the state is untouched, so try once more after it.
+                del err
+                gc.collect()
+                outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
+                jax.block_until_ready(_first_array(outputs))
         except Exception:
             self.last_outcome = StepOutcome.UNTOUCHED
             raise
@@ -155,6 +228,79 @@ class TrainStep:
             raise
         _state.put(model, TRAIN_STATE, (new_trainable, non_trainable, new_optimizer, metrics))
         self._last_update = _first_array(new_trainable)
+        return logs
+
+    def _choose(self, model: keras.Model, current: List[List[Any]], data: Any) -> str:
+        """How this input shape runs: "fused" (Keras's step) where the two programs would not fit.
+
+        From XLA's buffer analysis of the compiled programs (compiled once:
+        a later call reuses them) against the device's free memory now.
+        "split" where that memory is unknown, under a `keras.distribution`,
+        where an analysis is missing, and where the fused step would not fit
+        either (the gradient program's OOM then leaves the state intact);
+        "tight" where the two programs fit with less than their own size to
+        spare: they run after collecting Python's garbage, and once more
+        after an OOM (see `__call__`).
+        """
+        if keras.distribution.distribution() is not None:
+            return "split"
+        device = _memory.compute_device()
+        if _memory.free_bytes(device) is None:
+            return "split"
+        gc.collect()  # what the last steps freed, before the free memory is read
+        try:
+            gradients = self._gradients.lower(*current, data).compile().memory_analysis()
+            if self._update_bytes is None:
+                trainable, _, optimizer, _ = current
+                update = self._update.lower(trainable, optimizer, trainable).compile()
+                self._update_bytes = _new_bytes(update.memory_analysis())
+        except Exception as err:  # noqa: BLE001 - no analysis (an OOM too): the two programs
+            logger.debug("no buffer analysis of the train step: %s", err)
+            return "split"
+        free = _memory.free_bytes(device)  # after compiling: its code and caches are in use
+        if gradients is None or free is None:
+            return "split"
+        grads = _nbytes(current[0])
+        arrived = _nbytes([leaf for leaf in jax.tree_util.tree_leaves(data)
+                           if not isinstance(leaf, jax.Array)])  # copied to the device
+        split = arrived + max(_new_bytes(gradients), grads + self._update_bytes)
+        if split + SPLIT_MARGIN <= free:
+            return "tight" if 2 * split > free else "split"
+        try:
+            fused = self._fused.lower(tuple(current), data).compile().memory_analysis()
+        except Exception as err:  # noqa: BLE001 - as above
+            logger.debug("no buffer analysis of Keras's fused train step: %s", err)
+            return "split"
+        if fused is None or arrived + _new_bytes(fused) > free:
+            return "split"
+        shapes = [tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(data)
+                  if hasattr(leaf, "shape")]
+        logger.warning(
+            "train on model %r: at input shapes %s MemFit's two programs (gradients, then "
+            "the in-place update) need %.1f MiB and %.1f MiB are free, so it runs Keras's "
+            "own fused train step there (%.1f MiB, as plain fit does); an OOM in that step "
+            "loses the training state, as in plain Keras, and MemFit then raises "
+            "OutOfMemoryError.", model.name, shapes, split / 2**20, free / 2**20,
+            (arrived + _new_bytes(fused)) / 2**20)
+        return "fused"
+
+    def _call_fused(self, model: keras.Model, current: List[List[Any]],
+                    data: Any) -> Dict[str, Any]:
+        """Keras's own step on the whole state (donated), waited for.
+
+        Waited for (unlike the update program) so that its OOM, which loses
+        the donated state, is reported by this step (`UPDATE_BEGAN`: MemFit's
+        `OutOfMemoryError`) rather than by whatever reads the state next;
+        it runs only where memory is short, where steps are long.
+        """
+        try:
+            logs, state = jax.block_until_ready(self._fused(tuple(current), data))
+        except Exception:
+            lost = any(getattr(a, "is_deleted", lambda: False)()
+                       for group in current for a in group)
+            self.last_outcome = StepOutcome.UPDATE_BEGAN if lost else StepOutcome.UNTOUCHED
+            raise
+        _state.put(model, TRAIN_STATE, state)
         return logs
 
     def _wait_for_update(self) -> None:
