@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_memfit import _cache, _keras_compat
+from keras_memfit import _keras_compat
 from keras_memfit._model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
@@ -329,150 +329,93 @@ def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
     )
 
 
-def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
-    """For each trainable weight, whether its gradient on `data` is a `tf.IndexedSlices`.
-
-    Read from a symbolic trace of the forward and backward pass (nothing
-    runs): which gradients are sparse is a property of the graph (an
-    `Embedding` used only for its lookups), not of the batch size.
-    """
-    found: List[Tuple[bool, ...]] = []
-
-    def probe(data):
-        x, y, sample_weight = _unpack(data)
-        with tf.GradientTape() as tape:
-            _, loss = _forward_loss(model, x, y, sample_weight)
-        gradients = tape.gradient(loss, model.trainable_weights)
-        found.append(tuple(isinstance(g, tf.IndexedSlices) for g in gradients))
-        return loss
-
-    if getattr(model, "run_eagerly", False):
-        probe(data)
-    else:
-        tf.function(probe).get_concrete_function(data)
-    return found[-1]
-
-
-class AccumulationSteps:
-    """The compiled steps of a model's gradient accumulation, kept across fits.
-
-    The sums are arguments of the steps, not captured by them, so the
-    accumulator that owns them can be freed when `fit` ends (their memory,
-    the weights' size) while its steps stay traced and compiled: the next
-    fit's accumulator, with new sums of the same shapes, compiles nothing
-    again (with `jit_compile`, every new step is an XLA compilation).
-
-    Attributes:
-        sparse: For each trainable weight, whether its gradient is sparse
-            (`sparse_gradients`); None until the first micro-batch.
-    """
-
-    def __init__(self, model: keras.Model) -> None:
-        model_ref = weakref.ref(model)
-        self.sparse: Optional[Tuple[bool, ...]] = None
-        # Which weights get no gradient is known when the step is traced.
-        self.traced = {"mask": tuple(False for _ in model.trainable_weights)}
-
-        def add_step(data, weight, sums):
-            kept, weights = {}, model_ref().trainable_weights
-
-            def add(i, g):
-                if sums[i] is not None:
-                    sums[i].assign_add(tf.convert_to_tensor(g))
-                elif isinstance(g, tf.IndexedSlices):
-                    shape = tf.shape(weights[i]) if g.dense_shape is None else g.dense_shape
-                    kept[i] = tf.IndexedSlices(g.values, g.indices, shape)
-                else:
-                    raise TypeError(
-                        f"MemFit's accumulator expected a sparse gradient for weight {i} "
-                        f"({weights[i].name}) and received a dense {type(g).__name__}; "
-                        "please report this with the model"
-                    )
-
-            self.traced["mask"] = add_gradients(model_ref(), data, weight, add)
-            return tuple(kept[i] for i in sorted(kept))
-
-        def apply_step(mask, sums, kept):
-            sparse = iter(kept)
-            gradients = [
-                None if missing else (next(sparse) if total is None else total.read_value())
-                for missing, total in zip(mask, sums)
-            ]
-            apply_gradients(model_ref(), gradients)
-
-        def reset_step(sums):
-            for total in sums:
-                if total is not None:
-                    total.assign(tf.zeros_like(total))
-
-        self.add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
-        self.apply = _compile(model, apply_step)
-        self.reset = tf.function(reset_step)
-
-
-def accumulation_steps(model: keras.Model) -> AccumulationSteps:
-    """The model's `AccumulationSteps`, cached per model (a new optimizer or weights: new ones)."""
-    key = (
-        "accumulation steps",
-        id(model.optimizer),
-        tuple(id(v) for v in model.trainable_variables),
-        bool(getattr(model, "run_eagerly", False)),
-        model.jit_compile,
-    )
-    return _cache.per_model(model, key, lambda: AccumulationSteps(model))
-
-
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
     A dense gradient is added in place into a non-trainable variable the size
-    of its weight (made at the first micro-batch: they cost the size of the
-    weights, only once a batch has had to be split), so adding a micro-batch
-    allocates nothing beyond its gradients. A sparse gradient (a
-    `tf.IndexedSlices`, e.g. an `Embedding`'s: one row per token occurrence)
-    is not summed: each micro-batch's scaled slices are kept, and `apply`
-    hands the optimizer their concatenation, the slices of Keras's unsplit
-    step (same rows, same order, duplicates kept). Summing them densely would
-    change the update of an optimizer that treats the slices row by row (Adam
-    squares each row into its velocity: `g1**2 + g2**2` for a token met
-    twice, not `(g1 + g2)**2`). The kept slices are together the size of the
-    whole batch's sparse gradient (what Keras's step holds), and no dense sum
-    is made for those weights. The compiled steps are the model's
-    `accumulation_steps`, which outlive the accumulator.
+    of its weight (created when the micro-batch step is first traced, only
+    once a batch has had to be split), so adding a micro-batch allocates
+    nothing beyond its gradients. A sparse gradient (a `tf.IndexedSlices`,
+    e.g. an `Embedding`'s: one row per token occurrence) is not summed: each
+    micro-batch's scaled slices are kept, and `apply` hands the optimizer
+    their concatenation, the slices of Keras's unsplit step (same rows, same
+    order, duplicates kept). Summing them densely would change the update of
+    an optimizer that treats the slices row by row (Adam squares each row
+    into its velocity: `g1**2 + g2**2` for a token met twice, not
+    `(g1 + g2)**2`). The kept slices are together the size of the whole
+    batch's sparse gradient (what Keras's step holds), and no dense sum is
+    made for those weights.
     """
 
     def __init__(self, model: keras.Model) -> None:
-        self._weights = list(model.trainable_weights)
-        self._model = weakref.ref(model)
-        self._steps = accumulation_steps(model)
-        self._sums: Optional[List[Optional[tf.Variable]]] = None  # made at the first add
+        model_ref = weakref.ref(model)
+        weights = list(model.trainable_weights)
+        self._weights = weights
+        self._sums: List[Optional[tf.Variable]] = [None] * len(weights)
+        # Known when the step is traced: which weights get no gradient, which sparse ones.
+        traced = {"mask": tuple(False for _ in weights), "sparse": ()}
+        self._traced = traced
         self._kept: List[Tuple[tf.IndexedSlices, ...]] = []  # each micro-batch's sparse slices
+        sums = self._sums
 
-    def _make_sums(self, data: Any) -> List[Optional[tf.Variable]]:
-        steps = self._steps
-        if steps.sparse is None:
-            steps.sparse = sparse_gradients(self._model(), data)
-        sums: List[Optional[tf.Variable]] = []
-        for w, sparse in zip(self._weights, steps.sparse):
-            if sparse:
-                sums.append(None)
-                continue
-            with tf.device(w.value.device):
-                sums.append(tf.Variable(tf.zeros_like(w.value), trainable=False))
-        return sums
+        def dense_sum(i: int) -> tf.Variable:
+            if sums[i] is None:  # first trace: made eagerly, outside the graph
+                with tf.init_scope(), tf.device(weights[i].value.device):
+                    sums[i] = tf.Variable(tf.zeros_like(weights[i].value), trainable=False)
+            return sums[i]
+
+        def add_step(data, weight):
+            sparse = {}
+
+            def add(i, g):
+                if isinstance(g, tf.IndexedSlices):
+                    sparse[i] = g
+                else:
+                    dense_sum(i).assign_add(g)
+
+            traced["mask"] = add_gradients(model_ref(), data, weight, add)
+            traced["sparse"] = tuple(sorted(sparse))
+            return tuple(
+                tf.IndexedSlices(
+                    g.values, g.indices,
+                    tf.shape(weights[i].value) if g.dense_shape is None else g.dense_shape,
+                )
+                for i, g in sorted(sparse.items())
+            )
+
+        def apply_step(mask, sparse):
+            gradients = [None if missing else s for missing, s in zip(mask, sums)]
+            for i, slices in zip(traced["sparse"], sparse):
+                gradients[i] = slices
+            apply_gradients(
+                model_ref(), [g.read_value() if isinstance(g, tf.Variable) else g for g in gradients]
+            )
+
+        self._add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
+        self._apply = _compile(model, apply_step)
+        self._resets: Dict[int, Callable] = {}  # by how many sums exist
 
     def reset(self) -> None:
         """Start a new batch: zero the sums, drop the kept slices."""
         self._kept = []
-        if self._sums is not None:
-            self._steps.reset(self._sums)
+        made = [total for total in self._sums if total is not None]
+        if not made:
+            return
+        reset = self._resets.get(len(made))
+        if reset is None:
+
+            @tf.function
+            def reset():
+                for total in made:
+                    total.assign(tf.zeros_like(total))
+
+            self._resets = {len(made): reset}
+        reset()
 
     def add(self, data: Any, weight: float) -> None:
         """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        if self._sums is None:
-            self._sums = self._make_sums(data)
         # the weight is cast to the loss dtype inside
-        self._kept.append(self._steps.add(data, tf.constant(weight, tf.float64), self._sums))
+        self._kept.append(self._add(data, tf.constant(weight, tf.float64)))
 
     def apply(self) -> None:
         """Apply the summed gradients (and the kept slices) as one optimizer step."""
@@ -483,10 +426,10 @@ class GradientAccumulator:
                 tf.concat([k[j].indices for k in kept], 0),
                 kept[0][j].dense_shape,
             )
-            for j in range(len(kept[0]) if kept else 0)
+            for j in range(len(self._traced["sparse"]))
         )
         del kept  # the pieces' slices: only their concatenation is needed now
-        self._steps.apply(self._steps.traced["mask"], self._sums, sparse)
+        self._apply(self._traced["mask"], sparse)
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
