@@ -37,7 +37,7 @@ from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
 from keras_memfit.backend.tensorflow.training import (
     add_gradients,
-    apply_sums,
+    apply_gradients,
     flagged_train_step,
 )
 
@@ -308,13 +308,19 @@ class ReplicaAccumulator:
         self._traced = traced
 
         def replica_add(data, weight):
-            traced["mask"] = add_gradients(model_ref(), data, weight, sums, densify=True)
+            traced["mask"] = add_gradients(
+                model_ref(), data, weight,
+                lambda i, g: sums[i].assign_add(tf.convert_to_tensor(g)),
+            )
 
         def add(data, weight):
             strategy.run(replica_add, args=(data, weight))
 
         def replica_apply(mask):
-            apply_sums(model_ref(), sums, mask)
+            apply_gradients(
+                model_ref(),
+                [None if missing else s.read_value() for s, missing in zip(sums, mask)],
+            )
 
         def apply(mask):
             strategy.run(replica_apply, args=(mask,))

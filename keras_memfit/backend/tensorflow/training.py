@@ -325,15 +325,15 @@ def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
 
 
 def add_gradients(
-    model: keras.Model, data: Any, weight: Any, sums: Sequence[Any], *, densify: bool
+    model: keras.Model, data: Any, weight: Any, add: Callable[[int, Any], None]
 ) -> Tuple[bool, ...]:
-    """One micro-batch of Keras's default train step, its gradients added to `sums`.
+    """One micro-batch of Keras's default train step, its gradients handed to `add`.
 
-    Forward pass and loss; the gradients of the loss scaled by `weight` (the
-    micro-batch's share of the batch) added to `sums` (sparse gradients
-    scattered in, or `densify`d first for sums that cannot scatter); the
-    loss tracker and metrics updated. Traced inside a step (on one device,
-    or per replica).
+    Forward pass and loss; `add(i, gradient)` for each trainable weight `i`
+    that got a gradient, the gradient of the loss scaled by `weight` (the
+    micro-batch's share of the batch) as the tape gives it (a sparse one as a
+    `tf.IndexedSlices`); the loss tracker and metrics updated. Traced inside a
+    step (on one device, or per replica).
 
     Returns:
         For each trainable weight, whether it got no gradient.
@@ -343,75 +343,122 @@ def add_gradients(
         y_pred, loss = _forward_loss(model, x, y, sample_weight)
         scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
     gradients = tape.gradient(scaled, model.trainable_weights)
-    for total, g in zip(sums, gradients):
-        if g is None:
-            continue
-        if isinstance(g, tf.IndexedSlices) and not densify:
-            total.scatter_add(g)
-        else:
-            total.assign_add(tf.convert_to_tensor(g))
+    for i, g in enumerate(gradients):
+        if g is not None:
+            add(i, g)
     _track_loss(model, loss, x)
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return tuple(g is None for g in gradients)
 
 
-def apply_sums(model: keras.Model, sums: Sequence[Any], mask: Sequence[bool]) -> None:
-    """One optimizer step with the summed gradients (`mask`: weights that got none)."""
-    pairs = [
-        (total.read_value(), w)
-        for total, w, missing in zip(sums, model.trainable_weights, mask)
-        if not missing
-    ]
-    model.optimizer.apply_gradients(pairs)
+def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
+    """One optimizer step with `gradients` (one per trainable weight; None: it got none)."""
+    model.optimizer.apply_gradients(
+        [(g, w) for g, w in zip(gradients, model.trainable_weights) if g is not None]
+    )
 
 
 class GradientAccumulator:
-    """Sums weighted micro-batch gradients in place and applies them once.
+    """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
-    The sums live in one non-trainable variable per trainable weight, created
-    on first use (they cost the size of the weights, only once a batch has
-    had to be split), so adding a micro-batch's gradients allocates nothing
-    beyond the gradients themselves.
+    A dense gradient is added in place into a non-trainable variable the size
+    of its weight (created when the micro-batch step is first traced, only
+    once a batch has had to be split), so adding a micro-batch allocates
+    nothing beyond its gradients. A sparse gradient (a `tf.IndexedSlices`,
+    e.g. an `Embedding`'s: one row per token occurrence) is not summed: each
+    micro-batch's scaled slices are kept, and `apply` hands the optimizer
+    their concatenation, the slices of Keras's unsplit step (same rows, same
+    order, duplicates kept). Summing them densely would change the update of
+    an optimizer that treats the slices row by row (Adam squares each row
+    into its velocity: `g1**2 + g2**2` for a token met twice, not
+    `(g1 + g2)**2`). The kept slices are together the size of the whole
+    batch's sparse gradient (what Keras's step holds), and no dense sum is
+    made for those weights.
     """
 
     def __init__(self, model: keras.Model) -> None:
         model_ref = weakref.ref(model)
-        self._weights = list(model.trainable_weights)
-        self._sums = []
-        for w in self._weights:
-            with tf.device(w.value.device):
-                self._sums.append(tf.Variable(tf.zeros_like(w.value), trainable=False))
-        # Which weights get no gradient is known when the step is traced.
-        traced = {"mask": tuple(False for _ in self._weights)}
+        weights = list(model.trainable_weights)
+        self._weights = weights
+        self._sums: List[Optional[tf.Variable]] = [None] * len(weights)
+        # Known when the step is traced: which weights get no gradient, which sparse ones.
+        traced = {"mask": tuple(False for _ in weights), "sparse": ()}
         self._traced = traced
+        self._kept: List[Tuple[tf.IndexedSlices, ...]] = []  # each micro-batch's sparse slices
         sums = self._sums
 
+        def dense_sum(i: int) -> tf.Variable:
+            if sums[i] is None:  # first trace: made eagerly, outside the graph
+                with tf.init_scope(), tf.device(weights[i].value.device):
+                    sums[i] = tf.Variable(tf.zeros_like(weights[i].value), trainable=False)
+            return sums[i]
+
         def add_step(data, weight):
-            traced["mask"] = add_gradients(model_ref(), data, weight, sums, densify=False)
+            sparse = {}
 
-        def apply_step(mask):
-            apply_sums(model_ref(), sums, mask)
+            def add(i, g):
+                if isinstance(g, tf.IndexedSlices):
+                    sparse[i] = g
+                else:
+                    dense_sum(i).assign_add(g)
 
-        @tf.function
-        def reset():
-            for total in sums:
-                total.assign(tf.zeros_like(total))
+            traced["mask"] = add_gradients(model_ref(), data, weight, add)
+            traced["sparse"] = tuple(sorted(sparse))
+            return tuple(
+                tf.IndexedSlices(
+                    g.values, g.indices,
+                    tf.shape(weights[i].value) if g.dense_shape is None else g.dense_shape,
+                )
+                for i, g in sorted(sparse.items())
+            )
+
+        def apply_step(mask, sparse):
+            gradients = [None if missing else s for missing, s in zip(mask, sums)]
+            for i, slices in zip(traced["sparse"], sparse):
+                gradients[i] = slices
+            apply_gradients(
+                model_ref(), [g.read_value() if isinstance(g, tf.Variable) else g for g in gradients]
+            )
 
         self._add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
         self._apply = _compile(model, apply_step)
-        self._reset = reset
+        self._resets: Dict[int, Callable] = {}  # by how many sums exist
 
     def reset(self) -> None:
-        """Start a new batch: zero the sums."""
-        self._reset()
+        """Start a new batch: zero the sums, drop the kept slices."""
+        self._kept = []
+        made = [total for total in self._sums if total is not None]
+        if not made:
+            return
+        reset = self._resets.get(len(made))
+        if reset is None:
+
+            @tf.function
+            def reset():
+                for total in made:
+                    total.assign(tf.zeros_like(total))
+
+            self._resets = {len(made): reset}
+        reset()
 
     def add(self, data: Any, weight: float) -> None:
         """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        self._add(data, tf.constant(weight, tf.float64))  # cast to the loss dtype inside
+        # the weight is cast to the loss dtype inside
+        self._kept.append(self._add(data, tf.constant(weight, tf.float64)))
 
     def apply(self) -> None:
-        """Apply the summed gradients as one optimizer step."""
-        self._apply(self._traced["mask"])
+        """Apply the summed gradients (and the kept slices) as one optimizer step."""
+        kept, self._kept = self._kept, []
+        sparse = tuple(
+            tf.IndexedSlices(
+                tf.concat([k[j].values for k in kept], 0),
+                tf.concat([k[j].indices for k in kept], 0),
+                kept[0][j].dense_shape,
+            )
+            for j in range(len(self._traced["sparse"]))
+        )
+        del kept  # the pieces' slices: only their concatenation is needed now
+        self._apply(self._traced["mask"], sparse)
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
