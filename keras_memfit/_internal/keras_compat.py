@@ -177,6 +177,23 @@ def warn_if_untested_keras() -> None:
         )
 
 
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether `model.call` takes a `training` argument (`_call_has_training_arg`)."""
+    return bool(model._call_has_training_arg)
+
+
+def compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The training loss of one batch, as Keras's train step computes it (`_compute_loss`)."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def loss_tracker(model: keras.Model) -> Any:
+    """The metric that tracks the mean loss in the logs (`_loss_tracker`)."""
+    return model._loss_tracker
+
+
 # ---- Nested structures ----
 
 

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
@@ -30,23 +31,6 @@ def _tensorflow_train_step() -> Any:
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return TensorFlowTrainer.train_step
-
-
-def _call_has_training_arg(model: keras.Model) -> bool:
-    """Whether `model.call` takes a `training` argument (`_call_has_training_arg`)."""
-    return bool(model._call_has_training_arg)
-
-
-def _compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
-    """The training loss of one batch, as Keras's train step computes it (`_compute_loss`)."""
-    return model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-    )
-
-
-def _loss_tracker(model: keras.Model) -> Any:
-    """The metric that tracks the mean loss in the logs (`_loss_tracker`)."""
-    return model._loss_tracker
 
 
 def _unscale_loss_for_distribution(loss: Any) -> Any:
@@ -78,16 +62,16 @@ def _rows(x: Any) -> Any:
 
 
 def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
-    if _call_has_training_arg(model):
+    if _keras_compat.call_has_training_arg(model):
         y_pred = model(x, training=True)
     else:
         y_pred = model(x)
-    return y_pred, _compute_loss(model, x, y, y_pred, sample_weight)
+    return y_pred, _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
 
 
 def _track_loss(model: keras.Model, loss: Any, x: Any) -> None:
     """Update the loss tracker as Keras's train step does."""
-    _loss_tracker(model).update_state(
+    _keras_compat.loss_tracker(model).update_state(
         _unscale_loss_for_distribution(loss), sample_weight=_rows(x)
     )
 
