@@ -20,6 +20,10 @@ import pytest
 from cli_support import assert_one_line_error, run_cli
 from keras_memfit.app import cli, digits
 
+pytestmark = pytest.mark.tensorflow(
+    reason="the command line predicts on TensorFlow whatever KERAS_BACKEND says (app/env.py); it runs in the TensorFlow legs"
+)
+
 N = 60  # not a multiple of the batch sizes used, so last batches are partial
 
 # The command line runs its model on TensorFlow (app.env.worker_environment);

@@ -20,6 +20,10 @@ from cli_support import assert_one_line_error, run_cli
 from keras_memfit.app import cli
 from support import requires_memory_report
 
+pytestmark = pytest.mark.tensorflow(
+    reason="the command line runs on TensorFlow whatever KERAS_BACKEND says (app/env.py); it runs in the TensorFlow legs"
+)
+
 DENSE_WEIGHT_BYTES = (784 * 10 + 10) * 4  # kernel + bias, float32
 
 
