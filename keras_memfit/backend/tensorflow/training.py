@@ -342,12 +342,36 @@ def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
     )
 
 
+def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
+    """For each trainable weight, whether its gradient on `data` is a `tf.IndexedSlices`.
+
+    Read from a symbolic trace of the forward and backward pass (nothing
+    runs): which gradients are sparse is a property of the graph (an
+    `Embedding` used only for its lookups), not of the batch size.
+    """
+    found: List[Tuple[bool, ...]] = []
+
+    def probe(data):
+        x, y, sample_weight = _unpack(data)
+        with tf.GradientTape() as tape:
+            _, loss = _forward_loss(model, x, y, sample_weight)
+        gradients = tape.gradient(loss, model.trainable_weights)
+        found.append(tuple(isinstance(g, tf.IndexedSlices) for g in gradients))
+        return loss
+
+    if getattr(model, "run_eagerly", False):
+        probe(data)
+    else:
+        tf.function(probe).get_concrete_function(data)
+    return found[-1]
+
+
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
     A dense gradient is added in place into a non-trainable variable the size
-    of its weight (created when the micro-batch step is first traced, only
-    once a batch has had to be split), so adding a micro-batch allocates
+    of its weight (made at the first micro-batch, only once a batch has had
+    to be split), so adding a micro-batch allocates
     nothing beyond its gradients. A sparse gradient (a `tf.IndexedSlices`,
     e.g. an `Embedding`'s: one row per token occurrence) is not summed: each
     micro-batch's scaled slices are kept, and `apply` hands the optimizer
@@ -371,20 +395,14 @@ class GradientAccumulator:
         self._kept: List[Tuple[tf.IndexedSlices, ...]] = []  # each micro-batch's sparse slices
         sums = self._sums
 
-        def dense_sum(i: int) -> tf.Variable:
-            if sums[i] is None:  # first trace: made eagerly, outside the graph
-                with tf.init_scope(), tf.device(weights[i].value.device):
-                    sums[i] = tf.Variable(tf.zeros_like(weights[i].value), trainable=False)
-            return sums[i]
-
         def add_step(data, weight):
             sparse = {}
 
             def add(i, g):
-                if isinstance(g, tf.IndexedSlices):
+                if sums[i] is None and isinstance(g, tf.IndexedSlices):
                     sparse[i] = g
                 else:
-                    dense_sum(i).assign_add(g)
+                    sums[i].assign_add(tf.convert_to_tensor(g))
 
             traced["mask"] = add_gradients(model_ref(), data, weight, add)
             traced["sparse"] = tuple(sorted(sparse))
@@ -407,6 +425,8 @@ class GradientAccumulator:
         self._add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
         self._apply = _compile(model, apply_step)
         self._resets: Dict[int, Callable] = {}  # by how many sums exist
+        self._model = model_ref
+        self._made = False
 
     def reset(self) -> None:
         """Start a new batch: zero the sums, drop the kept slices."""
@@ -425,8 +445,18 @@ class GradientAccumulator:
             self._resets = {len(made): reset}
         reset()
 
+    def _make_sums(self, data: Any) -> None:
+        """The dense sums, made before the step is first traced (which captures them)."""
+        for i, (w, sparse) in enumerate(zip(self._weights, sparse_gradients(self._model(), data))):
+            if not sparse:
+                with tf.device(w.value.device):
+                    self._sums[i] = tf.Variable(tf.zeros_like(w.value), trainable=False)
+        self._made = True
+
     def add(self, data: Any, weight: float) -> None:
         """Add `weight` times the gradient of the loss on micro-batch `data`."""
+        if not self._made:
+            self._make_sums(data)
         # the weight is cast to the loss dtype inside
         self._kept.append(self._add(data, tf.constant(weight, tf.float64)))
 
