@@ -11,6 +11,7 @@ started (a process stuck in native code may ignore SIGTERM: it gets SIGKILL).
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -20,7 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_child(
-    args: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 600
+    args: Sequence[str],
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 600,
+    address_space: Optional[int] = None,
 ) -> subprocess.CompletedProcess:
     """Run `python args...` from the repository root with `env`; its output captured.
 
@@ -28,6 +32,8 @@ def run_child(
         args: The interpreter's arguments (`["-m", "pytest", ...]`).
         env: The child's whole environment (default: this process's).
         timeout: Seconds before the child's process group is killed.
+        address_space: An address-space limit in bytes (`RLIMIT_AS`), set in
+            the child before its Python starts; None for none.
 
     Returns:
         The CompletedProcess (text stdout and stderr); on a timeout, one with
@@ -36,6 +42,7 @@ def run_child(
     proc = subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=None if address_space is None else _limit(address_space),
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -45,3 +52,10 @@ def run_child(
         stderr += f"\n[child killed after {timeout:.0f} s: {' '.join(args)}]"
         return subprocess.CompletedProcess(proc.args, -9, stdout, stderr)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _limit(address_space: int):
+    def apply() -> None:  # in the child, before its Python starts
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    return apply

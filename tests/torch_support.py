@@ -9,7 +9,7 @@ per test keeps real OOMs from leaking into the suite).
 
 Real out-of-memory errors: PyTorch's CPU allocator has no cap, but an
 address-space limit (`RLIMIT_AS`) set before the child's Python starts
-(`preexec_fn`) makes over-large allocations fail with a genuine, recoverable
+(`tests/child.py`'s `address_space`) makes over-large allocations fail with a genuine, recoverable
 `RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`. The limit
 is given as `headroom_gb` above what importing torch, Keras and keras_memfit
 maps, with a tiny fit and predict run (measured once per session in a child:
@@ -26,12 +26,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import resource
-import subprocess
 import sys
 from typing import Dict, Optional
 
 import pytest
+
+from tests.child import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_AVAILABLE = importlib.util.find_spec("torch") is not None
@@ -69,20 +69,10 @@ def _child_env(env: Optional[Dict[str, str]]) -> Dict[str, str]:
 @functools.lru_cache(maxsize=None)
 def import_baseline_bytes() -> int:
     """The address space a child maps once torch, Keras and keras_memfit are imported."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _BASELINE_CODE], cwd=ROOT, env=_child_env(None),
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = run_child(["-c", _BASELINE_CODE], _child_env(None), timeout=300)
     if proc.returncode != 0:
         pytest.fail(f"importing torch in a child failed:\n{proc.stderr[-3000:]}")
     return int(proc.stdout.strip().splitlines()[-1])
-
-
-def _limit_address_space(limit: int):
-    def apply() -> None:  # in the child, before its Python starts
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    return apply
 
 
 def run_in_torch(
@@ -110,15 +100,10 @@ def run_in_torch(
         >>> run_in_torch(__file__, "child_predict", headroom_gb=REAL_OOM_HEADROOM_GB)
     """
     target = f"{os.path.abspath(path)}:{function}"
-    preexec = None
+    limit = None
     if headroom_gb is not None:
         limit = import_baseline_bytes() + int(headroom_gb * (1 << 30))
-        preexec = _limit_address_space(limit)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.torch_support", target],
-        cwd=ROOT, env=_child_env(env), capture_output=True, text=True, timeout=timeout,
-        preexec_fn=preexec,
-    )
+    proc = run_child(["-m", "tests.torch_support", target], _child_env(env), timeout, limit)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{target} failed under torch (exit {proc.returncode}):\n{output[-6000:]}")
