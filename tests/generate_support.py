@@ -15,8 +15,9 @@ import pytest
 HUB_AVAILABLE = importlib.util.find_spec("keras_hub") is not None
 requires_hub = pytest.mark.skipif(
     not HUB_AVAILABLE,
-    reason=f"keras-hub is not installed for {sys.executable}; safe_generate needs it "
-    "(pip install -e '.[hub]'; the CI leg that installs the hub extra runs these tests)",
+    reason=f"keras-hub is not installed for {sys.executable}; safe_generate and the "
+    "reports of KerasHub models need it (pip install -e '.[hub]'; the CI leg that "
+    "installs the hub extra runs these tests)",
 )
 
 # Words of the in-memory GPT-2 vocabulary ("Ġ" marks a leading space).
