@@ -129,11 +129,16 @@ def safe_generate(
 
         def step(piece: Any, keeper: _generation.ShapeKeeper = keeper) -> Any:
             padded, own = keeper.pad(piece[0])
-            result = causal_lm.generate(
-                _generation.to_generate_input(padded), max_length=max_length,
-                **generate_kwargs,
-            )
-            keeper.ran(_data.num_rows((padded,)))
+            rows = _data.num_rows((padded,))
+            try:
+                result = causal_lm.generate(
+                    _generation.to_generate_input(padded), max_length=max_length,
+                    **generate_kwargs,
+                )
+            except Exception:
+                keeper.failed(rows, own)
+                raise
+            keeper.ran(rows)
             return _generation.take_rows(result, own)
 
         def on_piece(size: int, piece: Any, result: Any) -> bool:

@@ -115,10 +115,15 @@ def _rows_of(inputs: Any) -> Any:
 
 
 def to_generate_input(x: Any) -> Any:
-    """A piece as `generate` takes it: a 1-D object array of strings as a list."""
+    """A piece as `generate` takes it: a 1-D object array of strings as a list of `str`.
+
+    A dataset's strings come as bytes (`as_numpy_iterator`), which KerasHub's
+    tokenizers refuse ("Input should be a string or a list of strings"):
+    they are decoded as UTF-8.
+    """
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1:
-            return list(leaf)
+            return [v.decode("utf-8") if isinstance(v, bytes) else v for v in leaf]
         return leaf
 
     return keras.tree.map_structure(convert, x)
@@ -149,10 +154,11 @@ class ShapeKeeper:
         except TypeError:  # not weakly referable
             per_model = {}
         self.sizes: Set[int] = per_model.setdefault(signature, set())
+        self.padding = True
 
     def target(self, rows: int) -> int:
         """The rows a piece of `rows` prompts is run as."""
-        if rows in self.sizes:
+        if rows in self.sizes or not self.padding:
             return rows
         larger = [s for s in self.sizes if rows < s <= rows * MAX_PADDING_FACTOR]
         return min(larger) if larger else rows
@@ -171,6 +177,15 @@ class ShapeKeeper:
             return np.concatenate([leaf, np.repeat(leaf[-1:], extra, axis=0)], axis=0)
 
         return keras.tree.map_structure(grow, x), rows
+
+    def failed(self, rows: int, own: int) -> None:
+        """After a piece run as `rows` rows (`own` of them its own) failed: pad no more.
+
+        A padded piece that ran out of memory could fail again at any smaller
+        size padded up to it; the rest of the call runs its pieces as they are.
+        """
+        if rows > own:
+            self.padding = False
 
     def ran(self, rows: int) -> None:
         """Record that a batch of `rows` prompts ran (its shape is compiled)."""
