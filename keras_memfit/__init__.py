@@ -3,6 +3,7 @@
 Public API:
     safe_predict: `model.predict` that adapts its batch instead of dying of OOM.
     safe_evaluate: `model.evaluate` that adapts its batch, counting each sample once.
+    safe_generate: KerasHub's `causal_lm.generate` in batches that fit.
     MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
     OutOfMemoryError: Raised when even a single sample does not fit.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "memory_report": "keras_memfit.report",
     "place": "keras_memfit.placement",
     "safe_evaluate": "keras_memfit.evaluate",
+    "safe_generate": "keras_memfit.generate",
     "safe_predict": "keras_memfit.predict",
 }
 
@@ -36,6 +38,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time, see __getattr__
     from keras_memfit.callbacks import MemFit
     from keras_memfit.evaluate import safe_evaluate
+    from keras_memfit.generate import safe_generate
     from keras_memfit.oom import OutOfMemoryError, is_oom_error
     from keras_memfit.placement import place
     from keras_memfit.predict import safe_predict

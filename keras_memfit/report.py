@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
+from keras_memfit._internal import lengths as _lengths
 from keras_memfit._internal import validate as _validate
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis import Row, analyse, short_device, sizes
@@ -338,6 +339,7 @@ def memory_report(
     dtype_policy: Any = None,
     budget: Optional[int] = None,
     device: Optional[str] = None,
+    sequence_length: Optional[int] = None,
 ) -> MemoryReport:
     """Report where `model`'s memory goes, per layer, at `batch_size`.
 
@@ -389,6 +391,11 @@ def memory_report(
         device: For a model whose variables span several devices, the device
             to estimate the peak for ("CPU:0", "/GPU:0"); default: the
             accelerator side (see above).
+        sequence_length: The length of input dimensions (after the batch's)
+            the model leaves unknown, such as a KerasHub backbone's tokens
+            (`token_ids` of shape `(batch, None)`). Default: the model's
+            `max_sequence_length` (KerasHub backbones and tasks), else they
+            stay unknown and count as 1.
 
     Returns:
         A `MemoryReport`; `print(report)` or `report.summary()` shows it.
@@ -425,7 +432,9 @@ def memory_report(
             "device must be None or a device name such as 'GPU:0' or '/CPU:1'; "
             f"received device={device!r}"
         )
-    analysis = analyse(model, policy)
+    sequence_length = _validate.positive_int("sequence_length", sequence_length)
+    with _lengths.given(sequence_length):
+        analysis = analyse(model, policy)
     chosen, estimate, per_device = analysis.peak(training=training, device=device)
     return MemoryReport(
         [_layer_memory(row, batch_size) for row in analysis.rows],

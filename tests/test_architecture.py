@@ -43,7 +43,7 @@ LAYERS = (
     ("planning", ("planning",)),
     ("inference", ("inference",)),
     ("training", ("training",)),
-    ("front ends", ("callbacks", "predict", "evaluate", "report", "placement", "")),
+    ("front ends", ("callbacks", "predict", "evaluate", "generate", "report", "placement", "")),
     ("applications", ("app", "__main__")),
 )
 

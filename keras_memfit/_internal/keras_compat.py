@@ -13,6 +13,8 @@ from typing import Any, Iterable, Optional, Tuple, Type
 
 import keras
 
+from keras_memfit._internal import lengths as _lengths
+
 # MemFit reaches into Keras's training loop. CI (.ci/run) tests Keras 3.8 with
 # TensorFlow 2.18 (the floor, Kaggle and Colab through 2025), 3.13 with
 # TensorFlow 2.20 (Kaggle and Colab now) and the newest release (3.15).
@@ -70,7 +72,9 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
     Functional and Sequential models give their `Input`s; other models the
     shapes they were built with (`_build_shapes_dict`, float32 or the model's
     `input_dtype`), a dict or list of them included. Call `model(inputs)`
-    when `positional`, else `model(**inputs)`.
+    when `positional`, else `model(**inputs)`. Input dimensions after the
+    batch's that the model leaves unknown (a text model's tokens) get
+    `keras_memfit._internal.lengths.sequence_length`, where there is one.
 
     Raises:
         ValueError: If the model has not been built.
@@ -83,7 +87,7 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
             break
     if struct is not None:
         return keras.tree.map_structure(
-            lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype), struct
+            lambda t: keras.KerasTensor(_lengths.filled(model, t.shape), dtype=t.dtype), struct
         ), True
     shapes = getattr(model, "_build_shapes_dict", None)
     if not model.built or not shapes:
@@ -102,7 +106,7 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
             d is None or isinstance(d, int) for d in shape
         ):
             return type(shape)(tensors(v) for v in shape)
-        return keras.KerasTensor((None,) + tuple(shape[1:]), dtype=dtype)
+        return keras.KerasTensor(_lengths.filled(model, (None,) + tuple(shape[1:])), dtype=dtype)
 
     if len(shapes) == 1:
         (shape,) = shapes.values()

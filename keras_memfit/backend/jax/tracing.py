@@ -61,6 +61,17 @@ def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
     return tuple(out)
 
 
+def _same_call(a: Any, b: Any) -> bool:
+    """Whether two traced calls are the same call: one layer, or an operation of one type.
+
+    Functional ops (`keras.ops.*` inside a layer's `call`, as EfficientNet's
+    layers make) build a new `Operation` object at every call.
+    """
+    if a is b:
+        return True
+    return not isinstance(a, keras.layers.Layer) and type(a) is type(b)
+
+
 def trace_layer_calls(model: keras.Model) -> Trace:
     """Every layer and operation call of one symbolic forward pass of `model`.
 
@@ -85,7 +96,7 @@ def trace_layer_calls(model: keras.Model) -> Trace:
     first, second = (_record_forward(model, n) for n in _BATCHES)
     records, others = first.records, second.records
     if len(records) != len(others) or any(
-        a["op"] is not b["op"] for a, b in zip(records, others)
+        not _same_call(a["op"], b["op"]) for a, b in zip(records, others)
     ):
         raise ValueError(
             f"the forward pass of model {model.name!r} calls different layers at batch "

@@ -1,0 +1,154 @@
+"""`safe_generate`: KerasHub's `CausalLM.generate` in batches that fit."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+from typing import Any, Dict, Hashable, Optional, Tuple
+
+from keras_memfit._internal import validate as _validate
+from keras_memfit.inference import generation as _generation
+from keras_memfit.planning import data as _data
+from keras_memfit.planning.planner import BatchPlanner
+from keras_memfit.planning.runner import run_in_pieces
+
+logger = logging.getLogger("keras_memfit")
+
+_PHASE = "generate"
+
+
+def _causal_lm_class() -> Any:
+    if importlib.util.find_spec("keras_hub") is None:
+        raise ImportError(
+            "safe_generate runs KerasHub's CausalLM.generate, and keras-hub is not "
+            "installed; install it with `pip install keras-hub` (or "
+            "`pip install 'keras-memfit[hub]'`)"
+        )
+    import keras_hub
+
+    return keras_hub.models.CausalLM
+
+
+def safe_generate(
+    causal_lm: Any,
+    inputs: Any,
+    max_length: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    **generate_kwargs: Any,
+) -> Any:
+    """Drop-in for KerasHub's `causal_lm.generate` that feeds prompts in batches that fit.
+
+    `causal_lm.generate(inputs)` runs all its prompts as one batch, which
+    runs out of memory for many or long prompts. `safe_generate` runs
+    `generate` on consecutive pieces of the prompts, as large as memory
+    allows: on an out-of-memory error it retries the failed piece smaller,
+    as `safe_predict` does, and carries on from there, and the sizes that fit
+    are remembered for the next call on the same model. It returns what
+    `generate` returns for the same prompts in the same order: strings
+    (one string for a single prompt) with a preprocessor, a dict of numpy
+    arrays (`token_ids`, `padding_mask`) without one.
+
+    Each new batch shape compiles the generate loop again, so few are used:
+    on XLA backends (JAX) a call's pieces are one size and one remainder,
+    and a piece smaller than a batch shape already run (the last one) is
+    padded up to it with copies of its last prompt when that at most
+    doubles it (the copies' outputs are dropped).
+
+    With a sampler that draws random numbers (KerasHub's default "top_k"),
+    the outputs depend on how the prompts are batched, as they do with
+    `generate` on a dataset's batches; compile the model with
+    `sampler="greedy"` for outputs that do not.
+
+    Args:
+        causal_lm: A `keras_hub.models.CausalLM` (GPT-2, Gemma, Llama...).
+        inputs: What `generate` takes: a prompt string, a list (or array or
+            tensor) of strings, a dict of them, or, for a model without a
+            preprocessor, a dict of `token_ids` and `padding_mask` arrays
+            with one row per prompt; or a batched `tf.data.Dataset` (its
+            batches are split where they do not fit).
+        max_length: The generated sequences' length, as in `generate`
+            (default: the preprocessor's `sequence_length`; ignored without a
+            preprocessor, where the inputs' length is the sequences').
+        batch_size: Largest number of prompts per `generate` call; None: all
+            of them at once when they fit (as `generate` runs them).
+        **generate_kwargs: Passed to `generate` (`stop_token_ids`,
+            `strip_prompt`).
+
+    Returns:
+        What `causal_lm.generate(inputs, max_length, **generate_kwargs)`
+        returns: a list of strings (a string for a single prompt) with a
+        preprocessor, else a dict of numpy arrays.
+
+    Raises:
+        ImportError: If keras-hub is not installed.
+        TypeError: If `causal_lm` is not a KerasHub `CausalLM`, or `inputs`
+            is of a type `generate` does not take.
+        ValueError: If `max_length` or `batch_size` is not a positive int,
+            a keyword is not one of `generate`'s, or `inputs` is empty.
+        keras_memfit.OutOfMemoryError: If even one prompt does not fit.
+
+    Example:
+        >>> causal_lm = keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en")
+        >>> causal_lm.compile(sampler="greedy")
+        >>> texts = safe_generate(causal_lm, prompts, max_length=64, batch_size=512)
+    """
+    causal_lm_class = _causal_lm_class()
+    if not isinstance(causal_lm, causal_lm_class):
+        raise TypeError(
+            "causal_lm must be a keras_hub.models.CausalLM (e.g. GPT2CausalLM, "
+            f"GemmaCausalLM); received {type(causal_lm).__name__}: {causal_lm!r:.80}"
+        )
+    max_length = _validate.positive_int("max_length", max_length)
+    batch_size = _validate.positive_int("batch_size", batch_size)
+    accepted = inspect.signature(causal_lm.generate).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = [] if open_ended else sorted(set(generate_kwargs) - set(accepted))
+    if unknown or {"inputs", "max_length"} & set(generate_kwargs):
+        raise ValueError(
+            f"Arguments not recognized: {sorted(generate_kwargs)}. safe_generate takes "
+            "causal_lm, inputs, max_length, batch_size and the keywords of "
+            f"{type(causal_lm).__name__}.generate: "
+            f"{[p for p in accepted if p not in ('inputs', 'max_length')]}"
+        )
+    chunks, scalar, _ = _generation.prompt_chunks(inputs)
+
+    outputs = _generation.GeneratedOutputs()
+    # What a compiled generate loop's shape depends on besides the rows.
+    settings = (max_length, repr(sorted(generate_kwargs.items())))
+    planners: Dict[Hashable, Tuple[BatchPlanner, _generation.ShapeKeeper]] = {}
+    done = 0
+    for chunk in chunks:
+        signature = (_data.signature(chunk[0]), settings)
+        if signature not in planners:
+            planners[signature] = (
+                BatchPlanner(causal_lm, _PHASE, signature, batch_size),
+                _generation.ShapeKeeper(causal_lm, signature),
+            )
+        planner, keeper = planners[signature]
+
+        def step(piece: Any, keeper: _generation.ShapeKeeper = keeper) -> Any:
+            padded, own = keeper.pad(piece[0])
+            rows = _data.num_rows((padded,))
+            try:
+                result = causal_lm.generate(
+                    _generation.to_generate_input(padded), max_length=max_length,
+                    **generate_kwargs,
+                )
+            except Exception:
+                keeper.failed(rows, own)
+                raise
+            keeper.ran(rows)
+            return _generation.take_rows(result, own)
+
+        def on_piece(size: int, piece: Any, result: Any) -> bool:
+            outputs.add(result)
+            return False
+
+        done += run_in_pieces(
+            causal_lm, _PHASE, [chunk], step, on_piece, requested=batch_size,
+            planner=planner,
+            detail=" A single prompt does not fit: use a shorter max_length.",
+        )
+    logger.debug("safe_generate: %d prompts generated", done)
+    return outputs.result(scalar)

@@ -1,0 +1,229 @@
+"""`safe_generate`'s pieces: prompts as rows, few batch shapes, outputs in order.
+
+KerasHub's `CausalLM.generate` runs every prompt it is given as one batch
+and compiles its generation loop once per batch shape. `safe_generate`
+(`keras_memfit/generate.py`) runs `generate` on pieces of the prompts through
+`run_in_pieces`; this module holds what that needs:
+
+- `prompt_chunks`: the prompts as chunks of rows (`keras_memfit.planning.data`'s
+  `(x, None, None)`): strings as a numpy object array, a dict of arrays
+  (token ids and padding masks, or a preprocessor's named string inputs) as
+  it is, a `tf.data.Dataset` as its batches.
+- `ShapeKeeper`: a piece smaller than a batch shape already run is padded up
+  to that shape (copies of its last prompt, dropped from the outputs) when
+  the padding at most doubles it, so a call's last, shorter piece compiles
+  nothing new. The shapes run are remembered per model.
+- `GeneratedOutputs`: the pieces' outputs joined as `generate` joins its
+  batches (strings as one list, arrays concatenated).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Set, Tuple
+
+import keras
+import numpy as np
+
+from keras_memfit.planning import data as _data
+
+logger = logging.getLogger("keras_memfit")
+
+# A piece is padded to a known shape only if that at most doubles its rows.
+MAX_PADDING_FACTOR = 2
+
+
+def _is_string_leaf(value: Any) -> bool:
+    return isinstance(value, (str, bytes))
+
+
+def _as_rows(name: str, value: Any) -> np.ndarray:
+    """`value` (a list of strings, an array, a tensor) as a numpy array of rows."""
+    if isinstance(value, (list, tuple)):
+        if value and all(_is_string_leaf(v) for v in value):
+            array = np.empty(len(value), dtype=object)
+            array[:] = list(value)
+            return array
+        array = np.asarray(value)
+    elif isinstance(value, np.ndarray):
+        array = value
+    elif keras.ops.is_tensor(value) or hasattr(value, "numpy"):
+        array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    else:
+        raise TypeError(
+            f"{name} must be a string, a list or array of strings, a dict of arrays "
+            "(token_ids and padding_mask for a model without a preprocessor) or a "
+            f"batched tf.data.Dataset; received {type(value).__name__}: {value!r:.80}"
+        )
+    if array.dtype.kind in "US":  # fixed-width numpy strings: generate takes objects
+        array = array.astype(object)
+    if array.ndim == 0:
+        raise ValueError(
+            f"{name} must have a batch dimension (one row per prompt); received a "
+            f"scalar {type(value).__name__}: {value!r:.80}"
+        )
+    return array
+
+
+def _is_dataset(inputs: Any) -> bool:
+    return type(inputs).__name__.endswith("Dataset") and hasattr(inputs, "as_numpy_iterator")
+
+
+def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool, Optional[int]]:
+    """The prompts of a `generate` call as chunks of rows.
+
+    Args:
+        inputs: What `CausalLM.generate` takes: a string, a list/array/tensor
+            of strings, a dict of them or of arrays (`token_ids`,
+            `padding_mask`), or a batched `tf.data.Dataset`.
+
+    Returns:
+        (chunks, scalar, rows): the chunks (`(x, None, None)` tuples, one for
+        array-like input, one per batch for a dataset), whether `inputs` was
+        a single string (then `generate` returns one string), and the number
+        of prompts (None for a dataset).
+
+    Raises:
+        TypeError: If `inputs` is of another type.
+        ValueError: If the leaves of a dict differ in their number of rows,
+            or the input is empty.
+    """
+    if _is_dataset(inputs):
+        batches = ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator())
+        return batches, False, None
+    if _is_string_leaf(inputs):
+        return iter([(_as_rows("inputs", [inputs]), None, None)]), True, 1
+    x = _rows_of(inputs)
+    rows = _data.num_rows((x,))
+    if rows == 0:
+        raise ValueError(f"inputs must hold at least one prompt; received {inputs!r:.80}")
+    return iter([(x, None, None)]), False, rows
+
+
+def _rows_of(inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        x = {key: _as_rows(f"inputs[{key!r}]", value) for key, value in inputs.items()}
+        counts = {key: len(value) for key, value in x.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(
+                "every input of a dict must have one row per prompt; received rows "
+                f"{counts}"
+            )
+        return x
+    return _as_rows("inputs", inputs)
+
+
+def to_generate_input(x: Any) -> Any:
+    """A piece as `generate` takes it: a 1-D object array of strings as a list of `str`.
+
+    A dataset's strings come as bytes (`as_numpy_iterator`), which KerasHub's
+    tokenizers refuse ("Input should be a string or a list of strings"):
+    they are decoded as UTF-8.
+    """
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1:
+            return [v.decode("utf-8") if isinstance(v, bytes) else v for v in leaf]
+        return leaf
+
+    return keras.tree.map_structure(convert, x)
+
+
+# model -> {signature: batch sizes run}, held weakly.
+_SHAPES: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Set[int]]]" = weakref.WeakKeyDictionary()
+
+
+class ShapeKeeper:
+    """Pads a piece up to a batch shape already run, so that it compiles nothing new.
+
+    Args:
+        model: The `CausalLM` (the key under which the shapes are kept).
+        signature: What else the compiled shape depends on (the prompts'
+            row signature, `max_length`).
+
+    Example:
+        >>> keeper = ShapeKeeper(causal_lm, signature)
+        >>> padded, rows = keeper.pad(x)
+        >>> outputs = causal_lm.generate(padded)
+        >>> keeper.ran(padded)
+    """
+
+    def __init__(self, model: Any, signature: Hashable) -> None:
+        try:
+            per_model = _SHAPES.setdefault(model, {})
+        except TypeError:  # not weakly referable
+            per_model = {}
+        self.sizes: Set[int] = per_model.setdefault(signature, set())
+        self.padding = True
+
+    def target(self, rows: int) -> int:
+        """The rows a piece of `rows` prompts is run as."""
+        if rows in self.sizes or not self.padding:
+            return rows
+        larger = [s for s in self.sizes if rows < s <= rows * MAX_PADDING_FACTOR]
+        return min(larger) if larger else rows
+
+    def pad(self, x: Any) -> Tuple[Any, int]:
+        """(`x` padded to `target` rows with copies of its last row, its own rows)."""
+        rows = _data.num_rows((x,))
+        target = self.target(rows)
+        if target == rows:
+            return x, rows
+        extra = target - rows
+        logger.debug("generate: %d prompts padded to %d (a batch shape already compiled)",
+                     rows, target)
+
+        def grow(leaf: np.ndarray) -> np.ndarray:
+            return np.concatenate([leaf, np.repeat(leaf[-1:], extra, axis=0)], axis=0)
+
+        return keras.tree.map_structure(grow, x), rows
+
+    def failed(self, rows: int, own: int) -> None:
+        """After a piece run as `rows` rows (`own` of them its own) failed: pad no more.
+
+        A padded piece that ran out of memory could fail again at any smaller
+        size padded up to it; the rest of the call runs its pieces as they are.
+        """
+        if rows > own:
+            self.padding = False
+
+    def ran(self, rows: int) -> None:
+        """Record that a batch of `rows` prompts ran (its shape is compiled)."""
+        self.sizes.add(rows)
+
+
+def take_rows(outputs: Any, rows: int) -> Any:
+    """The first `rows` rows of `generate`'s outputs (strings in a list, or arrays)."""
+    if isinstance(outputs, dict):
+        return {key: take_rows(value, rows) for key, value in outputs.items()}
+    return outputs[:rows]
+
+
+class GeneratedOutputs:
+    """The outputs of consecutive pieces, joined as `generate` joins its batches."""
+
+    def __init__(self) -> None:
+        self._parts: List[Any] = []
+
+    def add(self, outputs: Any) -> None:
+        """Append one piece's outputs (a list of strings, an array, or a dict of them)."""
+        self._parts.append(outputs)
+
+    def result(self, scalar: bool) -> Any:
+        """Every piece's outputs in order; the one string for a scalar prompt."""
+        if not self._parts:
+            raise ValueError("generate ran on no prompt: the input dataset was empty")
+        joined = _join(self._parts)
+        if scalar:
+            return keras.tree.map_structure(lambda v: v[0], joined) if isinstance(
+                joined, dict) else joined[0]
+        return joined
+
+
+def _join(parts: List[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, dict):
+        return {key: _join([p[key] for p in parts]) for key in first}
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    return np.concatenate([np.asarray(p) for p in parts], axis=0)
