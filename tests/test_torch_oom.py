@@ -35,6 +35,13 @@ CUDA_MESSAGE = (
     "of which 1.07 GiB is free. Of the allocated memory 13.40 GiB is allocated by PyTorch, and "
     "1.02 GiB is reserved by PyTorch but unallocated."
 )
+# Seen under an address-space limit, in torch's native convolution (oneDNN off).
+ALIGNED_MESSAGE = (
+    "Exception encountered when calling Conv2D.call().\n\n"
+    "\x1b[1mposix_memalign failed:Cannot allocate memory (12)\x1b[0m\n\n"
+    "Arguments received by Conv2D.call():\n  \u2022 inputs=torch.Tensor(shape=torch.Size("
+    "[3000, 28, 28, 1]), dtype=float32)"
+)
 CUBLAS_MESSAGE = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 CUDNN_MESSAGE = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"
 MPS_MESSAGE = (
@@ -51,6 +58,7 @@ def test_each_form_is_recognised_by_its_own_predicate():
     cases = {
         oom.is_cuda_allocator_oom: torch.OutOfMemoryError(CUDA_MESSAGE),
         oom.is_cpu_allocator_oom: _cpu_allocator_error(),
+        oom.is_aligned_alloc_oom: RuntimeError(ALIGNED_MESSAGE),
         oom.is_cublas_alloc_oom: RuntimeError(CUBLAS_MESSAGE),
         oom.is_cudnn_alloc_oom: RuntimeError(CUDNN_MESSAGE),
         oom.is_mps_oom: RuntimeError(MPS_MESSAGE),
@@ -77,6 +85,8 @@ def test_cuda_out_of_memory_is_one_class_and_a_runtime_error():
     RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"),
     RuntimeError("CUDA error: device-side assert triggered"),
     RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"),
+    RuntimeError("could not create a primitive"),  # oneDNN: also unsupported configurations
+    RuntimeError("posix_memalign failed: Invalid argument (22)"),
     RuntimeError("Expected all tensors to be on the same device, but found cuda:0 and cpu"),
     ValueError("DefaultCPUAllocator: can't allocate memory"),  # not torch's class
     TypeError("MPS backend out of memory"),

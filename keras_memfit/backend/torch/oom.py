@@ -12,6 +12,9 @@ predicate but the first also needs the allocator's own message.
   you tried to allocate N bytes. Error code 12 (Cannot allocate memory)`.
   Raised inside a layer, Keras re-raises it as the same class with
   "Exception encountered when calling Conv2D.call()" prepended.
+- Aligned host allocations inside a kernel (NNPACK's and torch's native
+  convolution buffers) report `posix_memalign failed:Cannot allocate memory
+  (12)` (ENOMEM).
 - cuBLAS and cuDNN report their workspace allocation failures as
   `RuntimeError`s naming `CUBLAS_STATUS_ALLOC_FAILED` or
   `CUDNN_STATUS_ALLOC_FAILED`.
@@ -32,6 +35,7 @@ import torch
 _CPU_ALLOCATOR = re.compile(
     r"DefaultCPUAllocator: (can't allocate memory|not enough memory)", re.I
 )
+_ALIGNED_ALLOC = re.compile(r"posix_memalign failed: ?Cannot allocate memory", re.I)
 _CUBLAS_ALLOC = "CUBLAS_STATUS_ALLOC_FAILED"
 _CUDNN_ALLOC = "CUDNN_STATUS_ALLOC_FAILED"
 _MPS_OOM = "MPS backend out of memory"
@@ -62,6 +66,18 @@ def is_cpu_allocator_oom(exc: BaseException) -> bool:
         True
     """
     return bool(_CPU_ALLOCATOR.search(_runtime_message(exc)))
+
+
+def is_aligned_alloc_oom(exc: BaseException) -> bool:
+    """A kernel's aligned host allocation failed: `posix_memalign failed:Cannot allocate memory (12)`.
+
+    Example:
+        >>> is_aligned_alloc_oom(RuntimeError(
+        ...     "Exception encountered when calling Conv2D.call().\n\n"
+        ...     "posix_memalign failed:Cannot allocate memory (12)"))
+        True
+    """
+    return bool(_ALIGNED_ALLOC.search(_runtime_message(exc)))
 
 
 def is_cublas_alloc_oom(exc: BaseException) -> bool:
@@ -96,10 +112,11 @@ def is_mps_oom(exc: BaseException) -> bool:
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """PyTorch's own OOM forms: CUDA's allocator, the CPU allocator, cuBLAS, cuDNN, MPS."""
+    """PyTorch's own OOM forms: CUDA's allocator, the CPU allocator, aligned host allocations, cuBLAS, cuDNN, MPS."""
     return (
         is_cuda_allocator_oom(exc)
         or is_cpu_allocator_oom(exc)
+        or is_aligned_alloc_oom(exc)
         or is_cublas_alloc_oom(exc)
         or is_cudnn_alloc_oom(exc)
         or is_mps_oom(exc)
