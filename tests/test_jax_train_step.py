@@ -388,7 +388,8 @@ def child_batch_one_fit():
         summary.update({
             "loss": history.history["loss"],
             "iterations": int(model.optimizer.iterations.value),
-            "sums": [float(np.asarray(v.value, np.float64).sum())
+            # Summed in float64 without a float64 copy: the limit leaves no room for one.
+            "sums": [float(np.asarray(v.value).sum(dtype=np.float64))
                      for v in model.trainable_variables + model.optimizer.variables],
             "sample": [np.asarray(v.value).ravel()[
                 sample.integers(0, v.value.size, 1000)].tolist()
