@@ -15,10 +15,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import keras
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend.base import TracedCall, TracedTensor
+from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
 
 # (key, shape, dtype name) of one symbolic tensor.
 Info = Tuple[str, Tuple[Optional[int], ...], str]
+
+# The two batch sizes a backend traces at where its trace has concrete shapes
+# (JAX, torch): the dimensions that differ between them follow the batch.
+BATCHES = (7, 11)
 
 
 class CallRecorder:
@@ -115,3 +119,58 @@ def traced_calls(
             tensors(index, "inputs"), tensors(index, "outputs"),
         ))
     return tuple(calls)
+
+
+def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
+    """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
+    out = []
+    for (key, shape, dtype), other in zip(a, b):
+        other_shape = other[1]
+        if len(other_shape) != len(shape):
+            other_shape = (None,) * len(shape)
+        out.append(TracedTensor(
+            key, tuple(None if d != e else d for d, e in zip(shape, other_shape)), dtype
+        ))
+    return tuple(out)
+
+
+def _same_call(a: Any, b: Any) -> bool:
+    """Whether two traced calls are the same call: one layer, or an operation of one type.
+
+    Functional ops (`keras.ops.*` inside a layer's `call`, as EfficientNet's
+    layers make) build a new `Operation` object at every call.
+    """
+    if a is b:
+        return True
+    return not isinstance(a, keras.layers.Layer) and type(a) is type(b)
+
+
+def trace_at_two_batches(model: keras.Model, record: Callable[[int], CallRecorder]) -> Trace:
+    """The `Trace` of `model` from two recorded passes, at the batch sizes of `BATCHES`.
+
+    For backends whose traces have concrete shapes (JAX, torch): a dimension
+    that differs between the two passes follows the batch and is None.
+
+    Args:
+        model: The model traced (named in the error).
+        record: `record(batch)`, the `CallRecorder` of one forward pass at `batch` rows.
+
+    Raises:
+        ValueError: If the two passes make different calls.
+    """
+    first, second = (record(n) for n in BATCHES)
+    records, others = first.records, second.records
+    if len(records) != len(others) or any(
+        not _same_call(a["op"], b["op"]) for a, b in zip(records, others)
+    ):
+        raise ValueError(
+            f"the forward pass of model {model.name!r} calls different layers at batch "
+            f"sizes {BATCHES[0]} and {BATCHES[1]} (received {len(records)} and "
+            f"{len(others)} calls); memory_report needs one call graph for every batch size"
+        )
+
+    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
+        return _merge(records[index][which], others[index][which])
+
+    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs),
+                 traced_calls(records, tensors))

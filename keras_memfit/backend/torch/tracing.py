@@ -15,20 +15,19 @@ differs between them is the batch's (None), as on JAX.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import keras
 import torch
 from keras.src.backend.torch.core import device_scope
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend._layer_calls import CallRecorder, Info, traced_calls
-from keras_memfit.backend.base import Trace, TracedTensor
+from keras_memfit.backend._layer_calls import CallRecorder, Info, trace_at_two_batches
+from keras_memfit.backend.base import Trace
 
 logger = logging.getLogger("keras_memfit")
 
 # Two batch sizes unlikely to equal a model's other dimensions.
-_BATCHES = (7, 11)
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
@@ -97,19 +96,6 @@ def _record(model: keras.Model, batch: int) -> CallRecorder:
         return _record_forward(model, batch, meta=False)
 
 
-def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
-    """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
-    out = []
-    for (key, shape, dtype), other in zip(a, b):
-        other_shape = other[1]
-        if len(other_shape) != len(shape):
-            other_shape = (None,) * len(shape)
-        out.append(TracedTensor(
-            key, tuple(None if d != e else d for d, e in zip(shape, other_shape)), dtype
-        ))
-    return tuple(out)
-
-
 def trace_layer_calls(model: keras.Model) -> Trace:
     """Every layer and operation call of one symbolic forward pass of `model`.
 
@@ -131,19 +117,4 @@ def trace_layer_calls(model: keras.Model) -> Trace:
         >>> [type(call.op).__name__ for call in trace.calls][:2]
         ['Conv2D', 'Conv2D']
     """
-    first, second = (_record(model, n) for n in _BATCHES)
-    records, others = first.records, second.records
-    if len(records) != len(others) or any(
-        a["op"] is not b["op"] for a, b in zip(records, others)
-    ):
-        raise ValueError(
-            f"the forward pass of model {model.name!r} calls different layers at batch "
-            f"sizes {_BATCHES[0]} and {_BATCHES[1]} (received {len(records)} and "
-            f"{len(others)} calls); memory_report needs one call graph for every batch size"
-        )
-
-    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
-        return _merge(records[index][which], others[index][which])
-
-    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs),
-                 traced_calls(records, tensors))
+    return trace_at_two_batches(model, lambda batch: _record(model, batch))
