@@ -10,7 +10,7 @@ sparse or ragged tensor, or an optional input that arrives as a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 import keras
 import numpy as np
@@ -97,6 +97,15 @@ def unsplittable(chunk: tuple) -> Optional[str]:
     for path, leaf in keras.tree.flatten_with_path(chunk):
         if not _splittable(leaf):
             return f"{_name(tuple(path))}={_describe(leaf)}"
+    return None
+
+
+def first_unsplittable(chunks: Iterable[tuple]) -> Optional[str]:
+    """What cannot be split (see `unsplittable`) in the first of `chunks` that has such an input, else None."""
+    for chunk in chunks:
+        found = unsplittable(chunk)
+        if found is not None:
+            return found
     return None
 
 

@@ -44,7 +44,7 @@ import numpy as np
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
-from keras_memfit._internal.batches import as_batch, concatenate, unsplittable
+from keras_memfit._internal.batches import as_batch, concatenate, first_unsplittable
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
@@ -140,12 +140,9 @@ class ReplicaRun:
 
     def _unsplittable(self, batches: List[Any]) -> Optional[str]:
         """What cannot be split in some replica's rows of `batches` (Keras's own step runs them)."""
-        for batch in batches:
-            for chunk in self.replicas.local(batch):
-                found = unsplittable(chunk)
-                if found is not None:
-                    return found
-        return None
+        return first_unsplittable(
+            chunk for batch in batches for chunk in self.replicas.local(batch)
+        )
 
     # ---------------------------------------------------------------- train
     def train(self, batches: List[Any]) -> Any:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import keras
 
@@ -41,7 +41,7 @@ from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import model_state as _model_state
-from keras_memfit._internal.batches import as_batch, as_chunk, concatenate, unsplittable
+from keras_memfit._internal.batches import as_batch, as_chunk, concatenate, first_unsplittable
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
@@ -156,7 +156,7 @@ class Run:
         """Train on each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.train(batches)
-        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        reason = first_unsplittable(as_chunk(batch) for batch in batches)
         if reason is not None:
             return self.keras_call("train", batches, reason)
         logs = None
@@ -281,7 +281,7 @@ class Run:
         """Evaluate each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.test(batches)
-        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        reason = first_unsplittable(as_chunk(batch) for batch in batches)
         if reason is not None:
             return self.keras_call("test", batches, reason)
         model = self.model
@@ -315,7 +315,7 @@ class Run:
         """
         if self._replicas is not None:
             return self._replicas.predict(batches)
-        reason = _unsplittable_in(as_chunk(batch) for batch in batches)
+        reason = first_unsplittable(as_chunk(batch) for batch in batches)
         if reason is not None:
             return self.keras_call("predict", batches, reason)
         if self._predict_step is None:
@@ -396,15 +396,6 @@ class Run:
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._unlocated.clear()
-
-
-def _unsplittable_in(chunks: Iterable[tuple]) -> Optional[str]:
-    """What cannot be split in the first of `chunks` that has such an input, else None."""
-    for chunk in chunks:
-        found = unsplittable(chunk)
-        if found is not None:
-            return found
-    return None
 
 
 def batch_dependent_layers(model: keras.Model) -> List[Any]:
