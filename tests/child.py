@@ -10,6 +10,7 @@ started (a process stuck in native code may ignore SIGTERM: it gets SIGKILL).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import signal
@@ -59,3 +60,12 @@ def _limit(address_space: int):
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
     return apply
+
+
+def run_function(target: str) -> None:
+    """In a child: call `function` of the test module at `path`, given as "path:function"."""
+    path, _, function = target.rpartition(":")
+    spec = importlib.util.spec_from_file_location("child_test_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, function)()

@@ -315,7 +315,7 @@ class OOMInjector:
 
         def wrapped(data):
             rows = rows_of(data)
-            fail = self._fails(phase, rows)
+            fail = self.fails(phase, rows)
             self.calls.append(Call(phase, rows, fail))
             if fail and (not self.after or not late_runs_step):
                 raise oom_error(rows)
@@ -330,7 +330,8 @@ class OOMInjector:
             return wrapped
         return _InjectedStartable(self, phase, step, wrapped)
 
-    def _fails(self, phase, rows):
+    def fails(self, phase, rows):
+        """Whether a call of `phase` on `rows` rows fails as configured."""
         return (
             self.threshold is not None
             and rows > self.threshold
@@ -376,7 +377,7 @@ class _InjectedStarted:
     def wait(self):
         from support import oom_error
 
-        fail = self._injector._fails(self._phase, self._rows)
+        fail = self._injector.fails(self._phase, self._rows)
         self._injector.calls.append(Call(self._phase, self._rows, fail))
         if fail:
             self._started.undo()

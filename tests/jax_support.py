@@ -24,7 +24,7 @@ from typing import Dict, Optional
 
 import pytest
 
-from tests.child import run_child
+from tests.child import run_child, run_function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JAX_AVAILABLE = importlib.util.find_spec("jax") is not None
@@ -151,33 +151,12 @@ def small_data(n=160):
     return rng.normal(size=(n, 12)).astype("float32"), rng.integers(0, 3, n).astype("int32")
 
 
-def assert_same_training(model, history, reference, expected, iterations):
-    """`model` trained as `reference`: `iterations` optimizer steps each, History
-    `history` equal to `expected`, the same weights and optimizer variables."""
-    import numpy as np
-
-    assert int(model.optimizer.iterations.value) == int(
-        reference.optimizer.iterations.value
-    ) == iterations
-    for name, values in expected.items():
-        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
-        np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value),
-                                   rtol=1e-5, atol=1e-6)
-
-
 def _child_main(target: str, limit: int) -> None:
     if limit:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # before jax starts
-    path, _, function = target.rpartition(":")
-    spec = importlib.util.spec_from_file_location("jax_test_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    getattr(module, function)()
+    run_function(target)
 
 
 if __name__ == "__main__":

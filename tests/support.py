@@ -391,6 +391,26 @@ class Recorder(keras.callbacks.Callback):
         self._record("train_end", None, logs)
 
 
+def assert_same_training(model, history, reference, expected, iterations):
+    """`model` trained as `reference`: `iterations` optimizer steps each, History
+    `history` equal to `expected`, the same weights and optimizer variables.
+
+    Backend-neutral (the JAX and torch children use it: tests/jax_support.py,
+    tests/torch_support.py).
+    """
+    def steps(m):
+        return int(keras.ops.convert_to_numpy(m.optimizer.iterations.value))
+
+    assert steps(model) == steps(reference) == iterations
+    for name, values in expected.items():
+        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(a.value),
+                                   keras.ops.convert_to_numpy(b.value), rtol=1e-5, atol=1e-6)
+
+
 def requires_keras(minimum, why):
     """Skip a conformance test where the installed Keras is older than `minimum`.
 

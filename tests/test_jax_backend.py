@@ -12,7 +12,8 @@ import pickle
 
 import numpy as np
 
-from tests.jax_support import assert_same_training, requires_jax, run_in_jax
+from tests.jax_support import requires_jax, run_in_jax
+from tests.support import assert_same_training
 
 pytestmark = requires_jax
 

@@ -18,12 +18,12 @@ from tests.jax_support import (
     REAL_OOM_FITS,
     REAL_OOM_LIMIT_GB,
     REAL_OOM_ROWS,
-    assert_same_training,
     hide_address_space_limit,
     real_oom_model,
     requires_jax,
     run_in_jax,
 )
+from tests.support import assert_same_training
 
 pytestmark = requires_jax
 

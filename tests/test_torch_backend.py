@@ -16,13 +16,13 @@ import pytest
 
 from tests.torch_support import (
     assert_same_state,
-    assert_same_training,
     requires_torch,
     run_in_torch,
     small_data,
     small_model,
     state,
 )
+from tests.support import assert_same_training
 
 pytestmark = requires_torch
 

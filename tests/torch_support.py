@@ -31,7 +31,7 @@ from typing import Dict, Optional
 
 import pytest
 
-from tests.child import run_child
+from tests.child import run_child, run_function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_AVAILABLE = importlib.util.find_spec("torch") is not None
@@ -170,22 +170,6 @@ def assert_same_state(before, model):
         np.testing.assert_array_equal(a, b)
 
 
-def assert_same_training(model, history, reference, expected, iterations):
-    """`model` trained as `reference`: `iterations` optimizer steps each, History
-    `history` equal to `expected`, the same weights and optimizer variables."""
-    import numpy as np
-
-    assert int(model.optimizer.iterations.numpy()) == int(
-        reference.optimizer.iterations.numpy()
-    ) == iterations
-    for name, values in expected.items():
-        np.testing.assert_allclose(history[name], values, rtol=1e-5, err_msg=name)
-    for a, b in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(model.optimizer.variables, reference.optimizer.variables):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
-
-
 # Under an address-space limit, oneDNN's convolutions sometimes fail first, in
 # their own allocation, with "could not create a primitive" (also its message
 # for configurations it does not support, so not an OOM form keras_memfit
@@ -199,11 +183,7 @@ def _child_main(target: str) -> None:
         import torch
 
         torch.backends.mkldnn.enabled = False
-    path, _, function = target.rpartition(":")
-    spec = importlib.util.spec_from_file_location("torch_test_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    getattr(module, function)()
+    run_function(target)
 
 
 if __name__ == "__main__":
