@@ -11,10 +11,11 @@ those functions raise `NotImplementedError` naming the backend.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
+
+from keras_memfit.backend._placement_refused import PlacementRefused
 
 _NOT_YET = (
     "keras_memfit.place is not implemented for the torch backend ({what}): Keras's "
@@ -62,23 +63,10 @@ def variable_device(variable: Any) -> Optional[str]:
     return f"{device.type}:{device.index or 0}"
 
 
-def device_scope(device: str) -> "contextlib.AbstractContextManager[Any]":
-    raise NotImplementedError(_NOT_YET.format(what=f"device_scope({device!r})"))
-
-
-def move_variable(variable: Any, device: str) -> bool:
-    raise NotImplementedError(_NOT_YET.format(what=f"moving a variable to {device!r}"))
-
-
-def creating_on(device: str, add_weight: Callable) -> Callable:
-    raise NotImplementedError(_NOT_YET.format(what=f"creating weights on {device!r}"))
-
-
-def call_on_device(device: str, call: Callable) -> Callable:
-    raise NotImplementedError(_NOT_YET.format(what=f"pinning calls to {device!r}"))
-
-
-def follow_variable_devices(optimizer: Any) -> None:
-    raise NotImplementedError(_NOT_YET.format(what="placing optimizer slots"))
-
-
+# The five placement functions, each refusing with the reason above.
+_refused = PlacementRefused(_NOT_YET)
+device_scope = _refused.device_scope
+move_variable = _refused.move_variable
+creating_on = _refused.creating_on
+call_on_device = _refused.call_on_device
+follow_variable_devices = _refused.follow_variable_devices
