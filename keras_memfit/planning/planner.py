@@ -47,7 +47,8 @@ compiles the step again, so there the planner changes what costs shapes
 (and a training step's gradients and update temporaries) come from the
 analytic estimate `memory_report` shows, corrected by OOMs as above, and
 the estimate's size is kept for later calls while memory stays about the
-same. A size it chooses is evened out over the rows it splits (one piece
+same; where no memory statistics exist at all, an OOM shrinks to an eighth
+of the failed size's estimated need (`shape_plan.blind_size`), not half. A size it chooses is evened out over the rows it splits (one piece
 size and one remainder per chunk, the same in a second call); predict and
 evaluate do not grow; a training batch not tried yet is tried whole unless
 the estimate says it cannot fit at all. On JAX's CPU client under an
@@ -68,7 +69,7 @@ from typing import Any, Hashable, List, Optional, Tuple
 from keras_memfit import backend as _backend
 from keras_memfit.planning.records import Event, Knowledge, forget, knowledge_for
 from keras_memfit.planning.replica_memory import ReplicaMemory
-from keras_memfit.planning.shape_plan import analytic_estimate, even_size
+from keras_memfit.planning.shape_plan import analytic_estimate, blind_size, even_size
 
 logger = logging.getLogger("keras_memfit")
 
@@ -393,6 +394,10 @@ class BatchPlanner:
         else:
             new = size // 2
             estimate = self._learned_estimate(MARGIN) or self.estimate(limit)
+            if estimate is None and self._xla and not self._stats_ok:
+                # Nothing about memory is known: shrink far (see `blind_size`).
+                bps = k.bytes_per_sample
+                estimate = blind_size(size, (bps, k.fixed_extra) if bps else None)
             if estimate is not None:
                 new = min(new, estimate)
             if k.largest_ok and k.growth_frozen:

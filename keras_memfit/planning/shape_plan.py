@@ -7,6 +7,9 @@ says so, sizes pieces from what costs no compilation, the analytic estimate
 (`analytic_estimate`, the one `memory_report` shows) corrected by OOMs,
 instead of probe sizes, and evens each size out over the rows it splits
 (`even_size`): a chunk runs as pieces of one size and one remainder.
+Where nothing about memory is known (no statistics, no limit), an OOM
+shrinks by `blind_size` rather than by half: each halving would cost an
+OOM and a compilation.
 """
 
 from __future__ import annotations
@@ -27,6 +30,41 @@ def even_size(rows: int, size: float) -> int:
         3500
     """
     return math.ceil(rows / math.ceil(rows / size))
+
+
+# Where no memory statistics or limit exist, the share of the failed piece's
+# estimated need the next piece is sized to: an OOM proves only that the
+# memory is below what the failed size needs, not how far below; halving
+# pays an OOM (and a compilation) per factor of 2, this shrink one per factor
+# of 8 in memory, so two OOMs cover a 64x overshoot (measured under hidden
+# address-space limits: the seed's CNN fits at 1/8 of 28,000 rows, a KerasHub
+# BERT at 1/16 of 1,024).
+BLIND_SHARE = 1 / 8
+BLIND_FLOOR = 64  # never below 1/64 of the failed size in one step
+
+
+def blind_size(failed: int, estimate: Optional[Tuple[float, int]]) -> int:
+    """The size to try after an OOM at `failed` rows where nothing about memory is known.
+
+    Args:
+        failed: The rows of the piece that ran out of memory.
+        estimate: (bytes per sample, fixed extra bytes) of the analytic
+            estimate, or None: then the rows themselves are scaled.
+
+    Returns:
+        The largest size whose estimated need is within `BLIND_SHARE` of the
+        failed size's (its fixed part counted), at least `failed //
+        BLIND_FLOOR` and 1.
+
+    Example:
+        >>> blind_size(1024, (4e6, 0))
+        128
+    """
+    rows = failed * BLIND_SHARE
+    if estimate is not None and estimate[0] > 0:
+        per_sample, fixed = estimate
+        rows = ((fixed + failed * per_sample) * BLIND_SHARE - fixed) / per_sample
+    return max(1, failed // BLIND_FLOOR, int(rows))
 
 
 # model -> {training: (bytes per sample, fixed extra) or None}, held weakly.
