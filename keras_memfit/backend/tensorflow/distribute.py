@@ -89,6 +89,11 @@ def check_strategy(strategy: Any) -> None:
     )
 
 
+def process_count() -> int:
+    """1: MemFit on TensorFlow trains in one process (multi-worker strategies are refused)."""
+    return 1
+
+
 def training_replicas(model: keras.Model) -> Optional["Replicas"]:
     """The `Replicas` of the strategy `model` runs under, or None without one.
 

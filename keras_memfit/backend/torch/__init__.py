@@ -70,6 +70,7 @@ from keras_memfit.backend.torch.training import (
     make_train_step,
     training_replicas,
     distribution_of,
+    process_count,
 )
 
 __all__ = [
@@ -84,7 +85,7 @@ __all__ = [
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
-    "distribution_of",
+    "distribution_of", "process_count",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

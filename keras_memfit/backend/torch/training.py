@@ -62,6 +62,11 @@ def training_replicas(model: keras.Model) -> None:
     return None
 
 
+def process_count() -> int:
+    """1: MemFit on torch trains in one process (`torch.distributed` is refused)."""
+    return 1
+
+
 def distribution_of(model: keras.Model) -> Optional[str]:
     """"torch.distributed (world size N)" when a process group is initialized, else None."""
     dist = getattr(torch, "distributed", None)
