@@ -137,6 +137,7 @@ def safe_evaluate(
         start=run.start if isinstance(run, _backend.StartableStep) else None,
     )
     loop.data_ended(source, steps)
+    _backend.get().combine_process_metrics(model)  # several processes: the global metrics
     logs = _pythonify(_metrics_result(model, last_logs))
     loop.end(logs, values=_bar_values(logs))
     if return_dict:

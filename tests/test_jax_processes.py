@@ -145,6 +145,31 @@ def reference_predict(out):
                 model.predict(x, batch_size=ROWS // 4, verbose=0))
 
 
+def child_evaluate(process, out):
+    import keras_memfit
+    from tests.jax_support import real_oom_model
+
+    _distribute()
+    model = real_oom_model()
+    x, y = _data(process)
+    counter = _Counter()
+    _limit_if(process)
+    logs = keras_memfit.safe_evaluate(model, x, y, batch_size=ROWS * BATCHES, verbose=0,
+                                      return_dict=True)
+    with open(os.path.join(out, f"evaluate{process}.json"), "w") as f:
+        json.dump({"ooms": counter.ooms, "logs": logs}, f)
+
+
+def reference_evaluate(out):
+    from tests.jax_support import real_oom_model
+
+    model = real_oom_model()
+    x, y = _global_batches()
+    logs = model.evaluate(x, y, batch_size=ROWS // 4, verbose=0, return_dict=True)
+    with open(os.path.join(out, "evaluate_reference.json"), "w") as f:
+        json.dump(logs, f)
+
+
 def child_fails(process, out):
     import keras_memfit
     from tests.jax_support import real_oom_model
@@ -222,6 +247,25 @@ def test_safe_predict_one_process_out_of_memory(tmp_path):
             np.load(os.path.join(out, f"predict{process}.npy")),
             np.load(os.path.join(out, f"predict_reference{process}.npy")),
             rtol=1e-5, atol=1e-6)
+
+
+def test_safe_evaluate_one_process_out_of_memory(tmp_path):
+    """Both processes report the global metrics, as Keras's multi-process evaluate."""
+    out = str(tmp_path)
+    results = run_processes(__file__, "child_evaluate", out, timeout=300)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    run_reference(__file__, "reference_evaluate", out)
+    found = []
+    for process in range(2):
+        with open(os.path.join(out, f"evaluate{process}.json")) as f:
+            found.append(json.load(f))
+    assert found[1]["ooms"] >= 1 and found[0]["ooms"] == 0, describe(results)
+    assert found[0]["logs"] == found[1]["logs"]
+    with open(os.path.join(out, "evaluate_reference.json")) as f:
+        expected = json.load(f)
+    assert set(found[0]["logs"]) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(found[0]["logs"][key], value, rtol=1e-5, err_msg=key)
 
 
 def _assert_clear_failure(results, elapsed, cause):

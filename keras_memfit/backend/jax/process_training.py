@@ -176,6 +176,29 @@ class ProcessTrainStep:
         return self._model_ref().get_metrics_result()
 
 
+def combine_process_metrics(model: keras.Model) -> None:
+    """After a standalone evaluate: every metric variable summed over the processes.
+
+    The test step runs each process's own rows on its own devices with no
+    collective (the replicated weights' local copies), so each process's
+    metric variables hold its own rows' sums and counts (the evaluate began
+    with `reset_metrics`); summed over the processes they are what Keras's
+    multi-process evaluate holds. One agreement, one sum; nothing with one
+    process.
+
+    Example:
+        >>> combine_process_metrics(model)  # in every process, after the last batch
+    """
+    if not under_processes():
+        return
+    metrics = _state.get(model, ("metrics",))[0]
+    if not metrics:
+        return
+    processes.agree(0, f"the end of an evaluate of model {model.name!r}")
+    summed = processes.all_sum(processes.local(metrics), metrics)
+    _state.put(model, ("metrics",), (summed,))
+
+
 def under_processes() -> bool:
     """Whether MemFit trains across several processes (several of them, `DataParallel`)."""
     return processes.multi_process() and processes.is_data_parallel()

@@ -94,6 +94,10 @@ def process_count() -> int:
     return 1
 
 
+def combine_process_metrics(model: keras.Model) -> None:
+    """Nothing: one process (a strategy's replicas share their metric variables)."""
+
+
 def training_replicas(model: keras.Model) -> Optional["Replicas"]:
     """The `Replicas` of the strategy `model` runs under, or None without one.
 

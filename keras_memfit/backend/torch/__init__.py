@@ -71,6 +71,7 @@ from keras_memfit.backend.torch.training import (
     training_replicas,
     distribution_of,
     process_count,
+    combine_process_metrics,
 )
 
 __all__ = [
@@ -85,7 +86,7 @@ __all__ = [
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
-    "distribution_of", "process_count",
+    "distribution_of", "process_count", "combine_process_metrics",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

@@ -67,6 +67,10 @@ def process_count() -> int:
     return 1
 
 
+def combine_process_metrics(model: keras.Model) -> None:
+    """Nothing: one process."""
+
+
 def distribution_of(model: keras.Model) -> Optional[str]:
     """"torch.distributed (world size N)" when a process group is initialized, else None."""
     dist = getattr(torch, "distributed", None)
