@@ -26,6 +26,7 @@ pytestmark = requires_jax
 
 ROWS = 4096  # one process's rows per batch (the global batch: twice that)
 BATCHES = 2
+EPOCHS = 2
 MARGIN_MB = 300  # process 1's address space: its use before fit plus this
 TIMEOUT_S = "20"  # KERAS_MEMFIT_PROCESS_TIMEOUT in the failure tests
 
@@ -102,7 +103,7 @@ def child_fit(process, out):
     x, y = _data(process)
     counter = _Counter()
     _limit_if(process)
-    history = model.fit(x, y, batch_size=ROWS, epochs=1, shuffle=False, verbose=0,
+    history = model.fit(x, y, batch_size=ROWS, epochs=EPOCHS, shuffle=False, verbose=0,
                         callbacks=[keras_memfit.MemFit()]).history
     _save(out, f"fit{process}.npz", model, loss=np.asarray(history["loss"]),
           accuracy=np.asarray(history["accuracy"]))
@@ -115,7 +116,8 @@ def reference_fit(out):
 
     model = real_oom_model()
     x, y = _global_batches()
-    history = model.fit(x, y, batch_size=2 * ROWS, epochs=1, shuffle=False, verbose=0).history
+    history = model.fit(x, y, batch_size=2 * ROWS, epochs=EPOCHS, shuffle=False,
+                        verbose=0).history
     _save(out, "fit_reference.npz", model, loss=np.asarray(history["loss"]),
           accuracy=np.asarray(history["accuracy"]))
 
@@ -227,8 +229,8 @@ def test_memfit_fit_one_process_out_of_memory(tmp_path):
         assert json.load(f)["ooms"] == 0, describe(results)  # process 0 did not
     first, second, reference = (_load(out, name) for name in
                                 ("fit0.npz", "fit1.npz", "fit_reference.npz"))
-    assert int(first["iterations"]) == int(second["iterations"]) == BATCHES
-    assert int(reference["iterations"]) == BATCHES
+    assert int(first["iterations"]) == int(second["iterations"]) == BATCHES * EPOCHS
+    assert int(reference["iterations"]) == BATCHES * EPOCHS
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)  # identical
         np.testing.assert_allclose(first[key], reference[key], rtol=1e-5, atol=1e-6,

@@ -32,7 +32,16 @@ process may run its rows as different pieces.
 
 Under several processes every step is accumulated (`mode="shrink"`, one
 update per piece, would need every process to run the same number of
-pieces: refused, as is a model's own `train_step`, by `check_trainable`).
+pieces: refused by `MemFit` through the seam's `process_count()`, as are
+losses not reduced with `sum_over_batch_size`; a model's own `train_step` is
+refused here, by `make_custom_train_step`).
+
+`safe_predict` and `safe_evaluate` need no step of their own: their compiled
+steps take the replicated weights and this process's rows as host arrays and
+hold no collective, so each process computes its own rows (the outputs'
+local copies hold them); an OOM there is retried on that process alone. A
+standalone evaluate then sums the metric variables over the processes once
+(`combine_process_metrics`).
 """
 
 from __future__ import annotations
