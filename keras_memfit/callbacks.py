@@ -328,22 +328,23 @@ class MemFit(keras.callbacks.Callback):
     def _check_processes(self, count: int) -> str:
         """The mode under several processes: accumulate, each batch one update of all."""
         model = self.model
-        why = None
+        why = fix = None
         if self.mode != "accumulate":
-            why = f"received MemFit(mode={self.mode!r})"
+            why, fix = f"received MemFit(mode={self.mode!r})", "Pass MemFit()"
         elif not _backend.get().has_default_train_step(model):
             why = f"model '{model.name}' ({type(model).__name__}) has its own train_step"
+            fix = "Train it without MemFit"
         else:
             reductions = sorted(
                 set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
             if reductions:
                 why = f"model '{model.name}' has losses reduced with {reductions}"
+                fix = "Use the default reduction"
         if why is not None:
             raise NotImplementedError(
                 f"MemFit across {count} processes trains each batch as one update of every "
                 "process (mode='accumulate', Keras's default train_step, losses reduced "
-                f"with 'sum_over_batch_size'); {why}. Use MemFit() on such a model, or "
-                "train in one process."
+                f"with 'sum_over_batch_size'); {why}. {fix}, or train in one process."
             )
         return "accumulate"
 

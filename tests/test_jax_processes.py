@@ -109,6 +109,13 @@ def child_fit(process, out):
           accuracy=np.asarray(history["accuracy"]))
     with open(os.path.join(out, f"fit{process}.json"), "w") as f:
         json.dump({"ooms": counter.ooms}, f)
+    # One update per piece cannot be agreed on: refused before any step, by name.
+    import pytest
+
+    with pytest.raises(NotImplementedError, match=r"across 2 processes.*mode='shrink'"):
+        model.fit(x, y, batch_size=ROWS, epochs=1, verbose=0,
+                  callbacks=[keras_memfit.MemFit(mode="shrink")])
+    assert int(model.optimizer.iterations.value) == BATCHES * EPOCHS
 
 
 def reference_fit(out):
