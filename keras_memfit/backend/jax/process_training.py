@@ -209,19 +209,35 @@ def combine_process_metrics(model: keras.Model) -> None:
 
 
 def under_processes() -> bool:
-    """Whether MemFit trains across several processes (several of them, `DataParallel`)."""
+    """Whether MemFit trains across several processes (several of them, `DataParallel`).
+
+    Example:
+        >>> under_processes()  # one process
+        False
+    """
     return processes.multi_process() and processes.is_data_parallel()
 
 
 def make_train_step(model: keras.Model) -> Union[ProcessTrainStep, Any]:
-    """A `TrainStep` running Keras's default `train_step` (`ProcessTrainStep` under processes)."""
+    """A `TrainStep` running Keras's default `train_step` (`ProcessTrainStep` under processes).
+
+    Example:
+        >>> logs = make_train_step(model)((x[:64], y[:64]))
+    """
     if under_processes():
         return ProcessTrainStep(model)
     return training.make_train_step(model)
 
 
 def make_custom_train_step(model: keras.Model) -> Any:
-    """A `TrainStep` running the model's own `train_step` (refused under several processes)."""
+    """A `TrainStep` running the model's own `train_step` (refused under several processes).
+
+    Raises:
+        NotImplementedError: Under several processes, naming the model.
+
+    Example:
+        >>> logs = make_custom_train_step(model)((x[:64], y[:64]))
+    """
     if under_processes():
         raise NotImplementedError(
             f"MemFit under several JAX processes trains Keras's default train_step only; "
@@ -232,7 +248,11 @@ def make_custom_train_step(model: keras.Model) -> Any:
 
 
 def make_accumulator(model: keras.Model) -> Union[ProcessAccumulator, Any]:
-    """An `Accumulator` over `model`'s weights (`ProcessAccumulator` under processes)."""
+    """An `Accumulator` over `model`'s weights (`ProcessAccumulator` under processes).
+
+    Example:
+        >>> acc = make_accumulator(model); acc.reset(); acc.add((x, y), 1.0); acc.apply()
+    """
     if under_processes():
         return ProcessAccumulator(model)
     return training.make_accumulator(model)

@@ -234,7 +234,12 @@ def _is_global(leaf: Any) -> bool:
 
 
 def local_device() -> Any:
-    """The device this process computes its rows on: its first local device."""
+    """The device this process computes its rows on: its first local device.
+
+    Example:
+        >>> local_device()  # process 1 of 2, one CPU device each
+        CpuDevice(id=2048)
+    """
     return jax.local_devices()[0]
 
 
@@ -260,6 +265,9 @@ def local_rows(tree: Any) -> Any:
 
     The rows of this process's devices, in order of their global index (what
     `jax.make_array_from_process_local_data` was given).
+
+    Example:
+        >>> x_mine = local_rows(batch)[0]  # batch: a Keras batch laid out over 2 processes
     """
 
     def one(leaf: Any) -> Any:
@@ -278,7 +286,11 @@ def local_rows(tree: Any) -> Any:
 
 
 def as_global(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
-    """Local `values` (the same on every process) as global arrays laid out as `like`."""
+    """Local `values` (the same on every process) as global arrays laid out as `like`.
+
+    Example:
+        >>> seeds = as_global(local_seeds, global_seeds)  # replicated again
+    """
     out = []
     for value, ref in zip(values, like):
         if not _is_global(ref):
@@ -306,6 +318,9 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
 
     Every process calls it with its own `values` (arrays on `local_device()`,
     the shapes of `like`'s global arrays); the one collective of a batch.
+
+    Example:
+        >>> grads = all_sum(local_grads, trainable)  # in every process, same order
     """
     if not values:
         return []
@@ -327,5 +342,11 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
 
 
 def is_data_parallel() -> bool:
-    """Whether the active distribution is `keras.distribution.DataParallel`."""
+    """Whether the active distribution is `keras.distribution.DataParallel`.
+
+    Example:
+        >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
+        >>> is_data_parallel()
+        True
+    """
     return isinstance(keras.distribution.distribution(), keras.distribution.DataParallel)
