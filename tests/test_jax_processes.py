@@ -195,6 +195,21 @@ def child_fails(process, out):
               callbacks=[keras_memfit.MemFit()])
 
 
+def child_evaluate_fails(process, out):
+    import keras_memfit
+    from tests.jax_support import real_oom_model
+
+    _distribute()
+    model = real_oom_model()
+    x, y = _data(process)
+    if process == 1:
+        def broken(*args, **kwargs):
+            raise ValueError("a bad batch in process 1")
+
+        model.test_step = broken  # raises inside safe_evaluate's step, once traced
+    keras_memfit.safe_evaluate(model, x, y, batch_size=ROWS // 8, verbose=0)
+
+
 def child_dies(process, out):
     import keras
 
@@ -292,6 +307,16 @@ def test_failing_process_stops_the_other(tmp_path):
     elapsed = time.monotonic() - start
     assert "a bad batch in process 1" in results[1].stdout, describe(results)
     _assert_clear_failure(results, elapsed, "process 1 of 2 failed: ValueError('a bad batch")
+
+
+def test_failing_process_stops_safe_evaluate_of_the_other(tmp_path):
+    start = time.monotonic()
+    results = run_processes(__file__, "child_evaluate_fails", str(tmp_path), timeout=200,
+                            env={"KERAS_MEMFIT_PROCESS_TIMEOUT": "120"})
+    elapsed = time.monotonic() - start
+    assert "a bad batch in process 1" in results[1].stdout, describe(results)
+    _assert_clear_failure(results, elapsed, "process 1 of 2 failed: ValueError('a bad batch")
+    assert elapsed < 100, describe(results)  # at once, not after the 120 s timeout
 
 
 def test_dead_process_stops_the_other(tmp_path):

@@ -62,7 +62,7 @@ from keras_memfit.backend.jax.process_training import (
     make_train_step,
 )
 from keras_memfit.backend.jax.process_training import combine_process_metrics
-from keras_memfit.backend.jax.processes import process_count
+from keras_memfit.backend.jax.processes import process_count, process_failed
 from keras_memfit.backend.jax.training import (
     GradientAccumulator,
     TrainStep,
@@ -83,6 +83,7 @@ __all__ = [
     "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
     "distribution_of", "process_count", "combine_process_metrics",
+    "process_failed",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

@@ -159,6 +159,11 @@ def post_failure(exc: BaseException) -> None:
         logger.warning("could not tell the other JAX processes of this failure: %r", err)
 
 
+def process_failed(exc: BaseException) -> None:
+    """The seam's name for `post_failure` (safe_evaluate's failure, before it propagates)."""
+    post_failure(exc)
+
+
 def _peer_failure(client: Any, process: int) -> Optional[str]:
     try:
         return client.key_value_try_get(_failure_key(process))

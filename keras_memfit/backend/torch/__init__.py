@@ -72,6 +72,7 @@ from keras_memfit.backend.torch.training import (
     distribution_of,
     process_count,
     combine_process_metrics,
+    process_failed,
 )
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
     "distribution_of", "process_count", "combine_process_metrics",
+    "process_failed",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

@@ -71,6 +71,10 @@ def combine_process_metrics(model: keras.Model) -> None:
     """Nothing: one process."""
 
 
+def process_failed(exc: BaseException) -> None:
+    """Nothing: one process."""
+
+
 def distribution_of(model: keras.Model) -> Optional[str]:
     """"torch.distributed (world size N)" when a process group is initialized, else None."""
     dist = getattr(torch, "distributed", None)
