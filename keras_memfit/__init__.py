@@ -7,6 +7,8 @@ Public API:
     MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
     OutOfMemoryError: Raised when even a single sample does not fit.
+    ProcessFailed: Raised in every process of a multi-process JAX run when
+        one of them failed or did not answer in time.
     memory_report: Per-layer memory (weights, optimizer slots, activations),
         FLOPs, devices and the bytes crossing each candidate device cut.
     place: Pin oversized embedding/input layers to `/CPU:0`, the rest on the
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "MemFit": "keras_memfit.callbacks",
     "OutOfMemoryError": "keras_memfit.oom",
+    "ProcessFailed": "keras_memfit.backend.base",
     "is_oom_error": "keras_memfit.oom",
     "memory_report": "keras_memfit.report",
     "place": "keras_memfit.placement",
@@ -36,6 +39,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time, see __getattr__
+    from keras_memfit.backend.base import ProcessFailed
     from keras_memfit.callbacks import MemFit
     from keras_memfit.evaluate import safe_evaluate
     from keras_memfit.generate import safe_generate

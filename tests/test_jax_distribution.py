@@ -233,8 +233,9 @@ def child_memfit_shrink():
 
 
 def child_memfit_refuses_other_distributions():
-    """ModelParallel and multi-process JAX: a NotImplementedError naming the case,
-    before any step, the model untouched."""
+    """ModelParallel: a NotImplementedError naming the case, before any step, the
+    model untouched; DataParallel over several processes is accepted (tested for
+    real in test_jax_processes.py), its pieces not laid out here."""
     import jax
     import keras
     import pytest
@@ -265,8 +266,7 @@ def child_memfit_refuses_other_distributions():
         real = jax.process_count
         jax.process_count = lambda *args, **kwargs: 2
         try:
-            with pytest.raises(NotImplementedError, match="multi-process.*process 0 of 2"):
-                distribution.check_trainable(model)
+            distribution.check_trainable(model)  # several processes: trains
             assert distribution.piece_multiple() == 1
         finally:
             jax.process_count = real

@@ -101,6 +101,23 @@ class Trace(NamedTuple):
     calls: Tuple[TracedCall, ...]
 
 
+class ProcessFailed(RuntimeError):
+    """Another process training together with this one failed, or did not answer in time.
+
+    Raised by MemFit (and safe_predict, safe_evaluate) in every process of a
+    multi-process run (JAX's `jax.distributed`) when one process posted a
+    failure (its error is named) or did not reach the agreement within its
+    timeout (`KERAS_MEMFIT_PROCESS_TIMEOUT`). Public as
+    `keras_memfit.ProcessFailed`.
+
+    Example:
+        >>> try:
+        ...     model.fit(x, y, callbacks=[keras_memfit.MemFit()])
+        ... except keras_memfit.ProcessFailed as err:
+        ...     print(err)  # "process 1 of 2 failed: ValueError(...)"
+    """
+
+
 class StepOutcome(enum.Enum):
     """How far a train step that raised got, as the step itself tells.
 
@@ -266,6 +283,19 @@ class Backend(Protocol):
     # single-process DataParallel); NotImplementedError, naming what was
     # received, for a distribution MemFit refuses.
     def training_replicas(self, model: Any) -> Optional[Any]: ...
+    # How many processes train together, each on its own rows (JAX's
+    # multi-controller runtime, `jax.distributed`); 1 elsewhere. Above 1 every
+    # batch is one agreement of every process, so each batch must be one
+    # update (MemFit's accumulation).
+    def process_count(self) -> int: ...
+    # After a standalone evaluate: with several processes, replace each
+    # process's metric state (its own rows') by the sum over the processes
+    # (one agreement, one sum), as Keras's multi-process evaluate reports;
+    # nothing with one process.
+    def combine_process_metrics(self, model: Any) -> None: ...
+    # A call that ends in an agreement (safe_evaluate) failed in this process
+    # with `exc`: tell the other processes, so that they stop at once.
+    def process_failed(self, exc: BaseException) -> None: ...
     def make_train_step(self, model: Any) -> TrainStep: ...
     def make_custom_train_step(self, model: Any) -> TrainStep: ...
     def make_accumulator(self, model: Any) -> Accumulator: ...

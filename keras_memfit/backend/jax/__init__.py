@@ -56,13 +56,17 @@ from keras_memfit.backend.jax.trainer import (
     is_end_of_data,
     step_function,
 )
+from keras_memfit.backend.jax.process_training import (
+    make_accumulator,
+    make_custom_train_step,
+    make_train_step,
+)
+from keras_memfit.backend.jax.process_training import combine_process_metrics
+from keras_memfit.backend.jax.processes import process_count, process_failed
 from keras_memfit.backend.jax.training import (
     GradientAccumulator,
     TrainStep,
     has_default_train_step,
-    make_accumulator,
-    make_custom_train_step,
-    make_train_step,
 )
 
 __all__ = [
@@ -78,7 +82,8 @@ __all__ = [
     # training
     "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
-    "distribution_of",
+    "distribution_of", "process_count", "combine_process_metrics",
+    "process_failed",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

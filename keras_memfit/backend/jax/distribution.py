@@ -44,10 +44,12 @@ per model: a model's steps first made outside the distribution's scope stay
 unlaid (they run on every device whole, as before).
 
 Other distributions are not split here: `ModelParallel` (and any other
-`keras.distribution.Distribution`) and multi-process JAX (`jax.distributed`,
-where each process feeds its own rows) leave safe_predict and safe_evaluate
-as they are (the pieces are fed unlaid, as host arrays) and are refused by
-MemFit with `NotImplementedError` (`check_trainable`).
+`keras.distribution.Distribution`) leaves safe_predict and safe_evaluate as
+they are (the pieces are fed unlaid, as host arrays) and is refused by
+MemFit with `NotImplementedError` (`check_trainable`). Multi-process JAX
+(`jax.distributed`, where each process feeds its own rows) runs each
+process's rows on local copies of the state instead (`processes`,
+`process_training`).
 """
 
 from __future__ import annotations
@@ -98,12 +100,12 @@ def piece_multiple() -> int:
 def check_trainable(model: keras.Model) -> None:
     """Raise if MemFit cannot train `model` under the active `keras.distribution`.
 
-    MemFit trains under a single-process `DataParallel` (or no distribution).
+    MemFit trains under `DataParallel` (or no distribution), in one process
+    or several (`jax.distributed`: see `processes` and `process_training`).
 
     Raises:
         NotImplementedError: For `ModelParallel` or another distribution than
-            `DataParallel`, and for multi-process JAX (`jax.distributed`,
-            more than one process); the message names what was received.
+            `DataParallel`; the message names what was received.
 
     Example:
         >>> keras.distribution.set_distribution(keras.distribution.ModelParallel(...))
@@ -118,15 +120,6 @@ def check_trainable(model: keras.Model) -> None:
             f"model '{model.name}' under {type(distribution).__name__}. Train under "
             "DataParallel, or without MemFit."
         )
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            "MemFit on JAX does not support multi-process training (jax.distributed) "
-            f"yet; received model '{model.name}' under DataParallel in process "
-            f"{jax.process_index()} of {jax.process_count()}. Train in a single process "
-            "(DataParallel over its local devices), or without MemFit."
-        )
-
-
 # ---------------------------------------------------------------- layouts
 def _leaves_rows(data: Any) -> int:
     for leaf in keras.tree.flatten(data):

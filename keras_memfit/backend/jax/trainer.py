@@ -16,6 +16,11 @@ as Keras's own steps do (`state.threaded`: the variables are not touched on
 the way), and returns the result with the new state. What can run out of
 memory in them donates nothing of the state it starts from (see `training`),
 so whatever they raise, the state Keras holds is whole.
+
+Under several JAX processes (`processes`), Keras hands each process a batch
+laid out over every process's devices; the function gives `run_batches`
+this process's own rows, and a process whose function raises tells the
+others (`processes.post_failure`) before the error propagates.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Callable, Iterator, List
 import keras
 
 from keras_memfit._internal import batches as _batches
+from keras_memfit.backend.jax import processes as _processes
 from keras_memfit.backend.jax import state as _state
 
 _KINDS = ("train", "test", "predict")
@@ -88,6 +94,7 @@ def step_function(
         raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
     model_ref = weakref.ref(model)
     groups = _state.GROUPS[kind]
+    several = _processes.multi_process()
 
     def function(state, iterator):
         model = model_ref()
@@ -99,7 +106,13 @@ def step_function(
         with _state.threaded(model, kind, state) as call:
             try:
                 batches = next_batches(iterator, model.steps_per_execution)
+                if several:  # each process runs its own rows (see `processes`)
+                    batches = [_processes.local_rows(batch) for batch in batches]
                 result = run_batches(batches)
+            except Exception as exc:
+                if several and not is_end_of_data(exc):
+                    _processes.post_failure(exc)  # the other processes stop at once
+                raise
             finally:
                 state = call.finish()
                 _publish(model, kind, state)

@@ -346,6 +346,44 @@ def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.
     return distribution.sharded_train_step(TrainStep(model, custom=True))
 
 
+def accumulation_programs(model: keras.Model) -> Tuple[Any, Any]:
+    """The compiled programs of gradient accumulation: `(add, apply)`.
+
+    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight)`
+    returns `(sums + weight * gradients, non_trainable, metrics)` (the sums
+    donated: added to in place); `apply(trainable, optimizer, sums)` returns
+    the optimizer's `stateless_apply` (trainable and optimizer donated).
+    """
+    model_ref = weakref.ref(model)
+
+    def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight):
+        model = model_ref()
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+        def weighted_loss(trainable):
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics, x, y, sample_weight,
+                training=True, optimizer_variables=optimizer,
+            )
+            return loss * weight.astype(loss.dtype), aux
+
+        (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
+        unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
+        _, new_metrics = JAXTrainer._update_metrics_variables(
+            model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
+        )
+        sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
+        return sums, new_non_trainable, new_metrics
+
+    # The arguments in the order of the outputs (see `TrainStep`).
+    def apply_fn(trainable, optimizer, sums):
+        return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
+
+    # The sums are added to in place; the update works in place.
+    return (_compile(model, add_fn, donate_argnums=(0,)),
+            _compile(model, apply_fn, donate_argnums=(0, 1)))
+
+
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them as one optimizer step.
 
@@ -373,35 +411,8 @@ class GradientAccumulator:
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
-        model_ref = self._model_ref
         self._sums: Optional[List[Any]] = None
-
-        def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight):
-            model = model_ref()
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-
-            def weighted_loss(trainable):
-                loss, aux = model.compute_loss_and_updates(
-                    trainable, non_trainable, metrics, x, y, sample_weight,
-                    training=True, optimizer_variables=optimizer,
-                )
-                return loss * weight.astype(loss.dtype), aux
-
-            (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
-            unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
-            _, new_metrics = JAXTrainer._update_metrics_variables(
-                model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
-            )
-            sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
-            return sums, new_non_trainable, new_metrics
-
-        # The arguments in the order of the outputs (see `TrainStep`).
-        def apply_fn(trainable, optimizer, sums):
-            return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
-
-        # The sums are added to in place; the update works in place.
-        self._add = _compile(model, add_fn, donate_argnums=(0,))
-        self._apply = _compile(model, apply_fn, donate_argnums=(0, 1))
+        self._add, self._apply = accumulation_programs(model)
 
     def reset(self) -> None:
         """Start a new batch: zero the sums."""

@@ -21,7 +21,13 @@ from keras_memfit.backend.tensorflow.devices import (
     move_variable,
     variable_device,
 )
-from keras_memfit.backend.tensorflow.distribute import Replicas, training_replicas
+from keras_memfit.backend.tensorflow.distribute import (
+    Replicas,
+    combine_process_metrics,
+    process_count,
+    process_failed,
+    training_replicas,
+)
 from keras_memfit.backend.tensorflow.replicas import distribution_of
 from keras_memfit.backend.tensorflow.memory import (
     compiles_per_shape,
@@ -63,7 +69,8 @@ __all__ = [
     # oom
     "init_oom_error", "is_oom_error", "oom_error_bases",
     # distribute (MemFit under tf.distribute.MirroredStrategy)
-    "Replicas", "training_replicas",
+    "Replicas", "combine_process_metrics", "process_count", "process_failed",
+    "training_replicas",
     # memory
     "compiles_per_shape", "compute_device", "memory_limit", "memory_stats", "piece_multiple", "replica_devices",
     "reset_peak",

@@ -70,6 +70,9 @@ from keras_memfit.backend.torch.training import (
     make_train_step,
     training_replicas,
     distribution_of,
+    process_count,
+    combine_process_metrics,
+    process_failed,
 )
 
 __all__ = [
@@ -84,7 +87,8 @@ __all__ = [
     # training
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "training_replicas",
-    "distribution_of",
+    "distribution_of", "process_count", "combine_process_metrics",
+    "process_failed",
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
     # devices

@@ -62,6 +62,19 @@ def training_replicas(model: keras.Model) -> None:
     return None
 
 
+def process_count() -> int:
+    """1: MemFit on torch trains in one process (`torch.distributed` is refused)."""
+    return 1
+
+
+def combine_process_metrics(model: keras.Model) -> None:
+    """Nothing: one process."""
+
+
+def process_failed(exc: BaseException) -> None:
+    """Nothing: one process."""
+
+
 def distribution_of(model: keras.Model) -> Optional[str]:
     """"torch.distributed (world size N)" when a process group is initialized, else None."""
     dist = getattr(torch, "distributed", None)

@@ -1,0 +1,357 @@
+"""Several JAX processes (multi-controller JAX): the agreement between them, local copies, sums.
+
+Under `keras.distribution.initialize(...)` and `DataParallel` over every
+process's devices, Keras's own step holds an all-reduce: when one process
+runs out of memory inside it, every other one waits in the collective until
+it is killed (measured: 240-310 s; JAX has no collective timeout). MemFit's
+steps therefore hold no collective where memory can run out:
+
+- every process computes the gradients of its own rows on *local copies* of
+  the replicated state (`local`: each global array's shard on this process's
+  first device) with no collective, in pieces retried smaller on an OOM
+  without any other process knowing;
+- then every process *agrees* (`agree`): it posts its status and its rows to
+  the coordination service's key-value store and reads every peer's, with a
+  timeout (`timeout_s`, `KERAS_MEMFIT_PROCESS_TIMEOUT`, default 600 s: the
+  first steps compile);
+- only once all said "ok", one sum across the processes (`all_sum`: a global
+  array made of the per-process arrays, summed by a jitted program whose
+  output is laid out as the state is) and the update on the global state.
+
+A process whose train function raises (an error that is not an OOM, or an
+OOM no piece size avoids) first posts "failed" with the error
+(`post_failure`), so its peers raise `ProcessFailed` naming it at once. A
+process that dies without posting (killed, `os._exit`) is noticed when the
+agreement's timeout expires. Not caught: a process dying between the
+agreement and the sum (the others then wait in that collective as in plain
+Keras) - a window of one small program per batch.
+
+The coordination service's client is JAX private API (`jax._src.distributed`,
+tested with jax 0.10.2); it is read only here (`_client`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_memfit.backend.base import ProcessFailed
+
+logger = logging.getLogger("keras_memfit")
+
+TESTED_JAX = "0.10.2"
+TIMEOUT_ENV = "KERAS_MEMFIT_PROCESS_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+_PREFIX = "keras_memfit"
+_POLL_MS = 1000  # a wait on a peer's key checks its failure key this often
+
+
+def multi_process() -> bool:
+    """Whether this is one of several JAX processes (`jax.distributed`).
+
+    Example:
+        >>> multi_process()  # after keras.distribution.initialize(num_processes=2, ...)
+        True
+    """
+    return jax.process_count() > 1
+
+
+def process_count() -> int:
+    """How many processes train together (`jax.process_count()`).
+
+    Example:
+        >>> process_count()  # one process
+        1
+    """
+    return int(jax.process_count())
+
+
+def timeout_s() -> float:
+    """Seconds a process waits for its peers in an agreement (`KERAS_MEMFIT_PROCESS_TIMEOUT`).
+
+    Raises:
+        ValueError: If the variable is set to something not a positive number.
+
+    Example:
+        >>> os.environ["KERAS_MEMFIT_PROCESS_TIMEOUT"] = "60"; timeout_s()
+        60.0
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be a positive number of seconds; received {raw!r}. "
+            f"Unset it for the default ({DEFAULT_TIMEOUT_S:.0f} s)."
+        )
+    return value
+
+
+def _client() -> Any:
+    """The coordination service's client (JAX private API, tested with jax 0.10.2)."""
+    try:
+        from jax._src import distributed
+        client = distributed.global_state.client
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(
+            "keras_memfit under several JAX processes needs the coordination service's "
+            f"client (jax._src.distributed.global_state.client, tested with jax {TESTED_JAX}); "
+            f"jax {jax.__version__} has none ({err!r}). Use jax {TESTED_JAX}, or one process."
+        ) from err
+    if client is None:
+        raise RuntimeError(
+            "keras_memfit found several JAX processes but no coordination service client: "
+            "initialize them with keras.distribution.initialize(...) (jax.distributed)."
+        )
+    return client
+
+
+class _Agreement:
+    """The rounds of agreement of this process (the same sequence on every process)."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.failed_posted = False
+
+    def key(self, round_: int, process: int) -> str:
+        return f"{_PREFIX}/agree/{round_}/{process}"
+
+
+_AGREEMENT = _Agreement()
+
+
+def _failure_key(process: int) -> str:
+    return f"{_PREFIX}/failed/{process}"
+
+
+def _describe(exc: BaseException) -> str:
+    text = repr(exc)
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def post_failure(exc: BaseException) -> None:
+    """Tell the other processes that this one failed with `exc` (once; never raises).
+
+    Not posted for `ProcessFailed` (a peer's failure, which the peers know).
+
+    Example:
+        >>> try: ...
+        ... except Exception as exc:
+        ...     post_failure(exc); raise
+    """
+    if isinstance(exc, ProcessFailed) or _AGREEMENT.failed_posted or not multi_process():
+        return
+    _AGREEMENT.failed_posted = True
+    try:
+        _client().key_value_set(_failure_key(jax.process_index()), _describe(exc))
+    except Exception as err:  # noqa: BLE001 - the original error matters, not this one
+        logger.warning("could not tell the other JAX processes of this failure: %r", err)
+
+
+def process_failed(exc: BaseException) -> None:
+    """The seam's name for `post_failure` (safe_evaluate's failure, before it propagates)."""
+    post_failure(exc)
+
+
+def _peer_failure(client: Any, process: int) -> Optional[str]:
+    try:
+        return client.key_value_try_get(_failure_key(process))
+    except Exception:  # noqa: BLE001 - not found
+        return None
+
+
+def _wait_for(client: Any, key: str, process: int, deadline: float, what: str) -> str:
+    count = jax.process_count()
+    while True:
+        failure = _peer_failure(client, process)
+        if failure is not None:
+            raise ProcessFailed(
+                f"process {process} of {count} failed: {failure} (this is process "
+                f"{jax.process_index()}, stopping with it, during {what})"
+            )
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProcessFailed(
+                f"process {process} of {count} did not reach keras_memfit's agreement "
+                f"within {timeout_s():.0f} s (during {what}): it died, hangs, or is much "
+                f"slower; this is process {jax.process_index()}. Raise {TIMEOUT_ENV} if it "
+                "is only slow (the first steps compile)."
+            )
+        try:
+            return client.blocking_key_value_get(key, int(min(left * 1000, _POLL_MS)) or 1)
+        except Exception as err:  # noqa: BLE001 - a timeout: poll again
+            if "DEADLINE" not in str(err).upper() and "TIME" not in str(err).upper():
+                raise
+
+
+def agree(rows: int, what: str) -> List[int]:
+    """Post "ok" with this process's `rows`; wait for every process's (bounded); their rows.
+
+    Args:
+        rows: This process's rows of the batch (its share of the global batch).
+        what: What is agreed on, for the error messages ("the train batch").
+
+    Returns:
+        Every process's rows, by process index.
+
+    Raises:
+        ProcessFailed: A process posted a failure, or did not post in time.
+
+    Example:
+        >>> agree(32, "the train batch")  # in each of two processes
+        [32, 32]
+    """
+    client = _client()
+    me, count = jax.process_index(), jax.process_count()
+    round_ = _AGREEMENT.round
+    client.key_value_set(_AGREEMENT.key(round_, me), str(int(rows)))
+    deadline = time.monotonic() + timeout_s()
+    out: List[int] = []
+    for process in range(count):
+        if process == me:
+            out.append(int(rows))
+            continue
+        out.append(int(_wait_for(client, _AGREEMENT.key(round_, process), process, deadline,
+                                 what)))
+    _AGREEMENT.round = round_ + 1
+    if round_ > 0:  # every peer posted this round: each has read the last one
+        try:
+            client.key_value_delete(_AGREEMENT.key(round_ - 1, me))
+        except Exception as err:  # noqa: BLE001 - a key left over costs a few bytes
+            logger.debug("could not delete an agreement key: %r", err)
+    return out
+
+
+# ------------------------------------------------------------- arrays
+def _is_global(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+
+
+def local_device() -> Any:
+    """The device this process computes its rows on: its first local device.
+
+    Example:
+        >>> local_device()  # process 1 of 2, one CPU device each
+        CpuDevice(id=2048)
+    """
+    return jax.local_devices()[0]
+
+
+def local(tree: Any) -> Any:
+    """`tree` with every replicated global array replaced by its copy on `local_device()`.
+
+    Example:
+        >>> local(_state.get(model, ("trainable",)))  # single-device arrays
+    """
+    device = local_device()
+
+    def one(leaf: Any) -> Any:
+        if not _is_global(leaf):
+            return leaf
+        data = leaf.addressable_data(0)  # replicated: every local copy is the same
+        return data if device in data.devices() else jax.device_put(data, device)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def local_rows(tree: Any) -> Any:
+    """A batch laid out over every process's devices, as this process's rows (NumPy).
+
+    The rows of this process's devices, in order of their global index (what
+    `jax.make_array_from_process_local_data` was given).
+
+    Example:
+        >>> x_mine = local_rows(batch)[0]  # batch: a Keras batch laid out over 2 processes
+    """
+
+    def one(leaf: Any) -> Any:
+        if not _is_global(leaf):
+            return leaf
+        shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+        starts, parts = set(), []
+        for shard in shards:  # replicated over local devices: each block once
+            start = shard.index[0].start or 0
+            if start not in starts:
+                starts.add(start)
+                parts.append(np.asarray(shard.data))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def as_global(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
+    """Local `values` (the same on every process) as global arrays laid out as `like`.
+
+    Example:
+        >>> seeds = as_global(local_seeds, global_seeds)  # replicated again
+    """
+    out = []
+    for value, ref in zip(values, like):
+        if not _is_global(ref):
+            out.append(value)
+            continue
+        arrays = [jax.device_put(value, device) for device in ref.sharding.addressable_devices]
+        out.append(jax.make_array_from_single_device_arrays(ref.shape, ref.sharding, arrays))
+    return out
+
+
+_SUMS: Dict[Tuple[Any, ...], Any] = {}
+
+
+def _sum_program(shardings: Tuple[Any, ...]) -> Any:
+    program = _SUMS.get(shardings)
+    if program is None:
+        program = _SUMS[shardings] = jax.jit(
+            lambda stacked: [x.sum(axis=0) for x in stacked], out_shardings=list(shardings)
+        )
+    return program
+
+
+def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
+    """The sum over the processes of each local array of `values`, laid out as `like`.
+
+    Every process calls it with its own `values` (arrays on `local_device()`,
+    the shapes of `like`'s global arrays); the one collective of a batch.
+
+    Example:
+        >>> grads = all_sum(local_grads, trainable)  # in every process, same order
+    """
+    if not values:
+        return []
+    mesh = like[0].sharding.mesh
+    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    stacked_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+    first = local_device()
+    devices = mesh.devices.size
+    stacked = []
+    for value in values:
+        value = jnp.asarray(value)
+        shards = []
+        for device in stacked_sharding.addressable_devices:
+            part = value if device == first else jnp.zeros_like(value)
+            shards.append(jax.device_put(part[None], device))
+        stacked.append(jax.make_array_from_single_device_arrays(
+            (devices,) + tuple(value.shape), stacked_sharding, shards))
+    return _sum_program(tuple(ref.sharding for ref in like))(stacked)
+
+
+def is_data_parallel() -> bool:
+    """Whether the active distribution is `keras.distribution.DataParallel`.
+
+    Example:
+        >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
+        >>> is_data_parallel()
+        True
+    """
+    return isinstance(keras.distribution.distribution(), keras.distribution.DataParallel)
