@@ -173,9 +173,10 @@ class AccumulationSteps:
 
     def free(self) -> None:
         """Empty the sums (their memory, the weights' size, goes back) and end the use."""
-        for total in self.sums:
-            if total is not None:
-                total.assign(tf.zeros([0], total.dtype))
+        with tf.init_scope():  # eagerly, even if the accumulator is collected during a trace
+            for total in self.sums:
+                if total is not None:
+                    total.assign(tf.zeros([0], total.dtype))
         self.in_use = False
 
 
