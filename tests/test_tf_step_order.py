@@ -233,12 +233,32 @@ def test_the_accumulator_is_made_when_a_batch_is_split_and_freed_when_fit_ends(i
             accumulator = _train_parts(self.model).accumulator
             if accumulator is not None and not made:
                 made.append(weakref.ref(accumulator))
+                made.append(accumulator.steps)
+                sizes.append([s.numpy().size for s in accumulator.steps.sums if s is not None])
 
+    sizes = []
     model.fit(x, y, batch_size=32, verbose=0, callbacks=[Watching()])
     assert inject_oom.ooms("train") and made  # a batch was split: it was made
     assert _train_parts(model).accumulator is None
     gc.collect()
-    assert made[0]() is None  # its sums (tf.Variables the size of the weights) are gone
+    assert made[0]() is None  # the accumulator is gone
+    steps = made[1]
+    weights = [int(np.prod(w.shape)) for w in model.trainable_weights]
+    assert sizes == [weights]  # while it ran: one sum the size of each weight
+    assert [s.numpy().size for s in steps.sums] == [0] * len(weights)  # now: their memory freed
+    # The next fit's accumulator, on a piece of a size seen before: the same
+    # compiled steps, nothing traced again (with jit_compile: nothing compiled).
+    piece = max(r for r in inject_oom.ok_rows("train") if r <= 16)  # a micro-batch
+    traces = steps.add.experimental_get_tracing_count()
+    again = keras_memfit.backend.get().make_accumulator(model)
+    assert again.steps is steps
+    again.reset()
+    again.add((x[:piece], y[:piece]), 1.0)
+    again.apply()
+    assert steps.add.experimental_get_tracing_count() == traces
+    assert [s.numpy().size for s in steps.sums] == weights
+    del again
+    assert [s.numpy().size for s in steps.sums] == [0] * len(weights)
 
 
 # ------------------------------------------------------------ real OOMs

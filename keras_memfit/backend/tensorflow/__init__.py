@@ -55,12 +55,11 @@ from keras_memfit.backend.tensorflow.trainer import (
     is_end_of_data,
     step_function,
 )
+from keras_memfit.backend.tensorflow.accumulation import GradientAccumulator, make_accumulator
 from keras_memfit.backend.tensorflow.training import (
     CustomTrainStep,
-    GradientAccumulator,
     TrainStep,
     has_default_train_step,
-    make_accumulator,
     make_custom_train_step,
     make_train_step,
 )

@@ -35,11 +35,8 @@ from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
-from keras_memfit.backend.tensorflow.training import (
-    add_gradients,
-    apply_gradients,
-    flagged_train_step,
-)
+from keras_memfit.backend.tensorflow.accumulation import add_gradients, apply_gradients
+from keras_memfit.backend.tensorflow.training import flagged_train_step
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 

@@ -2,9 +2,10 @@
 
 MemFit's building blocks for the TensorFlow backend: `make_train_step` (Keras's
 default step, with its small state snapshotted inside the same compiled call),
-`make_custom_train_step` (a model's own `train_step`), `make_accumulator`
-(micro-batch gradients summed and applied as one optimizer step), and the
-checks `has_default_train_step`. Every returned
+`make_custom_train_step` (a model's own `train_step`), the check
+`has_default_train_step`, and `held_values`/`XlaHolds` (what an XLA call
+that updates variables holds so that an OOM leaves them intact); gradient accumulation is
+in `accumulation.py`. Every returned
 object satisfies its protocol in `keras_memfit.backend.base`.
 """
 
@@ -21,7 +22,7 @@ import tensorflow as tf
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
+from keras_memfit.backend.tensorflow.steps import _compile
 
 logger = logging.getLogger("keras_memfit")
 
@@ -147,6 +148,12 @@ class TrainStep:
                 self._shadows.append(tf.Variable(v.value, trainable=False))
         self._model = weakref.ref(model)
         self._steps: Dict[bool, Callable] = {}  # strict -> compiled step, made on first use
+        # Under XLA a call holds what it updates (`XlaHolds`): an OOM then leaves it intact.
+        self._holds = XlaHolds(
+            model,
+            small=lambda: self._guarded + self._shadows + [self.generation, self.update_began],
+            large=lambda: _updated_by_a_step(self._model()),
+        )
 
     def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
         """Choose the order of each call from `peak_at(rows)`: the estimated peak, or None."""
@@ -174,14 +181,18 @@ class TrainStep:
                 self._model(), self.update_began, self.generation,
                 list(zip(self._shadows, self._guarded)), strict,
             )
+        signature, held = self._holds.hold((strict, data))
         try:
             logs = step(data)
         except Exception:
+            held.clear()  # the values go before the state is read or restored
             self.last_outcome = self._settle()
             raise
         except BaseException:  # KeyboardInterrupt: whatever ran, ran
             self._completed = int(self.generation.numpy())
             raise
+        held.clear()
+        self._holds.ran(signature)
         self._completed += 1
         return logs
 
@@ -308,173 +319,80 @@ def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
     return CustomTrainStep(model)
 
 
-def add_gradients(
-    model: keras.Model, data: Any, weight: Any, add: Callable[[int, Any], None]
-) -> Tuple[bool, ...]:
-    """One micro-batch of Keras's default train step, its gradients handed to `add`.
 
-    Forward pass and loss; `add(i, gradient)` for each trainable weight `i`
-    that got a gradient, the gradient of the loss scaled by `weight` (the
-    micro-batch's share of the batch) as the tape gives it (a sparse one as a
-    `tf.IndexedSlices`); the loss tracker and metrics updated. Traced inside a
-    step (on one device, or per replica).
+def held_values(variables: Sequence[Any]) -> List[Any]:
+    """The current values of `variables`, to hold while an XLA call that updates them runs.
 
-    Returns:
-        For each trainable weight, whether it got no gradient.
+    TensorFlow's XLA launch donates the buffer of a resource variable the
+    compiled function updates when nothing else references it, and when the
+    call then fails (an OOM while XLA allocates, before anything runs) the
+    donated buffer is freed while the variable still holds it: the variable
+    reads freed memory, and its next assignment frees the buffer again
+    (`bfc_allocator.cc: Check failed: c->in_use()` aborts the process).
+    Holding a reference to each value while the call runs keeps it from
+    being donated: XLA writes the updates into new buffers (the updated
+    variables' bytes more during the call), and a failed call leaves the
+    variables as they were.
     """
-    x, y, sample_weight = _unpack(data)
-    with tf.GradientTape() as tape:
-        y_pred, loss = _forward_loss(model, x, y, sample_weight)
-        scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
-    gradients = tape.gradient(scaled, model.trainable_weights)
-    for i, g in enumerate(gradients):
-        if g is not None:
-            add(i, g)
-    _track_loss(model, loss, x)
-    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    return tuple(g is None for g in gradients)
+    values = []
+    for v in variables:
+        inner = v if isinstance(v, tf.Variable) else getattr(v, "value", None)
+        if isinstance(inner, tf.Variable):
+            values.append(inner.read_value())
+    return values
 
 
-def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
-    """One optimizer step with `gradients` (one per trainable weight; None: it got none)."""
-    model.optimizer.apply_gradients(
-        [(g, w) for g, w in zip(gradients, model.trainable_weights) if g is not None]
+def _updated_by_a_step(model: keras.Model) -> List[Any]:
+    """The weights and optimizer variables a train step updates."""
+    optimizer = getattr(model, "optimizer", None)
+    return list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+
+
+def _signature(data: Any) -> Tuple[Any, ...]:
+    """What an XLA program is compiled for: the shapes and dtypes of `data`'s tensors."""
+    return tuple(
+        (tuple(item.shape), str(getattr(item, "dtype", "")))
+        if getattr(item, "shape", None) is not None else repr(item)
+        for item in keras.tree.flatten(data)
     )
 
 
-def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
-    """For each trainable weight, whether its gradient on `data` is a `tf.IndexedSlices`.
+class XlaHolds:
+    """What a compiled step that updates variables holds on each call under XLA.
 
-    Read from a symbolic trace of the forward and backward pass (nothing
-    runs): which gradients are sparse is a property of the graph (an
-    `Embedding` used only for its lookups), not of the batch size.
-    """
-    found: List[Tuple[bool, ...]] = []
+    See `held_values`: a held variable survives an OOM of the call, at the
+    cost of its bytes more during the call. The small state (`small()`:
+    metrics, counters, snapshots) is held on every call. The large state
+    (`large()`: weights, optimizer slots, gradient sums) only on the first
+    call at each input signature: an XLA program allocates the same buffers
+    at every call, so once one succeeded its next calls fit as well (unless
+    the free memory shrank meanwhile), and the steady state donates them as
+    Keras's own step does. Without `jit_compile` nothing is held (TensorFlow
+    updates in place, and an OOM frees nothing it should not).
 
-    def probe(data):
-        x, y, sample_weight = _unpack(data)
-        with tf.GradientTape() as tape:
-            _, loss = _forward_loss(model, x, y, sample_weight)
-        gradients = tape.gradient(loss, model.trainable_weights)
-        found.append(tuple(isinstance(g, tf.IndexedSlices) for g in gradients))
-        return loss
-
-    if getattr(model, "run_eagerly", False):
-        probe(data)
-    else:
-        tf.function(probe).get_concrete_function(data)
-    return found[-1]
-
-
-class GradientAccumulator:
-    """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
-
-    A dense gradient is added in place into a non-trainable variable the size
-    of its weight (made at the first micro-batch, only once a batch has had
-    to be split), so adding a micro-batch allocates
-    nothing beyond its gradients. A sparse gradient (a `tf.IndexedSlices`,
-    e.g. an `Embedding`'s: one row per token occurrence) is not summed: each
-    micro-batch's scaled slices are kept, and `apply` hands the optimizer
-    their concatenation, the slices of Keras's unsplit step (same rows, same
-    order, duplicates kept). Summing them densely would change the update of
-    an optimizer that treats the slices row by row (Adam squares each row
-    into its velocity: `g1**2 + g2**2` for a token met twice, not
-    `(g1 + g2)**2`). The kept slices are together the size of the whole
-    batch's sparse gradient (what Keras's step holds), and no dense sum is
-    made for those weights.
+    Attributes:
+        active: Whether the model's steps run under XLA.
     """
 
-    def __init__(self, model: keras.Model) -> None:
-        model_ref = weakref.ref(model)
-        weights = list(model.trainable_weights)
-        self._weights = weights
-        self._sums: List[Optional[tf.Variable]] = [None] * len(weights)
-        # Known when the step is traced: which weights get no gradient, which sparse ones.
-        traced = {"mask": tuple(False for _ in weights), "sparse": ()}
-        self._traced = traced
-        self._kept: List[Tuple[tf.IndexedSlices, ...]] = []  # each micro-batch's sparse slices
-        sums = self._sums
+    def __init__(
+        self, model: keras.Model, small: Callable[[], Sequence[Any]],
+        large: Callable[[], Sequence[Any]],
+    ) -> None:
+        self.active = bool(model.jit_compile) and not getattr(model, "run_eagerly", False)
+        self._small, self._large = small, large
+        self._ran: set = set()
 
-        def add_step(data, weight):
-            sparse = {}
+    def hold(self, data: Any) -> Tuple[Optional[Tuple[Any, ...]], List[Any]]:
+        """The signature of a call on `data` and the values to hold while it runs."""
+        if not self.active:
+            return None, []
+        signature = _signature(data)
+        variables = list(self._small())
+        if signature not in self._ran:
+            variables += list(self._large())
+        return signature, held_values(variables)
 
-            def add(i, g):
-                if sums[i] is None and isinstance(g, tf.IndexedSlices):
-                    sparse[i] = g
-                else:
-                    sums[i].assign_add(tf.convert_to_tensor(g))
-
-            traced["mask"] = add_gradients(model_ref(), data, weight, add)
-            traced["sparse"] = tuple(sorted(sparse))
-            return tuple(
-                tf.IndexedSlices(
-                    g.values, g.indices,
-                    tf.shape(weights[i].value) if g.dense_shape is None else g.dense_shape,
-                )
-                for i, g in sorted(sparse.items())
-            )
-
-        def apply_step(mask, sparse):
-            gradients = [None if missing else s for missing, s in zip(mask, sums)]
-            for i, slices in zip(traced["sparse"], sparse):
-                gradients[i] = slices
-            apply_gradients(
-                model_ref(), [g.read_value() if isinstance(g, tf.Variable) else g for g in gradients]
-            )
-
-        self._add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
-        self._apply = _compile(model, apply_step)
-        self._resets: Dict[int, Callable] = {}  # by how many sums exist
-        self._model = model_ref
-        self._made = False
-
-    def reset(self) -> None:
-        """Start a new batch: zero the sums, drop the kept slices."""
-        self._kept = []
-        made = [total for total in self._sums if total is not None]
-        if not made:
-            return
-        reset = self._resets.get(len(made))
-        if reset is None:
-
-            @tf.function
-            def reset():
-                for total in made:
-                    total.assign(tf.zeros_like(total))
-
-            self._resets = {len(made): reset}
-        reset()
-
-    def _make_sums(self, data: Any) -> None:
-        """The dense sums, made before the step is first traced (which captures them)."""
-        for i, (w, sparse) in enumerate(zip(self._weights, sparse_gradients(self._model(), data))):
-            if not sparse:
-                with tf.device(w.value.device):
-                    self._sums[i] = tf.Variable(tf.zeros_like(w.value), trainable=False)
-        self._made = True
-
-    def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        if not self._made:
-            self._make_sums(data)
-        # the weight is cast to the loss dtype inside
-        self._kept.append(self._add(data, tf.constant(weight, tf.float64)))
-
-    def apply(self) -> None:
-        """Apply the summed gradients (and the kept slices) as one optimizer step."""
-        kept, self._kept = self._kept, []
-        sparse = tuple(
-            tf.IndexedSlices(
-                tf.concat([k[j].values for k in kept], 0),
-                tf.concat([k[j].indices for k in kept], 0),
-                kept[0][j].dense_shape,
-            )
-            for j in range(len(self._traced["sparse"]))
-        )
-        del kept  # the pieces' slices: only their concatenation is needed now
-        self._apply(self._traced["mask"], sparse)
-
-
-def make_accumulator(model: keras.Model) -> GradientAccumulator:
-    """A `GradientAccumulator` over `model`'s trainable weights."""
-    return GradientAccumulator(model)
+    def ran(self, signature: Optional[Tuple[Any, ...]]) -> None:
+        """Record that a call at `signature` succeeded."""
+        if signature is not None:
+            self._ran.add(signature)
