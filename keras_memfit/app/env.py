@@ -13,9 +13,18 @@ module is the one place that recipe is written:
 - **GPU** (`configure_gpu`, in the child, before any op): the first GPU gets a
   logical device with `memory_limit=N` MiB and the other GPUs are hidden.
 
+Under the CPU cap the inputs need one more step (`host_tensor`): TensorFlow
+copies a numpy array it is given (`model.fit(x)`, `model.predict(x)`) into
+its allocator, the capped one, and that host copy is not checked: when the
+cap cannot hold it the process segfaults (or aborts) instead of raising
+`ResourceExhaustedError`. On a GPU the inputs stay in host memory, outside
+the card's limit; `host_tensor` gives the capped CPU the same: a tensor
+sharing a host buffer, which the cap never counts.
+
 It is also the one module outside `keras_memfit.backend` that imports
-TensorFlow (`configure_gpu` and `gpu_visible`, only when called): setting up
-a device before the backend starts is the environment's job, not the seam's.
+TensorFlow (`configure_gpu`, `gpu_visible` and `host_tensor`, only when
+called): setting up a device before the backend starts is the environment's
+job, not the seam's.
 
 Example:
     >>> import os, subprocess, sys
@@ -27,7 +36,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
+
+import numpy as np
 
 __all__ = [
     "CAP_VARIABLES",
@@ -35,6 +46,7 @@ __all__ = [
     "configure_gpu",
     "cpu_only_env",
     "gpu_visible",
+    "host_tensor",
     "worker_environment",
 ]
 
@@ -43,6 +55,7 @@ _PACKAGE_PARENT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _DEVICES = ("cpu", "gpu")
+_HOST_ALIGNMENT = 64  # bytes: TensorFlow aborts on an unaligned DLPack buffer
 CAP_VARIABLES = ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB")
 """The variables that cap TensorFlow's CPU allocator (removed for an uncapped GPU run)."""
 
@@ -192,3 +205,49 @@ def configure_gpu(memory_limit_mb: int) -> None:
         )
     except RuntimeError as err:  # devices were initialised already
         raise WorkerError(f"could not limit the GPU's memory: {err}") from err
+
+
+def host_tensor(array: Any) -> Any:
+    """A TensorFlow CPU tensor holding `array` in host memory, outside TensorFlow's allocator.
+
+    For inputs under the capped CPU allocator (`capped_cpu_env`): given a
+    numpy array, `model.fit`, `model.predict` and `tf.convert_to_tensor` copy
+    it into that allocator, and the copy is not checked, so a cap that cannot
+    hold it kills the process (a segfault in the copy, no
+    `ResourceExhaustedError`). The tensor returned here shares a 64-byte
+    aligned host buffer instead (through DLPack, without a copy into
+    TensorFlow), so the cap counts only what a GPU would hold: the batches
+    gathered from it, the weights, the activations. Slices along the first
+    axis (`validation_split`, the pieces `safe_predict` takes) share it too.
+    Uncapped or on a GPU it is an ordinary CPU tensor.
+
+    Args:
+        array: A numeric or bool array-like (numpy array, list); copied once
+            into the new buffer, so later changes to `array` do not show.
+
+    Returns:
+        A `tf.Tensor` on the CPU with `array`'s shape, dtype and values.
+
+    Raises:
+        ValueError: If `array` is not numeric or bool (strings, objects).
+
+    Example:
+        >>> os.environ.update(capped_cpu_env(512))  # before TensorFlow starts
+        >>> x_train = host_tensor(x_train)          # 131 MiB, not counted
+        >>> model.fit(x_train, y_train, batch_size=1024, callbacks=[MemFit()])
+    """
+    values = np.asarray(array)
+    if values.dtype.kind not in "biuf":
+        raise ValueError(
+            "host_tensor takes a numeric or bool array; received dtype "
+            f"{values.dtype} (shape {values.shape}): pass strings and objects "
+            "to Keras as they are"
+        )
+    buffer = np.empty(values.nbytes + _HOST_ALIGNMENT, np.uint8)
+    start = -buffer.ctypes.data % _HOST_ALIGNMENT
+    host = buffer[start:start + values.nbytes].view(values.dtype).reshape(values.shape)
+    host[...] = values
+    import tensorflow as tf
+
+    # The capsule keeps `host` (and so `buffer`) alive until TensorFlow frees the tensor.
+    return tf.experimental.dlpack.from_dlpack(host.__dlpack__())
