@@ -158,6 +158,12 @@ class Run:
         """Train on each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.train(batches)
+        if len(batches) == 1:  # steps_per_execution=1: the check below, once per step
+            chunk = as_chunk(batches[0])
+            n = splittable_rows(chunk)
+            if n is None:
+                return self.keras_call("train", batches, first_unsplittable([chunk]))
+            return self._train_batch(chunk, n)
         chunks = [as_chunk(batch) for batch in batches]
         rows = [splittable_rows(chunk) for chunk in chunks]  # None: cannot be split
         if None in rows:
@@ -181,7 +187,8 @@ class Run:
                 logs = self._train_pieces(parts, chunk, n, planner, run, guard)
             planner.finish_batch()
         finally:
-            self.note_events(n)
+            if self._unlocated:
+                self.note_events(n)
         return logs
 
     def _train_pieces(self, parts: TrainParts, chunk: tuple, n: int, planner: BatchPlanner,
