@@ -22,6 +22,12 @@ once, so the next piece runs on it; when waiting shows that a piece ran out
 of memory, its step put the state back, the pieces started after it are
 dropped, and they all run again, one piece at a time from then on. `on_piece`
 sees the same pieces, in the same order, as without `start`.
+
+`run_whole` is the loop's first try of one chunk, alone: MemFit runs each
+Keras batch through it (once per training step, where the host's
+microseconds count), and only a batch that the planner splits or that ran
+out of memory (`SPLIT`) goes on to `run_in_pieces`, which carries on from
+there as it would have after that try.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 `Run` is what `MemFit` (the public callback, `keras_memfit.callbacks`) hands
 the batches to. Every batch goes through the one loop of
-`keras_memfit.planning.runner.run_in_pieces`, with a strategy per phase:
+`keras_memfit.planning.runner.run_in_pieces`, with a strategy per phase
+(a training batch the planner runs whole is tried by `runner.run_whole`,
+that loop's first try without the loop, and goes on to the loop only when
+it is split or ran out of memory):
 
 - training, `mode="shrink"`: the batch as pieces, one train step each (the
   full batch first, while the planner says it fits);
