@@ -383,7 +383,7 @@ class MemFit(keras.callbacks.Callback):
             installed = self._built[name] = self._build(model, name, kind, run_batches)
         self._originals[name] = getattr(model, name, None)
         self._wrappers[name] = installed
-        setattr(model, name, installed)
+        _keras_compat.set_function(model, name, installed)
 
     def _build(
         self, model: Any, name: str, kind: str, run_batches: Callable[[List[Any]], Any]
@@ -411,7 +411,7 @@ class MemFit(keras.callbacks.Callback):
         wrapper = self._wrappers.pop(name)
         model = self._model  # not self.model: see _install
         if getattr(model, name, None) is wrapper:
-            setattr(model, name, original)
+            _keras_compat.set_function(model, name, original)
 
     def _uninstall_all(self) -> None:
         for name in list(self._originals):

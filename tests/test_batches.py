@@ -48,3 +48,14 @@ def test_splittable_rows_reads_the_rows_and_refuses_what_cannot_be_split():
     assert _batches.splittable_rows((None, None, None)) == 0
     assert _batches.splittable_rows((x, np.zeros(()), None)) is None
     assert _batches.splittable_rows((x, "labels", None)) is None
+
+
+@pytest.mark.parametrize("name", list(_chunks()))
+def test_leaves_are_keras_tree_leaves_before_and_after_a_class_is_remembered(name):
+    chunk = _chunks()[name]
+    for _ in range(2):  # the first check may remember a dense class (`_DENSE_CLASSES`)
+        _batches.splittable_rows(chunk)
+        got = _batches.leaves(chunk)
+        expected = keras.tree.flatten(chunk)
+        assert len(got) == len(expected)
+        assert all(a is b for a, b in zip(got, expected))

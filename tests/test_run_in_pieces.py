@@ -181,3 +181,39 @@ def test_run_in_pieces_uses_one_planner_per_signature(device, model):
     wide_calls = [s[0] for s in calls if s[1] == 8]
     assert wide_calls[:3] == [40, 20, 10]
     assert max(wide_calls[3:]) <= 10
+
+
+@pytest.mark.parametrize("threshold", [None, 30, 0])
+def test_run_whole_then_run_in_pieces_runs_as_run_in_pieces_alone(device, model, threshold):
+    """The reference: `run_in_pieces` alone on a fresh planner (another model, no knowledge)."""
+    from keras_memfit.planning.planner import BatchPlanner
+    from planner_support import Dummy
+
+    device(stats=False)
+    x = np.arange(100)
+
+    def run(use_whole, on_model):
+        step = FakeStep(threshold=threshold)
+        planner = BatchPlanner(on_model, "train", ("sig",), None, [], probe="after_oom")
+        planner.start_batch(len(x))
+        try:
+            result = runner.SPLIT
+            if use_whole:
+                result = runner.run_whole(on_model, "train", (x,), step, planner, guard=step)
+            if result is runner.SPLIT:
+                runner.run_in_pieces(on_model, "train", [(x,)], step, step.on_piece,
+                                     requested=None, planner=planner, guard=step)
+            else:
+                step.on_piece(len(x), (x,), result)
+        except OutOfMemoryError as err:
+            return step, err.batch_shape
+        return step, None
+
+    whole, whole_error = run(True, model)
+    alone, alone_error = run(False, Dummy("other"))
+    assert whole.calls == alone.calls
+    assert (whole.snapshots, whole.rollbacks) == (alone.snapshots, alone.rollbacks)
+    assert whole_error == alone_error
+    assert [list(p) for p in whole.seen] == [list(p) for p in alone.seen]
+    if threshold is None:
+        assert whole.calls == [100]  # run whole, once

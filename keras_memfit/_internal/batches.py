@@ -10,7 +10,7 @@ sparse or ragged tensor, or an optional input that arrives as a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Set
 
 import keras
 import numpy as np
@@ -18,6 +18,41 @@ import numpy as np
 # Attributes that mark a tensor as not dense: sparse (TensorFlow, JAX BCOO,
 # scipy) and ragged (TensorFlow) tensors.
 _NOT_DENSE = ("indices", "row_splits", "nnz")
+
+# Classes every instance of which is a dense array and a leaf for `keras.tree`:
+# numpy's, and each dense tensor class met so far (JAX's array, TensorFlow's
+# EagerTensor), never torch.Tensor, whose sparse tensors share its class. The
+# checks made on every batch of Keras's loop then need neither `keras.tree`
+# nor attribute probes for a batch of them (see `leaves`).
+_DENSE_CLASSES: Set[type] = {np.ndarray}
+
+
+def _note_dense_class(leaf: Any) -> None:
+    """Remember the class of `leaf`, a tensor found dense, where all its instances are."""
+    if not hasattr(leaf, "is_sparse") and not keras.tree.is_nested(leaf):
+        _DENSE_CLASSES.add(type(leaf))
+
+
+def leaves(structure: Any) -> List[Any]:
+    """`keras.tree.flatten(structure)`, without `keras.tree` for a Keras batch of arrays.
+
+    A tuple of dense arrays (see `_DENSE_CLASSES`) and None, as Keras's loops
+    hand a batch, or one such array, is its own list of leaves; anything else
+    is flattened by `keras.tree`.
+
+    Example:
+        >>> leaves((np.zeros((4, 2)), None))
+        [array(...), None]
+    """
+    cls = type(structure)
+    if cls is tuple:
+        for part in structure:
+            if part is not None and type(part) not in _DENSE_CLASSES:
+                return keras.tree.flatten(structure)
+        return list(structure)
+    if cls in _DENSE_CLASSES:
+        return [structure]
+    return keras.tree.flatten(structure)
 
 
 def as_chunk(batch: Any) -> tuple:
@@ -47,8 +82,10 @@ def _splittable(leaf: Any) -> bool:
         return True
     if isinstance(leaf, np.ndarray):
         return leaf.ndim >= 1
-    if not keras.ops.is_tensor(leaf) or not _dense(leaf):
-        return False
+    if type(leaf) not in _DENSE_CLASSES:
+        if not keras.ops.is_tensor(leaf) or not _dense(leaf):
+            return False
+        _note_dense_class(leaf)
     rank = _rank(leaf)
     return bool(rank) and leaf.shape[0] is not None
 
@@ -120,7 +157,7 @@ def splittable_rows(chunk: tuple) -> Optional[int]:
         4
     """
     rows = None
-    for leaf in keras.tree.flatten(chunk):
+    for leaf in leaves(chunk):
         if not _splittable(leaf):
             return None
         if rows is None and leaf is not None:

@@ -220,3 +220,37 @@ def assert_same_structure(a: Any, b: Any) -> None:
         keras.tree.assert_same_structure(a, b, check_types=False)
     else:
         keras.tree.assert_same_structure(a, b)
+
+
+_UNTRACKED_SETATTR: dict = {}  # class -> whether Keras's __setattr__ only tracks, then object's
+
+
+def set_function(obj: Any, name: str, function: Any) -> None:
+    """`setattr(obj, name, function)` for a function attribute, at `object.__setattr__`'s cost.
+
+    Keras's `Layer.__setattr__` passes the value through its `_setattr_hook`
+    (the identity, unless a backend's layer overrides it) and its tracker
+    (variables, layers, metrics, seed generators and containers are tracked; a
+    function is returned as it is), then calls the next `__setattr__`. Where
+    that is `object`'s (Keras's JAX layers without NNX; TensorFlow's and
+    torch's layers have their own, which run as usual), the function is set
+    with `object.__setattr__` directly: MemFit installs and removes its step
+    function at every step (2.5 us each through Keras, 0.1 us directly).
+
+    Example:
+        >>> set_function(model, "train_function", function)
+    """
+    cls = type(obj)
+    plain = _UNTRACKED_SETATTR.get(cls)
+    if plain is None:
+        Layer, Operation = layer_and_operation_classes()
+        own = [c for c in cls.__mro__ if "__setattr__" in vars(c)]
+        hook = getattr(cls, "_setattr_hook", None)
+        plain = _UNTRACKED_SETATTR[cls] = (
+            own == [Layer, object]
+            and (hook is None or hook is getattr(Operation, "_setattr_hook", None))
+        )
+    if plain:
+        object.__setattr__(obj, name, function)
+    else:
+        setattr(obj, name, function)

@@ -29,6 +29,7 @@ import numpy as np
 from keras_memfit import backend as _backend
 from keras_memfit.backend.kinds import is_foreign_tf_tensor, is_sparse
 from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal.batches import leaves as _leaves
 
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
@@ -92,7 +93,7 @@ def _to_array(value: Any) -> Any:
 
 def num_rows(chunk: Any) -> int:
     """The leading dimension shared by the leaves of `chunk`."""
-    for leaf in keras.tree.flatten(chunk):
+    for leaf in _leaves(chunk):
         if leaf is not None:
             shape = getattr(leaf, "shape", None)
             if not shape:
@@ -162,11 +163,11 @@ def dtype_name(dtype: Any) -> str:
 
 def signature(x: Any) -> Tuple:
     """Shapes (without the batch dimension) and dtypes of the leaves of `x`."""
-    return tuple(
+    return tuple([
         (tuple(leaf.shape[1:]), dtype_name(leaf.dtype))
-        for leaf in keras.tree.flatten(x)
+        for leaf in _leaves(x)
         if leaf is not None
-    )
+    ])
 
 
 def shapes(x: Any) -> Tuple[Tuple[int, ...], ...]:

@@ -22,6 +22,12 @@ once, so the next piece runs on it; when waiting shows that a piece ran out
 of memory, its step put the state back, the pieces started after it are
 dropped, and they all run again, one piece at a time from then on. `on_piece`
 sees the same pieces, in the same order, as without `start`.
+
+`run_whole` is the loop's first try of one chunk, alone: MemFit runs each
+Keras batch through it (once per training step, where the host's
+microseconds count), and only a batch that the planner splits or that ran
+out of memory (`SPLIT`) goes on to `run_in_pieces`, which carries on from
+there as it would have after that try.
 """
 
 from __future__ import annotations
@@ -142,10 +148,12 @@ def run_in_pieces(
     planners: Dict[Hashable, BatchPlanner] = {}
     try:
         for chunk in chunks:
-            sig = _data.signature(chunk[0])
-            current = planner or planners.get(sig)
+            current = planner
             if current is None:
-                current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
+                sig = _data.signature(chunk[0])
+                current = planners.get(sig)
+                if current is None:
+                    current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
             if run.rows(chunk, current, accumulation):
                 break
         else:
@@ -153,6 +161,81 @@ def run_in_pieces(
     finally:
         run.drop()
     return run.done
+
+
+SPLIT = object()
+"""What `run_whole` returns when the chunk is not run whole: run it with `run_in_pieces`."""
+
+
+def run_whole(
+    model: Any,
+    phase: str,
+    chunk: Any,
+    step: Callable[[Any], Any],
+    planner: BatchPlanner,
+    *,
+    guard: Optional[Guard] = None,
+    detail: str = "",
+    rows: Optional[int] = None,
+) -> Any:
+    """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
+
+    What `run_in_pieces(model, phase, [chunk], step, ..., planner=planner,
+    guard=guard, detail=detail)` does while the planner's next size is at
+    least the chunk's rows, without its loop: for MemFit's batches, which
+    run whole (once per Keras step) unless memory is short. `rows`: the
+    chunk's rows, where the caller knows them.
+
+    Returns:
+        `step`'s result, or `SPLIT` when the planner's size is smaller than
+        the chunk or the chunk ran out of memory (the guard restored, the
+        planner told: it chose a smaller size). Then `run_in_pieces` with the
+        same planner runs the chunk, on from that size, as it would have
+        after that first try.
+
+    Raises:
+        OutOfMemoryError: If the chunk is a single sample and ran out of memory.
+
+    Example:
+        >>> logs = run_whole(model, "train", chunk, step, planner)
+        >>> if logs is SPLIT:
+        ...     run_in_pieces(model, "train", [chunk], step, pieces, requested=None,
+        ...                   planner=planner)
+    """
+    n = _data.num_rows(chunk) if rows is None else rows
+    if not n:
+        return SPLIT  # no rows: no step, as in `run_in_pieces`
+    planned = planner.next_size(n)
+    if planned < n:
+        return SPLIT
+    return _attempt(model, phase, step, chunk, n, planned, planner, guard, detail)
+
+
+def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, size: int,
+             planned: float, planner: BatchPlanner, guard: Optional[Guard], detail: str) -> Any:
+    """One try of `step` on `piece` (`size` rows of a planned `planned`): its result, or `SPLIT`.
+
+    `SPLIT` after an OOM that can be retried smaller: the guard restored and
+    the planner told (it shrank). Raises `OutOfMemoryError` when the piece
+    was a single sample, and any other error as it is.
+    """
+    planner.started(size)
+    if guard is not None:
+        guard.snapshot()
+    try:
+        result = step(piece)
+    except Exception as exc:
+        if not is_retryable_oom(exc):
+            raise  # not an OOM, or one already judged final
+        if guard is not None:
+            guard.restore()
+        if not planner.failed(size):
+            raise _final_error(model, phase, piece, planner, detail) from exc
+        del exc  # its traceback holds the failed piece's buffers
+        gc.collect()
+        return SPLIT
+    planner.succeeded(size, full=size >= planned)
+    return result
 
 
 # At most this many pieces are left started and not waited for (starting one
@@ -225,21 +308,10 @@ class _PieceLoop:
                 continue
             if self.wait_all():
                 return True
-            planner.started(size)
-            if self.guard is not None:
-                self.guard.snapshot()
-            try:
-                result = self.step(piece)
-            except Exception as exc:
-                if not is_retryable_oom(exc):
-                    raise  # not an OOM, or one already judged final
-                if self.guard is not None:
-                    self.guard.restore()
-                self.failed(planner, piece, size, exc)
-                del exc  # its traceback holds the failed piece's buffers
-                gc.collect()
-                continue
-            planner.succeeded(size, full=size >= planned)
+            result = _attempt(self.model, self.phase, self.step, piece, size, planned, planner,
+                              self.guard, self.detail)
+            if result is SPLIT:
+                continue  # it ran out of memory: the planner chose a smaller size
             offset += size
             if self.finished(size, piece, result):
                 return True

@@ -2,7 +2,10 @@
 
 `Run` is what `MemFit` (the public callback, `keras_memfit.callbacks`) hands
 the batches to. Every batch goes through the one loop of
-`keras_memfit.planning.runner.run_in_pieces`, with a strategy per phase:
+`keras_memfit.planning.runner.run_in_pieces`, with a strategy per phase
+(a training batch the planner runs whole is tried by `runner.run_whole`,
+that loop's first try without the loop, and goes on to the loop only when
+it is split or ran out of memory):
 
 - training, `mode="shrink"`: the batch as pieces, one train step each (the
   full batch first, while the planner says it fits);
@@ -41,14 +44,16 @@ from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import model_state as _model_state
-from keras_memfit._internal.batches import as_batch, as_chunk, concatenate, first_unsplittable
+from keras_memfit._internal.batches import (
+    as_batch, as_chunk, concatenate, first_unsplittable, splittable_rows,
+)
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
-from keras_memfit.planning.runner import Accumulation, Pieces, run_in_pieces
+from keras_memfit.planning.runner import SPLIT, Accumulation, Pieces, run_in_pieces, run_whole
 from keras_memfit.training.replicas import ReplicaRun, replicas_of
 
 logger = logging.getLogger("keras_memfit")
@@ -156,35 +161,52 @@ class Run:
         """Train on each Keras batch; returns the last one's logs."""
         if self._replicas is not None:
             return self._replicas.train(batches)
-        reason = first_unsplittable(as_chunk(batch) for batch in batches)
-        if reason is not None:
-            return self.keras_call("train", batches, reason)
+        if len(batches) == 1:  # steps_per_execution=1: the check below, once per step
+            chunk = as_chunk(batches[0])
+            n = splittable_rows(chunk)
+            if n is None:
+                return self.keras_call("train", batches, first_unsplittable([chunk]))
+            return self._train_batch(chunk, n)
+        chunks = [as_chunk(batch) for batch in batches]
+        rows = [splittable_rows(chunk) for chunk in chunks]  # None: cannot be split
+        if None in rows:
+            return self.keras_call("train", batches, first_unsplittable(chunks))
         logs = None
-        for batch in batches:
-            logs = self._train_batch(as_chunk(batch))
+        for chunk, n in zip(chunks, rows):
+            logs = self._train_batch(chunk, n)
         return logs
 
-    def _train_batch(self, chunk: tuple) -> Any:
+    def _train_batch(self, chunk: tuple, n: int) -> Any:
+        """Train on one Keras batch of `n` rows: whole while it fits, else in pieces."""
         parts = self._train_parts_for(chunk)
-        n = _data.num_rows(chunk)
         planner = self.planner_for("train", _data.signature(chunk[0]), n)
-        pieces = Pieces()  # pieces of this batch: train steps, or accumulated micro-batches
+        run = self._step_runner(parts.step, planner)
+        guard = None if parts.step.snapshots_itself else parts.guard
+        try:
+            # The whole batch first, without the loop's bookkeeping (once per Keras step).
+            logs = run_whole(self.model, "train", chunk, run, planner, guard=guard,
+                             detail=STATE_KEPT, rows=n)
+            if logs is SPLIT:
+                logs = self._train_pieces(parts, chunk, n, planner, run, guard)
+            planner.finish_batch()
+        finally:
+            if self._unlocated:
+                self.note_events(n)
+        return logs
 
+    def _train_pieces(self, parts: TrainParts, chunk: tuple, n: int, planner: BatchPlanner,
+                      run: Callable[[tuple], Any], guard: Optional[Guard]) -> Any:
+        """The batch as pieces (train steps, or accumulated micro-batches); the last logs."""
+        pieces = Pieces()
         accumulation = None
         if self.mode == "accumulate":
             accumulation = self._accumulation(parts, chunk, planner, pieces)
-        try:
-            run_in_pieces(
-                self.model, "train", [chunk], self._step_runner(parts.step, planner), pieces,
-                requested=None, planner=planner,
-                guard=None if parts.step.snapshots_itself else parts.guard,
-                accumulation=accumulation, detail=STATE_KEPT,
-            )
-            planner.finish_batch()
-            self.epoch_split = max(self.epoch_split, pieces.count)
-            self.note_pieces("train", pieces.count, n)
-        finally:
-            self.note_events(n)
+        run_in_pieces(
+            self.model, "train", [chunk], run, pieces, requested=None, planner=planner,
+            guard=guard, accumulation=accumulation, detail=STATE_KEPT,
+        )
+        self.epoch_split = max(self.epoch_split, pieces.count)
+        self.note_pieces("train", pieces.count, n)
         return pieces.result
 
     def _step_runner(self, step: TrainStep, planner: BatchPlanner) -> Callable[[tuple], Any]:

@@ -97,9 +97,7 @@ class Threaded:
     def __init__(self, model: Any, kind: str, state: Sequence[Any]) -> None:
         self._model_ref = weakref.ref(model)
         self.names = GROUPS[kind]
-        self._values: Dict[str, List[Any]] = {
-            name: list(group) for name, group in zip(self.names, state)
-        }
+        self._values: Dict[str, List[Any]] = dict(zip(self.names, map(list, state)))
         self.materialized = False
         self._detached = False
         self._variables: Dict[str, List[Any]] = {}
@@ -122,7 +120,7 @@ class Threaded:
         # New lists: a caller that keeps them (a train step's spare buffers)
         # must not share a list with the tuple or a snapshot, so that Python's
         # reference count of each array tells who holds it.
-        return [list(self._values[n]) for n in names]
+        return [list(self._values[n]) for n in names]  # one comprehension: once per step
 
     def put(self, names: Sequence[str], values: Sequence[Sequence[Any]]) -> None:
         for name, group in zip(names, values):
@@ -158,8 +156,8 @@ class Threaded:
     def state(self) -> Tuple[List[Any], ...]:
         """The state tuple to hand back to Keras."""
         if self.materialized:
-            return tuple(read(self._variables[name]) for name in self.names)
-        return tuple(self._values[name] for name in self.names)
+            return tuple([read(self._variables[name]) for name in self.names])
+        return tuple(map(self._values.__getitem__, self.names))
 
     def finish(self) -> Tuple[List[Any], ...]:
         """The state tuple to hand back to Keras (`state()`), read before the variables
