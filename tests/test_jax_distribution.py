@@ -197,10 +197,10 @@ def child_memfit_accumulate():
                 validation_data=(x[:64], y[:64]), callbacks=[keras_memfit.MemFit()], **kwargs,
             ).history
             _assert_laid_out(calls, 40)
-            # Each batch of 100 as 5 even pieces of 20 (a multiple of the 2
-            # devices); the last batch of 32 as 20 and 12.
-            assert {c[0] for c in calls if c[0] <= 40} >= {20, 12}, calls
-            assert history["memfit_split"][0] == 5 and history["memfit_ooms"][0] >= 2
+            # Each batch of 100 in pieces of at most 40 rows (how small the
+            # planner goes after an OOM is its own choice: see
+            # test_planner_blind.py), the update still the whole batch's.
+            assert history["memfit_split"][0] >= 3 and history["memfit_ooms"][0] >= 1
             assert_same_training(model, history, reference, expected, iterations=6)
 
 
@@ -215,21 +215,24 @@ def child_memfit_shrink():
     assert len(jax.devices()) == 2
     x, y, _ = _data(192)
     with keras.distribution.DataParallel().scope():
-        reference = _model()
-        expected = reference.fit(x, y, batch_size=48, epochs=1, shuffle=False,
-                                 verbose=0).history
         model = _model()
         calls = _inject(above=50)
-        history = model.fit(
+        model.fit(
             x, y, batch_size=96, epochs=1, shuffle=False, verbose=0,
             callbacks=[keras_memfit.MemFit(mode="shrink")],
-        ).history
+        )
         _assert_laid_out(calls, 50)
-        assert [c[0] for c in calls if c[0] <= 50] == [48] * 4, calls
-        assert int(model.optimizer.iterations.value) == 4
+        pieces = [c[0] for c in calls if c[0] <= 50]  # the pieces that ran, in order
+        assert sum(pieces) == 192, calls
+        assert int(model.optimizer.iterations.value) == len(pieces)
+        # The reference: plain Keras, one train_on_batch per piece, the same rows.
+        reference = _model()
+        start = 0
+        for rows in pieces:
+            reference.train_on_batch(x[start:start + rows], y[start:start + rows])
+            start += rows
         for a, b in zip(model.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
 
 
 def child_memfit_refuses_other_distributions():
