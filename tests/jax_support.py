@@ -18,6 +18,7 @@ these tests with that reason; they never pass silently.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from typing import Dict, Optional
@@ -162,3 +163,22 @@ def _child_main(target: str, limit: int) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     _child_main(sys.argv[1], int(sys.argv[2]))
+
+
+class OOMCounter(logging.Handler):
+    """Counts keras_memfit's WARNINGs that contain `phrase` (the planner's OOM lines).
+
+    Example:
+        >>> ooms = OOMCounter()
+        >>> keras_memfit.safe_predict(model, x, verbose=0)
+        >>> ooms.count  # "out of memory at batch_size=..." lines
+    """
+
+    def __init__(self, phrase: str = "out of memory") -> None:
+        super().__init__(logging.WARNING)
+        self.phrase = phrase
+        self.count = 0
+        logging.getLogger("keras_memfit").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += self.phrase in record.getMessage()

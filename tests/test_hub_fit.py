@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.generate_support import requires_hub
-from tests.jax_support import hide_address_space_limit, requires_jax, run_in_jax
+from tests.jax_support import OOMCounter, hide_address_space_limit, requires_jax, run_in_jax
 
 pytestmark = requires_hub
 
@@ -121,15 +121,6 @@ def test_bert_adam_step_accumulated_equals_kerass_unsplit_step(inject_oom):
 
 
 # ------------------------------------------------------------------- JAX
-class _OOMs(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.count = 0
-        logging.getLogger("keras_memfit").addHandler(self)
-
-    def emit(self, record):
-        self.count += "out of memory at batch_size=" in record.getMessage()
-
 
 def _state(model):
     """Weights, then the optimizer's variables (Adam's moments: one Adam step moves each
@@ -176,7 +167,7 @@ def child_limited():
         model = build()
         before = [np.array(w) for w in model.get_weights()]
         x, y, w = data()
-        ooms, memfit = _OOMs(), keras_memfit.MemFit()
+        ooms, memfit = OOMCounter("out of memory at batch_size="), keras_memfit.MemFit()
         _fit(model, x, y, len(y), [memfit], sample_weight=w)
         logging.getLogger("keras_memfit").removeHandler(ooms)
         print(f"{name}: {ooms.count} OOMs, events "

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from tests.jax_support import real_oom_model, requires_jax, run_in_jax
+from tests.jax_support import OOMCounter, real_oom_model, requires_jax, run_in_jax
 
 pytestmark = requires_jax
 
@@ -35,16 +35,6 @@ def _data(rows):
     return rng.random((rows, 8), dtype=np.float32), rng.integers(0, 3, rows)
 
 
-class _OOMs(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.count = 0
-        logging.getLogger("keras_memfit").addHandler(self)
-
-    def emit(self, record):
-        self.count += "out of memory" in record.getMessage()
-
-
 def child_predict():
     import keras_memfit
     from tests.compile_count import JaxCompiles
@@ -61,7 +51,7 @@ def child_predict():
         assert keras_memfit.is_oom_error(err), str(err)[:300]
     model = real_oom_model()
     for call, most in ((1, oracle.count + 1), (2, 0)):
-        ooms = _OOMs()
+        ooms = OOMCounter()
         with JaxCompiles() as compiles:
             result = keras_memfit.safe_predict(model, x, batch_size=ROWS, verbose=0)
         np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-6)
@@ -93,7 +83,7 @@ def child_fit():
     with JaxCompiles() as oracle:
         _fit(oracle_model, FIT_ORACLE_BATCH)
     model = real_oom_model()
-    ooms = _OOMs()
+    ooms = OOMCounter()
     memfit = keras_memfit.MemFit()
     with JaxCompiles() as compiles:
         _fit(model, FIT_BATCH, [memfit])

@@ -16,31 +16,18 @@ batch that fits (predict) and the same fit run without the limit (fit).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
 import pytest
 
-from tests.jax_support import hide_address_space_limit, real_oom_model, requires_jax, run_in_jax
+from tests.jax_support import OOMCounter, hide_address_space_limit, real_oom_model, requires_jax, run_in_jax
 
 pytestmark = requires_jax
 
 LIMIT_GB = 1.9
 SEED_ROWS, SEED_ORACLE_BATCH = 28000, 256
 FIT_ROWS, FIT_BATCH = 16384, 8192
-
-
-class _OOMs(logging.Handler):
-    """Counts the planner's "out of memory" warnings."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.count = 0
-        logging.getLogger("keras_memfit").addHandler(self)
-
-    def emit(self, record):
-        self.count += "out of memory" in record.getMessage()
 
 
 def _hidden() -> bool:
@@ -61,7 +48,7 @@ def child_seed_predict():
     model = build_cnn()
     x = np.random.default_rng(0).random((SEED_ROWS, 28, 28, 1), dtype=np.float32)
     expected = model.predict(x, batch_size=SEED_ORACLE_BATCH, verbose=0)
-    ooms = _OOMs()
+    ooms = OOMCounter()
     result = keras_memfit.safe_predict(model, x, batch_size=SEED_ROWS, verbose=0)
     np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-6)
     print(f"seed predict: {ooms.count} OOMs (limit hidden: {hidden})")
@@ -95,7 +82,7 @@ def child_fit():
 
     hidden = _hidden()
     model = real_oom_model()
-    ooms = _OOMs()
+    ooms = OOMCounter()
     memfit = keras_memfit.MemFit()
     _fit(model, [memfit])
     print(f"fit: {ooms.count} OOMs (limit hidden: {hidden}), "

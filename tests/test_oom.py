@@ -372,8 +372,10 @@ def test_safe_predict_raises_out_of_memory_error_chained_to_the_original(always_
     device = {"jax": "cpu:0", "torch": "cpu:0"}.get(BACKEND, "CPU:0")  # as the backend names it
     assert err.device == device
     assert "tiny_net" in str(err) and "(1, 4)" in str(err) and device in str(err)
-    # It halved down to a single sample before giving up.
-    assert attempts == [8, 4, 2, 1]
+    # It shrank down to a single sample before giving up (halving where memory
+    # is known, faster where nothing is: shape_plan.blind_size).
+    assert attempts[0] == 8 and attempts[-1] == 1
+    assert attempts == sorted(set(attempts), reverse=True)
 
 
 def test_safe_predict_out_of_memory_error_caught_as_resource_exhausted(always_oom_step):
