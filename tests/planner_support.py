@@ -151,3 +151,37 @@ def expected_estimate(dev):
     m1, m2 = dev.fixed + dev.per_sample * s1, dev.fixed + dev.per_sample * s2
     per_sample = max(m2 / s2, (m2 - m1) / (s2 - s1))
     return int((dev.capacity - dev.current) * MARGIN // per_sample)
+
+
+class NoStatisticsBackend:
+    """The planner's part of the backend seam: one device, nothing known about memory.
+
+    Args:
+        multiple: What piece sizes must be a multiple of (`piece_multiple`).
+        compiles: Whether steps compile once per input shape (`compiles_per_shape`).
+    """
+
+    def __init__(self, multiple=1, compiles=False):
+        self.multiple = multiple
+        self.compiles = compiles
+
+    def compute_device(self):
+        return "FAKE:0"
+
+    def memory_stats(self, device):
+        return None
+
+    def memory_limit(self, device):
+        return None
+
+    def reset_peak(self, device):
+        pass
+
+    def piece_multiple(self):
+        return self.multiple
+
+    def replica_devices(self, model):
+        return ()
+
+    def compiles_per_shape(self, model):
+        return self.compiles

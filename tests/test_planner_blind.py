@@ -16,36 +16,10 @@ import pytest
 from keras_memfit import backend as backend_module
 from keras_memfit.planning import planner as planner_module
 from keras_memfit.planning.planner import BatchPlanner
+from planner_support import NoStatisticsBackend
 
 SIG = ((("4",), "float32"),)
 
-
-class _NoStatistics:
-    """The planner's part of the backend seam: one device, nothing known about memory."""
-
-    def __init__(self, compiles):
-        self.compiles = compiles
-
-    def compute_device(self):
-        return "FAKE:0"
-
-    def memory_stats(self, device):
-        return None
-
-    def memory_limit(self, device):
-        return None
-
-    def reset_peak(self, device):
-        pass
-
-    def piece_multiple(self):
-        return 1
-
-    def replica_devices(self, model):
-        return ()
-
-    def compiles_per_shape(self, model):
-        return self.compiles
 
 
 class _Model:
@@ -53,7 +27,7 @@ class _Model:
 
 
 def _planner(monkeypatch, compiles, estimate, phase="predict", requested=28000):
-    monkeypatch.setattr(backend_module, "get", lambda: _NoStatistics(compiles))
+    monkeypatch.setattr(backend_module, "get", lambda: NoStatisticsBackend(compiles=compiles))
     monkeypatch.setattr(planner_module, "analytic_estimate", lambda model, phase: estimate)
     return BatchPlanner(_Model(), phase, SIG, requested=requested)
 

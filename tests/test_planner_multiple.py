@@ -12,36 +12,10 @@ import pytest
 
 from keras_memfit import backend as backend_module
 from keras_memfit.planning.planner import GROW_AFTER, BatchPlanner
+from planner_support import NoStatisticsBackend
 
 SIG = ((("4",), "float32"),)
 
-
-class _Devices:
-    """The planner's part of the backend seam: no memory statistics, `multiple` devices."""
-
-    def __init__(self, multiple):
-        self.multiple = multiple
-
-    def compute_device(self):
-        return "FAKE:0"
-
-    def memory_stats(self, device):
-        return None
-
-    def memory_limit(self, device):
-        return None
-
-    def reset_peak(self, device):
-        pass
-
-    def piece_multiple(self):
-        return self.multiple
-
-    def replica_devices(self, model):
-        return ()
-
-    def compiles_per_shape(self, model):
-        return False  # the sizes below are those of steps that run any shape
 
 
 class _Model:
@@ -50,7 +24,7 @@ class _Model:
 
 @pytest.fixture
 def two_devices(monkeypatch):
-    devices = _Devices(2)
+    devices = NoStatisticsBackend(multiple=2)  # steps that run any shape
     monkeypatch.setattr(backend_module, "get", lambda: devices)
     return devices
 
@@ -99,7 +73,7 @@ def test_memfit_growth_goes_to_a_multiple_that_runs_a_batch_as_fewer_pieces(two_
 
 
 def test_one_device_plans_as_before(monkeypatch):
-    devices = _Devices(1)
+    devices = NoStatisticsBackend(multiple=1)
     monkeypatch.setattr(backend_module, "get", lambda: devices)
     planner = BatchPlanner(_Model(), "predict", SIG, requested=101)
     assert planner.next_size() == 101
