@@ -120,8 +120,16 @@ def check_trainable(model: keras.Model) -> None:
             f"model '{model.name}' under {type(distribution).__name__}. Train under "
             "DataParallel, or without MemFit."
         )
+
+
 # ---------------------------------------------------------------- layouts
-def _leaves_rows(data: Any) -> int:
+def batch_rows(data: Any) -> int:
+    """The rows of a batch: its first array's leading dimension (0 with no array).
+
+    Example:
+        >>> batch_rows((x[:64], y[:64], None))
+        64
+    """
     for leaf in keras.tree.flatten(data):
         if leaf is not None:
             return int(np.shape(leaf)[0])
@@ -159,7 +167,7 @@ def _split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int,
 
     A part with no rows is None.
     """
-    n = _leaves_rows(data)
+    n = batch_rows(data)
     cut = n - n % multiple
     if cut == n:
         return data, None, n, 0
@@ -284,7 +292,7 @@ class ShardedTrainStep:
         return self.__wrapped__.last_outcome
 
     def _laid_out(self, data: Any) -> Any:
-        if _leaves_rows(data) % self._multiple:
+        if batch_rows(data) % self._multiple:
             return _replicate(data, self._distribution)
         return _lay_out(data, self._distribution)
 

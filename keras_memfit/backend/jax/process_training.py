@@ -52,20 +52,13 @@ from typing import Any, Dict, List, Optional, Union
 import jax
 import jax.numpy as jnp
 import keras
-import numpy as np
 
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.jax import processes
+from keras_memfit.backend.jax import distribution, processes
 from keras_memfit.backend.jax import state as _state
 from keras_memfit.backend.jax import training
 
 TRAIN_STATE = training.TRAIN_STATE
-
-
-def _rows(data: Any) -> int:
-    for leaf in jax.tree_util.tree_leaves(data):
-        return int(np.shape(leaf)[0])
-    return 0
 
 
 def _is_float(value: Any) -> bool:
@@ -108,7 +101,7 @@ class ProcessAccumulator:
 
     def add(self, data: Any, weight: float) -> None:
         """Add the gradient of a piece of this process's rows (weighted by its rows)."""
-        rows = _rows(data)
+        rows = distribution.batch_rows(data)
         device = processes.local_device()
         data = jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, device), data)
         trainable, _, optimizer, _ = self._local
