@@ -37,12 +37,18 @@ compilations (issue #20). Each measurement is against plain Keras:
    CPU stand-in, Dense(16384) on 8 features, 65,536 rows, under 5 GiB;
    counted with `jax.monitoring`'s backend-compile event. Each child first
    checks its counter on a toy (a jitted function at shapes 3, 3, 4: 2).
+5. `fit-jit` (TensorFlow only; JAX always compiles): part 1 with the model
+   compiled with `jit_compile=True`, as Keras compiles it on a GPU. Under
+   XLA MemFit holds the weights and optimizer slots during the first call
+   at each input shape (`backend/tensorflow/training.XlaHolds`): this part
+   measures what that costs at the boundary.
 
 Usage (from the repository root):
     python -m benchmarks.footprint --backend tensorflow      # ~15-25 min
     python -m benchmarks.footprint --backend jax
     python -m benchmarks.footprint --backend jax --parts fit --batches 8
     python -m benchmarks.footprint --backend torch   # fit, predict, peak (CUDA only)
+    python -m benchmarks.footprint --backend tensorflow --parts fit-jit --batches 8
     python -m benchmarks.footprint --quick --output /tmp/R.md --json /tmp/f.json
 
 A run writes its backend's `footprint-<backend>` section of
@@ -64,10 +70,11 @@ from benchmarks import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks")
-PARTS = ("fit", "predict", "peak", "compiles")
+PARTS = ("fit", "predict", "peak", "compiles", "fit-jit")
 # Keras's torch steps run eagerly (torch.compile only with jit_compile=True,
 # which keras_memfit's steps do not use): no compilations to count.
-BACKEND_PARTS = {"torch": ("fit", "predict", "peak")}
+# "fit-jit" (`jit_compile=True`): TensorFlow only (JAX always compiles with XLA).
+BACKEND_PARTS = {"torch": ("fit", "predict", "peak"), "jax": ("fit", "predict", "peak", "compiles")}
 RESOLUTION = 0.01
 STEP = 8  # widths are multiples of 8
 # The plain bisection's first bracket per call; MemFit's is around plain's result.
@@ -245,8 +252,9 @@ def measure_widest(backend: str, call: str, batches: Sequence[int], settings: Di
     for batch in batches:
         for memfit in (False, True):
             def trains(width: int, memfit: bool = memfit) -> Dict[str, Any]:
-                r = run_child(env, limit_gb, dict(part="try", call=call, width=width,
-                                                  batch=batch, memfit=memfit))
+                r = run_child(env, limit_gb, dict(part="try", call=call.replace("-jit", ""),
+                                                  width=width, batch=batch, memfit=memfit,
+                                                  jit_compile=call.endswith("-jit") or "auto"))
                 log(f"  {call} batch={batch} {'keras_memfit' if memfit else 'plain'} "
                     f"W={width}: {'trains' if r['ok'] else r.get('error')} "
                     f"({r.get('seconds', 0):.1f} s, ooms caught {r.get('ooms_caught', '-')})")
@@ -258,7 +266,7 @@ def measure_widest(backend: str, call: str, batches: Sequence[int], settings: Di
                 plain = out[f"{batch}/plain"]["widest"]
                 lo, hi = (plain * f for f in settings.get("memfit_bracket", (0.5, 1.02)))
             else:
-                lo, hi = settings[call]
+                lo, hi = settings[call.replace("-jit", "")]
             start = time.perf_counter()
             result = widest(trains, lo, hi, settings["resolution"])
             result["seconds"] = time.perf_counter() - start
@@ -347,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for part in parts:
         log(f"{part} ({backend}):")
         part_start = time.perf_counter()
-        if part in ("fit", "predict"):
+        if part in ("fit", "predict", "fit-jit"):
             result = measure_widest(backend, part, batches, settings, log)
         elif part == "peak":
             result = measure_peak(backend, settings, repeats=1 if args.quick else 3)
@@ -365,7 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if set(old["parts"]) - set(parts) or any(set(batches) != {int(k.split("/")[0])
                                                               for k in v if "/" in k}
                                                  for p, v in data["parts"].items()
-                                                 if p in ("fit", "predict")):
+                                                 if p in ("fit", "predict", "fit-jit")):
             data["command"] = old["command"] + "`, then `" + data["command"]
             data["seconds"] += old["seconds"]
     return _write(data, output, json_path, stored)
@@ -373,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _keep_stored(data: Dict[str, Any], old: Optional[Dict[str, Any]], part: str) -> None:
     """A widest-model part keeps the stored batch sizes this run did not measure."""
-    if not old or data["quick"] or part not in ("fit", "predict"):
+    if not old or data["quick"] or part not in ("fit", "predict", "fit-jit"):
         return
     previous = old["parts"].get(part, {})
     data["parts"][part] = dict({k: v for k, v in previous.items() if "/" in k},

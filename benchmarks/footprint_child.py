@@ -131,7 +131,7 @@ def part_try(config: Dict[str, Any]) -> Dict[str, Any]:
     start = time.perf_counter()
     with OomCounter() as counter:
         try:
-            model = wide_model(width)
+            model = wide_model(width, config.get("jit_compile", "auto"))
             x, y = wide_data(2 * batch)
             if config["call"] == "fit":
                 callbacks = [keras_memfit.MemFit()] if memfit else []

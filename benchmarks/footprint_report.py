@@ -15,6 +15,7 @@ from benchmarks import common
 TARGET_RATIO = 0.98
 TOY_COMPILES = 2  # the toy: one jitted function at shapes 3, 3, 4
 LABELS = {"fit": ("model.fit", "model.fit(callbacks=[MemFit()])"),
+          "fit-jit": ("model.fit", "model.fit(callbacks=[MemFit()])"),
           "predict": ("model.predict", "safe_predict")}
 
 
@@ -167,7 +168,9 @@ def section(data: Dict[str, Any]) -> str:
     lines += [f"| {k} | {v} |" for k, v in machine.items()]
     for part, title in (("fit", "### Widest model that trains: fit"),
                         ("predict", "### Widest model that predicts: predict "
-                                    "(2 x batch_size rows)")):
+                                    "(2 x batch_size rows)"),
+                        ("fit-jit", "### Widest model that trains under XLA: fit, "
+                                    "`jit_compile=True`")):
         if part in parts:
             lines += ["", title, ""] + widest_table(part, parts[part], settings["resolution"])
     if "peak" in parts:
@@ -184,7 +187,7 @@ def section(data: Dict[str, Any]) -> str:
 def problems(data: Dict[str, Any]) -> List[str]:
     """What makes the stored results an invalid measurement."""
     found = []
-    for part in ("fit", "predict"):
+    for part in ("fit", "predict", "fit-jit"):
         for key, result in data["parts"].get(part, {}).items():
             if "/" in key:
                 found += [f"{part} {key}: {p}" for p in result.get("problems", [])]

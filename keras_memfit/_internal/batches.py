@@ -10,7 +10,7 @@ sparse or ragged tensor, or an optional input that arrives as a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set
 
 import keras
 import numpy as np
@@ -21,16 +21,34 @@ _NOT_DENSE = ("indices", "row_splits", "nnz")
 
 # Classes every instance of which is a dense array and a leaf for `keras.tree`:
 # numpy's, and each dense tensor class met so far (JAX's array, TensorFlow's
-# EagerTensor), never torch.Tensor, whose sparse tensors share its class. The
+# EagerTensor), never torch.Tensor, whose sparse tensors share its class (see
+# `_DENSE_LAYOUTS`). The
 # checks made on every batch of Keras's loop then need neither `keras.tree`
 # nor attribute probes for a batch of them (see `leaves`).
 _DENSE_CLASSES: Set[type] = {np.ndarray}
+# Classes whose instances are dense leaves exactly when their `layout` is the
+# one recorded here (torch.Tensor: `torch.strided`), met so far: one attribute
+# read instead of `keras.tree` per batch.
+_DENSE_LAYOUTS: Dict[type, Any] = {}
 
 
 def _note_dense_class(leaf: Any) -> None:
-    """Remember the class of `leaf`, a tensor found dense, where all its instances are."""
-    if not hasattr(leaf, "is_sparse") and not keras.tree.is_nested(leaf):
+    """Remember the class of `leaf`, a tensor found dense (or, for torch, its dense layout)."""
+    if keras.tree.is_nested(leaf):
+        return
+    if not hasattr(leaf, "is_sparse"):
         _DENSE_CLASSES.add(type(leaf))
+    elif getattr(leaf, "layout", None) is not None:  # a torch.Tensor: dense by its layout
+        _DENSE_LAYOUTS[type(leaf)] = leaf.layout
+
+
+def _known_dense(leaf: Any) -> bool:
+    """Whether `leaf` is of a class met before as a dense leaf (a cheap test, no false yes)."""
+    cls = type(leaf)
+    if cls in _DENSE_CLASSES:
+        return True
+    layout = _DENSE_LAYOUTS.get(cls)
+    return layout is not None and leaf.layout is layout
 
 
 def leaves(structure: Any) -> List[Any]:
@@ -44,13 +62,12 @@ def leaves(structure: Any) -> List[Any]:
         >>> leaves((np.zeros((4, 2)), None))
         [array(...), None]
     """
-    cls = type(structure)
-    if cls is tuple:
+    if type(structure) is tuple:
         for part in structure:
-            if part is not None and type(part) not in _DENSE_CLASSES:
+            if part is not None and not _known_dense(part):
                 return keras.tree.flatten(structure)
         return list(structure)
-    if cls in _DENSE_CLASSES:
+    if _known_dense(structure):
         return [structure]
     return keras.tree.flatten(structure)
 
@@ -82,7 +99,7 @@ def _splittable(leaf: Any) -> bool:
         return True
     if isinstance(leaf, np.ndarray):
         return leaf.ndim >= 1
-    if type(leaf) not in _DENSE_CLASSES:
+    if not _known_dense(leaf):
         if not keras.ops.is_tensor(leaf) or not _dense(leaf):
             return False
         _note_dense_class(leaf)

@@ -41,6 +41,8 @@ logger = logging.getLogger("keras_memfit")
 
 def to_tensors(data: Any) -> Any:
     """`data` with every numpy array as a torch tensor on Keras's device (None stays None)."""
+    if type(data) is tuple and all(d is None or type(d) is torch.Tensor for d in data):
+        return data  # what Keras's torch data loader hands a step: nothing to convert
 
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, (np.ndarray, np.generic)):
@@ -112,7 +114,6 @@ class PredictStep(_Step):
         if self._postprocess is not None:
             outputs = self._postprocess(outputs)
         return outputs
-
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)`, traced on the "meta" device (see `output_spec`)."""
@@ -189,12 +190,41 @@ def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
     return TestStep(model)
 
 
+class TensorsOf:
+    """The torch tensors behind a list of Keras variables, looked up again only when it changes.
+
+    A built Keras variable on torch keeps one tensor for its life (`assign`
+    copies into it in place), and reading `variable.value` costs about a
+    microsecond and a half of Python: a step that runs every batch reads
+    them once per list of variables.
+
+    Example:
+        >>> tensors = TensorsOf()
+        >>> for t in tensors(model.trainable_weights): t.grad = None
+    """
+
+    __slots__ = ("_variables", "_tensors")
+
+    def __init__(self) -> None:
+        self._variables: tuple = ()
+        self._tensors: List[Any] = []
+
+    def __call__(self, variables: Sequence[Any]) -> List[Any]:
+        """The tensors of `variables` (the same variables, in order, as last time: cached)."""
+        known = self._variables
+        if len(variables) != len(known) or any(a is not b for a, b in zip(variables, known)):
+            self._variables = tuple(variables)
+            self._tensors = [v.value for v in variables]
+        return self._tensors
+
+
 class VariableGuard:
     """Copies of some variables, taken before a step and restored if it fails.
 
-    The copies are clones on the variables' own devices (the guarded state is
-    small: metrics, counters, non-trainable layer state); `restore` copies
-    them back in place.
+    The copies are tensors on the variables' own devices (the guarded state
+    is small: metrics, counters, non-trainable layer state), made by the
+    first `snapshot` and refilled in place by the next ones (one `foreach`
+    copy); `restore` copies them back in place.
 
     Example:
         >>> guard = VariableGuard(model.metrics_variables)
@@ -203,20 +233,25 @@ class VariableGuard:
 
     def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
+        self._tensors = TensorsOf()
         self._saved: Optional[List[Any]] = None
 
     def snapshot(self) -> None:
         """Record the variables' current values."""
+        values = self._tensors(self._variables)
         with torch.no_grad():
-            self._saved = [v.value.detach().clone() for v in self._variables]
+            if self._saved is None:
+                self._saved = [v.detach().clone() for v in values]
+            elif values:
+                torch._foreach_copy_(self._saved, values)
 
     def restore(self) -> None:
         """Put back the values recorded by the last `snapshot()`."""
         if self._saved is None:
             return
         with torch.no_grad():
-            for v, saved in zip(self._variables, self._saved):
-                v.value.copy_(saved)
+            for value, saved in zip(self._tensors(self._variables), self._saved):
+                value.copy_(saved)
 
 
 def guard_variables(variables: Sequence[Any]) -> VariableGuard:

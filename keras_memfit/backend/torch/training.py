@@ -30,7 +30,7 @@ from keras.src.backend.torch.trainer import TorchTrainer
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.torch.steps import AfterOOM, VariableGuard, to_tensors
+from keras_memfit.backend.torch.steps import AfterOOM, TensorsOf, VariableGuard, to_tensors
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -84,6 +84,8 @@ def distribution_of(model: keras.Model) -> Optional[str]:
 
 
 def _rows(x: Any) -> int:
+    if type(x) is torch.Tensor:
+        return int(x.shape[0])
     return int(next(i for i in keras.tree.flatten(x) if i is not None).shape[0])
 
 
@@ -102,6 +104,13 @@ def drop_gradients(weights: Sequence[Any]) -> None:
     """Free the gradients `backward()` left on `weights` (`.grad = None`)."""
     for w in weights:
         w.value.grad = None
+
+
+def _drop_grads(tensors: Sequence[Any]) -> None:
+    """Free the gradients `backward()` left on the weights' tensors (`.grad = None`)."""
+    for t in tensors:
+        if t.grad is not None:  # reading is cheaper than setting (about 1 us)
+            t.grad = None
 
 
 class TrainStep:
@@ -127,6 +136,7 @@ class TrainStep:
     def __init__(self, model: keras.Model, guarded: Sequence[Any]) -> None:
         self._model_ref = weakref.ref(model)
         self._guard = VariableGuard(guarded)
+        self._tensors = TensorsOf()
         self._after_oom = AfterOOM()
         self.last_outcome: Optional[StepOutcome] = None
 
@@ -134,26 +144,27 @@ class TrainStep:
         model = self._model_ref()
         self._after_oom.before_call()
         weights = model.trainable_weights
+        tensors = self._tensors(weights)
         self._guard.snapshot()
         began = False
         try:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
-            drop_gradients(weights)
+            _drop_grads(tensors)
             y_pred, loss = _forward_loss(model, x, y, sample_weight)
             if model.optimizer is not None:
                 loss = model.optimizer.scale_loss(loss)
             if weights:
                 loss.backward()
                 del loss
-                gradients = [w.value.grad for w in weights]
+                gradients = [t.grad for t in tensors]
                 began = True
                 with torch.no_grad():
                     model.optimizer.apply(gradients, weights)
                 del gradients
-                drop_gradients(weights)
+                _drop_grads(tensors)
             return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         except Exception:
-            drop_gradients(weights)
+            _drop_grads(tensors)
             self._guard.restore()
             self.last_outcome = StepOutcome.UPDATE_BEGAN if began else StepOutcome.RESTORED
             self._after_oom.failed()
