@@ -143,29 +143,41 @@ def _as_array(leaf: Any) -> Any:
 def _lay_out(data: Any, distribution: Any) -> Any:
     """Every array of `data` laid out as Keras lays out a batch (rows over the devices)."""
 
-    def put(leaf: Any) -> Any:
+    def one(leaf: Any) -> Any:
         if leaf is None:
             return None
         leaf = _as_array(leaf)
         return jax.device_put(leaf, distribution.get_data_layout(leaf.shape).backend_layout)
 
-    return keras.tree.map_structure(put, data)
+    return keras.tree.map_structure(one, data)
 
 
-def _replicate(data: Any, distribution: Any) -> Any:
-    """Every array of `data` copied whole onto every device of the mesh."""
-    sharding = jax.sharding.NamedSharding(
-        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
-    )
+def put(data: Any, sharding: Any) -> Any:
+    """Every array of `data` put on the devices as `sharding` says (None stays None).
+
+    Example:
+        >>> put((x[:64], y[:64], None), sharding)  # rows laid out, or replicated
+    """
     return keras.tree.map_structure(
         lambda leaf: None if leaf is None else jax.device_put(_as_array(leaf), sharding), data
     )
 
 
-def _split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
+def _replicate(data: Any, distribution: Any) -> Any:
+    """Every array of `data` copied whole onto every device of the mesh."""
+    return put(data, jax.sharding.NamedSharding(
+        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+    ))
+
+
+def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
     """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
 
     A part with no rows is None.
+
+    Example:
+        >>> split_rows((x[:203], y[:203]), 2)[2:]
+        (202, 1)
     """
     n = batch_rows(data)
     cut = n - n % multiple
@@ -206,7 +218,7 @@ class ShardedStep:
     def start(self, data: Any) -> Any:
         """Start the step on `data`'s pieces (a `backend.base.StartedPiece`)."""
         step, distribution = self.__wrapped__, self._distribution
-        head, tail, _, _ = _split(data, self._multiple)
+        head, tail, _, _ = split_rows(data, self._multiple)
         if tail is None:
             return step.start(_lay_out(head, distribution))
         if head is None:
@@ -320,7 +332,7 @@ class ShardedAccumulator:
         self.__wrapped__.reset()
 
     def add(self, data: Any, weight: float) -> None:
-        head, tail, head_rows, tail_rows = _split(data, self._multiple)
+        head, tail, head_rows, tail_rows = split_rows(data, self._multiple)
         n = head_rows + tail_rows
         if head is not None:
             self.__wrapped__.add(_lay_out(head, self._distribution), weight * head_rows / n)
