@@ -49,7 +49,10 @@ they are (the pieces are fed unlaid, as host arrays) and is refused by
 MemFit with `NotImplementedError` (`check_trainable`). Multi-process JAX
 (`jax.distributed`, where each process feeds its own rows) runs each
 process's rows on local copies of the state instead (`processes`,
-`process_training`).
+`process_training`), laid out over the process's own devices with the same
+`piece_multiple` and `split_rows`, but with no collective inside the
+program (one partial gradient sum per device, summed with the other
+processes' once per batch).
 """
 
 from __future__ import annotations
@@ -83,13 +86,22 @@ def data_parallel() -> Optional[Any]:
 def piece_multiple() -> int:
     """What every planned piece size must be a multiple of: the devices a batch is laid out over.
 
-    1 without a single-process `DataParallel` distribution.
+    Under a single-process `DataParallel`, the devices of the mesh's batch
+    axis; under `DataParallel` over several processes, this process's local
+    devices (each process lays its own rows over them: `process_training`);
+    1 without `DataParallel`.
 
     Example:
         >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
         >>> piece_multiple()  # with two JAX devices
         2
     """
+    if jax.process_count() > 1:
+        several = keras.distribution.distribution()
+        if not isinstance(several, keras.distribution.DataParallel):
+            return 1
+        mesh = several.device_mesh.backend_mesh
+        return max(1, len(mesh.local_devices))
     distribution = data_parallel()
     if distribution is None:
         return 1
@@ -173,7 +185,8 @@ def _replicate(data: Any, distribution: Any) -> Any:
 def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
     """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
 
-    A part with no rows is None.
+    A part with no rows is None. Also the split of the multi-process
+    accumulator (`process_training`) over each process's local devices.
 
     Example:
         >>> split_rows((x[:203], y[:203]), 2)[2:]
