@@ -238,7 +238,8 @@ def child_memfit_shrink():
 def child_memfit_refuses_other_distributions():
     """ModelParallel: a NotImplementedError naming the case, before any step, the
     model untouched; DataParallel over several processes is accepted (tested for
-    real in test_jax_processes.py), its pieces not laid out here."""
+    real in test_jax_processes.py), its pieces a multiple of the process's local
+    devices (both devices here)."""
     import jax
     import keras
     import pytest
@@ -270,7 +271,7 @@ def child_memfit_refuses_other_distributions():
         jax.process_count = lambda *args, **kwargs: 2
         try:
             distribution.check_trainable(model)  # several processes: trains
-            assert distribution.piece_multiple() == 1
+            assert distribution.piece_multiple() == 2  # each process's local devices
         finally:
             jax.process_count = real
         distribution.check_trainable(model)  # one process: trains

@@ -6,9 +6,11 @@ address space is limited so that its full batch runs out of memory (a real
 `RESOURCE_EXHAUSTED`) and process 0's is not: MemFit must catch the OOM on
 process 1, both must finish with the same weights, equal to one plain Keras
 process trained on the same global batches (SGD: nothing amplifies the
-summation order's rounding), with the same `iterations` and History. A
-process that fails with another error, or dies, must make the other exit
-with a clear error within the agreement's timeout.
+summation order's rounding), with the same `iterations` and History; also
+with two local devices a process (`TWO_DEVICES`), each piece then laid out
+over both, half its rows each. A process that fails with another error, or
+dies, must make the other exit with a clear error within the agreement's
+timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ BATCHES = 2
 EPOCHS = 2
 MARGIN_MB = 300  # process 1's address space: its use before fit plus this
 TIMEOUT_S = "20"  # KERAS_MEMFIT_PROCESS_TIMEOUT in the failure tests
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+ODD = 5  # rows a process in the two-device test's last batch: not a multiple of 2
 
 
 def _data(process):
@@ -93,8 +97,28 @@ def _limit_if(process):
         limit_address_space(MARGIN_MB)
 
 
+def _spy_on_layouts():
+    """Record, for each piece MemFit's accumulator puts on the local devices, its rows
+    and the rows each device holds (`distribution.put`, which it calls per piece)."""
+    import keras
+
+    from keras_memfit.backend.jax import distribution
+
+    put, seen = distribution.put, []
+
+    def spy(data, sharding):
+        placed = put(data, sharding)
+        first = next(leaf for leaf in keras.tree.flatten(placed) if leaf is not None)
+        seen.append([int(first.shape[0])] + sorted(
+            int(shard.data.shape[0]) for shard in first.addressable_shards))
+        return placed
+
+    distribution.put = spy
+    return seen
+
+
 # ------------------------------------------------------------------ children
-def child_fit(process, out):
+def child_fit(process, out, name="fit"):
     import keras_memfit
     from tests.jax_support import real_oom_model
 
@@ -105,9 +129,9 @@ def child_fit(process, out):
     _limit_if(process)
     history = model.fit(x, y, batch_size=ROWS, epochs=EPOCHS, shuffle=False, verbose=0,
                         callbacks=[keras_memfit.MemFit()]).history
-    _save(out, f"fit{process}.npz", model, loss=np.asarray(history["loss"]),
+    _save(out, f"{name}{process}.npz", model, loss=np.asarray(history["loss"]),
           accuracy=np.asarray(history["accuracy"]))
-    with open(os.path.join(out, f"fit{process}.json"), "w") as f:
+    with open(os.path.join(out, f"{name}{process}.json"), "w") as f:
         json.dump({"ooms": counter.ooms}, f)
     # One update per piece cannot be agreed on: refused before any step, by name.
     import pytest
@@ -116,6 +140,47 @@ def child_fit(process, out):
         model.fit(x, y, batch_size=ROWS, epochs=1, verbose=0,
                   callbacks=[keras_memfit.MemFit(mode="shrink")])
     assert int(model.optimizer.iterations.value) == BATCHES * EPOCHS
+    return model
+
+
+def child_fit_two_devices(process, out):
+    """`child_fit` with two local devices a process (XLA_FLAGS in `TWO_DEVICES`), then
+    one accumulated batch of ODD rows a process: ODD - 1 rows laid out over both
+    devices, the last one replicated on both and counted once."""
+    import jax
+
+    import keras_memfit.backend
+
+    assert jax.local_device_count() == 2, jax.local_devices()
+    seen = _spy_on_layouts()
+    model = child_fit(process, out, name="fit2dev")
+    with open(os.path.join(out, f"fit2dev{process}.json")) as f:
+        found = json.load(f)
+    found["pieces"], found["odd_pieces"] = list(seen), []
+    _save(out, f"odd_before{process}.npz", model)
+    x, y = _data(process)
+    seen.clear()
+    accumulator = keras_memfit.backend.get().make_accumulator(model)
+    accumulator.reset()
+    accumulator.add((x[:ODD], y[:ODD], None), 1.0)
+    accumulator.apply()
+    found["odd_pieces"] = seen
+    _save(out, f"odd{process}.npz", model)
+    with open(os.path.join(out, f"fit2dev{process}.json"), "w") as f:
+        json.dump(found, f)
+
+
+def reference_odd(out):
+    """One plain train_on_batch on both processes' ODD rows, from their weights."""
+    from tests.jax_support import real_oom_model
+
+    model = real_oom_model()
+    with np.load(os.path.join(out, "odd_before0.npz")) as before:
+        model.set_weights([before[f"w{i}"] for i in range(len(model.get_weights()))])
+    (x0, y0), (x1, y1) = _data(0), _data(1)
+    model.train_on_batch(np.concatenate([x0[:ODD], x1[:ODD]]),
+                         np.concatenate([y0[:ODD], y1[:ODD]]))
+    _save(out, "odd_reference.npz", model)
 
 
 def reference_fit(out):
@@ -240,23 +305,56 @@ def _load(out, name):
         return {key: data[key] for key in data.files}
 
 
-def test_memfit_fit_one_process_out_of_memory(tmp_path):
-    out = str(tmp_path)
-    results = run_processes(__file__, "child_fit", out, timeout=300)
-    assert [r.returncode for r in results] == [0, 0], describe(results)
+def _assert_fit_matches_reference(out, results, name):
+    """Process 1 ran out of memory and process 0 did not; both ended with the same
+    weights and iterations, equal to one plain process's on the global batches."""
     run_reference(__file__, "reference_fit", out)
-    with open(os.path.join(out, "fit1.json")) as f:
+    with open(os.path.join(out, f"{name}1.json")) as f:
         assert json.load(f)["ooms"] >= 1, describe(results)  # process 1 ran out of memory
-    with open(os.path.join(out, "fit0.json")) as f:
+    with open(os.path.join(out, f"{name}0.json")) as f:
         assert json.load(f)["ooms"] == 0, describe(results)  # process 0 did not
-    first, second, reference = (_load(out, name) for name in
-                                ("fit0.npz", "fit1.npz", "fit_reference.npz"))
+    first, second, reference = (_load(out, file) for file in
+                                (f"{name}0.npz", f"{name}1.npz", "fit_reference.npz"))
     assert int(first["iterations"]) == int(second["iterations"]) == BATCHES * EPOCHS
     assert int(reference["iterations"]) == BATCHES * EPOCHS
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)  # identical
         np.testing.assert_allclose(first[key], reference[key], rtol=1e-5, atol=1e-6,
                                    err_msg=key)
+
+
+def test_memfit_fit_one_process_out_of_memory(tmp_path):
+    out = str(tmp_path)
+    results = run_processes(__file__, "child_fit", out, timeout=300)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    _assert_fit_matches_reference(out, results, "fit")
+
+
+def test_memfit_fit_two_local_devices_a_process(tmp_path):
+    """Each process lays its pieces over both its devices, half the rows each."""
+    out = str(tmp_path)
+    results = run_processes(__file__, "child_fit_two_devices", out, timeout=300,
+                            env=TWO_DEVICES)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    _assert_fit_matches_reference(out, results, "fit2dev")
+    for process in range(2):
+        with open(os.path.join(out, f"fit2dev{process}.json")) as f:
+            pieces = json.load(f)["pieces"]
+        assert pieces, describe(results)
+        for rows, *per_device in pieces:  # both devices, an equal share each
+            assert per_device == [rows // 2, rows // 2], (process, pieces)
+        if process == 1:  # its full batch ran out of memory: smaller pieces followed
+            assert min(rows for rows, *_ in pieces) < ROWS, pieces
+        with open(os.path.join(out, f"fit2dev{process}.json")) as f:
+            odd_pieces = json.load(f)["odd_pieces"]
+        assert odd_pieces == [[ODD - 1, ODD // 2, ODD // 2], [1, 1, 1]], odd_pieces
+    run_reference(__file__, "reference_odd", out)
+    first, second, reference = (_load(out, f"odd{name}.npz") for name in ("0", "1", "_reference"))
+    for key in reference:
+        if key.startswith("w"):
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+            np.testing.assert_allclose(first[key], reference[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
 
 
 def test_safe_predict_one_process_out_of_memory(tmp_path):

@@ -49,7 +49,10 @@ they are (the pieces are fed unlaid, as host arrays) and is refused by
 MemFit with `NotImplementedError` (`check_trainable`). Multi-process JAX
 (`jax.distributed`, where each process feeds its own rows) runs each
 process's rows on local copies of the state instead (`processes`,
-`process_training`).
+`process_training`), laid out over the process's own devices with the same
+`piece_multiple` and `split_rows`, but with no collective inside the
+program (one partial gradient sum per device, summed with the other
+processes' once per batch).
 """
 
 from __future__ import annotations
@@ -83,13 +86,22 @@ def data_parallel() -> Optional[Any]:
 def piece_multiple() -> int:
     """What every planned piece size must be a multiple of: the devices a batch is laid out over.
 
-    1 without a single-process `DataParallel` distribution.
+    Under a single-process `DataParallel`, the devices of the mesh's batch
+    axis; under `DataParallel` over several processes, this process's local
+    devices (each process lays its own rows over them: `process_training`);
+    1 without `DataParallel`.
 
     Example:
         >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
         >>> piece_multiple()  # with two JAX devices
         2
     """
+    if jax.process_count() > 1:
+        several = keras.distribution.distribution()
+        if not isinstance(several, keras.distribution.DataParallel):
+            return 1
+        mesh = several.device_mesh.backend_mesh
+        return max(1, len(mesh.local_devices))
     distribution = data_parallel()
     if distribution is None:
         return 1
@@ -143,29 +155,42 @@ def _as_array(leaf: Any) -> Any:
 def _lay_out(data: Any, distribution: Any) -> Any:
     """Every array of `data` laid out as Keras lays out a batch (rows over the devices)."""
 
-    def put(leaf: Any) -> Any:
+    def one(leaf: Any) -> Any:
         if leaf is None:
             return None
         leaf = _as_array(leaf)
         return jax.device_put(leaf, distribution.get_data_layout(leaf.shape).backend_layout)
 
-    return keras.tree.map_structure(put, data)
+    return keras.tree.map_structure(one, data)
 
 
-def _replicate(data: Any, distribution: Any) -> Any:
-    """Every array of `data` copied whole onto every device of the mesh."""
-    sharding = jax.sharding.NamedSharding(
-        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
-    )
+def put(data: Any, sharding: Any) -> Any:
+    """Every array of `data` put on the devices as `sharding` says (None stays None).
+
+    Example:
+        >>> put((x[:64], y[:64], None), sharding)  # rows laid out, or replicated
+    """
     return keras.tree.map_structure(
         lambda leaf: None if leaf is None else jax.device_put(_as_array(leaf), sharding), data
     )
 
 
-def _split(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
+def _replicate(data: Any, distribution: Any) -> Any:
+    """Every array of `data` copied whole onto every device of the mesh."""
+    return put(data, jax.sharding.NamedSharding(
+        distribution.device_mesh.backend_mesh, jax.sharding.PartitionSpec()
+    ))
+
+
+def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
     """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
 
-    A part with no rows is None.
+    A part with no rows is None. Also the split of the multi-process
+    accumulator (`process_training`) over each process's local devices.
+
+    Example:
+        >>> split_rows((x[:203], y[:203]), 2)[2:]
+        (202, 1)
     """
     n = batch_rows(data)
     cut = n - n % multiple
@@ -206,7 +231,7 @@ class ShardedStep:
     def start(self, data: Any) -> Any:
         """Start the step on `data`'s pieces (a `backend.base.StartedPiece`)."""
         step, distribution = self.__wrapped__, self._distribution
-        head, tail, _, _ = _split(data, self._multiple)
+        head, tail, _, _ = split_rows(data, self._multiple)
         if tail is None:
             return step.start(_lay_out(head, distribution))
         if head is None:
@@ -320,7 +345,7 @@ class ShardedAccumulator:
         self.__wrapped__.reset()
 
     def add(self, data: Any, weight: float) -> None:
-        head, tail, head_rows, tail_rows = _split(data, self._multiple)
+        head, tail, head_rows, tail_rows = split_rows(data, self._multiple)
         n = head_rows + tail_rows
         if head is not None:
             self.__wrapped__.add(_lay_out(head, self._distribution), weight * head_rows / n)

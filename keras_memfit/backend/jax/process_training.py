@@ -4,19 +4,28 @@ See `processes` for why no collective may run where memory can run out.
 Under several processes (`processes.multi_process()`) with `DataParallel`,
 the train step and the accumulator of the seam are the ones here:
 
-- `ProcessAccumulator.add` computes, on this process's first device, the
-  gradient of `rows` times the mean loss of a piece of this process's own
-  rows (the batch Keras hands this process), on local copies of the
-  replicated state, with no collective: an OOM there is this process's own,
-  and the runner retries it smaller (all or nothing) without the others
-  knowing; the metric and non-trainable updates stay local too;
+- `ProcessAccumulator.add` lays a piece of this process's own rows (the
+  batch Keras hands this process) over all its local devices, an equal
+  share each (piece sizes are a multiple of the local devices: the
+  planner's `distribution.piece_multiple`; the rest of a piece that is not,
+  fewer rows than devices, runs replicated as a second program and counts
+  on the first device only, as `distribution.split_rows` splits it for
+  one process). On every local device at once (`shard_map` over
+  `processes.local_mesh()`, the weights the local copies each device
+  already holds) each device adds the gradient of its rows times their
+  mean loss to its own partial sum, and updates its own copy of the metric
+  and non-trainable state: the program holds no collective at all, not
+  even among the local devices (an OOM on one of them leaves no other
+  waiting; on XLA's CPU client such a wait aborts the process), so an OOM
+  is this process's own and the runner retries the piece smaller (all or
+  nothing) without the others knowing;
 - `ProcessAccumulator.apply` agrees with every process (`processes.agree`:
-  each one's rows, bounded by the agreement's timeout), divides the local
-  sums by the global batch's rows, and sums them over the processes
-  (`processes.all_sum`, the batch's one collective) together with each
-  metric variable's change and the row-weighted non-trainable floats; then
-  the optimizer's update runs once on the global state, the same on every
-  process.
+  each one's rows, bounded by the agreement's timeout), divides the
+  per-device sums by the global batch's rows, and sums them over every
+  device of every process (`processes.all_sum`, the batch's one
+  collective) together with each device's change of each metric variable
+  and its row-weighted non-trainable floats; then the optimizer's update
+  runs once on the global state, the same on every process.
 
 So the update is the global batch's gradient as Keras's own multi-process
 step computes it (the loss reduced with `sum_over_batch_size`, Keras's
@@ -24,11 +33,13 @@ default), up to summation order: the sum over processes of `rows_p / N`
 times each process's mean gradient. Metrics made of sums and counts (Keras's
 `Mean`, the loss tracker, most metrics) are exact; non-trainable floats
 (BatchNormalization's moving statistics) are the row-weighted mean of each
-process's update, which is exact for a moving mean and not for a moving
-variance (each process's batch variance is about its own mean); integer
-non-trainable variables (seed counters) keep this process's value, the same
-on every process. A batch is one agreement whatever the pieces, so each
-process may run its rows as different pieces.
+device's update, which is exact for a moving mean and not for a moving
+variance (each device's batch variance is about its own mean); integer
+non-trainable variables (seed counters) keep the first local device's value,
+the same on every process (every device draws from the same seed state,
+where Keras's own step draws once over the global batch). A batch is one
+agreement whatever the pieces, so each process may run its rows as
+different pieces.
 
 Under several processes every step is accumulated (`mode="shrink"`, one
 update per piece, would need every process to run the same number of
@@ -39,15 +50,20 @@ refused here, by `make_custom_train_step`).
 `safe_predict` and `safe_evaluate` need no step of their own: their compiled
 steps take the replicated weights and this process's rows as host arrays and
 hold no collective, so each process computes its own rows (the outputs'
-local copies hold them); an OOM there is retried on that process alone. A
-standalone evaluate then sums the metric variables over the processes once
+local copies hold them); an OOM there is retried on that process alone. The
+rows are not laid out over the local devices: JAX runs such a step with its
+host rows replicated, every local device computing the whole piece (laying
+them out needs local copies of the state for the step, and evaluate's
+metric sums over laid-out rows would be a collective among the local
+devices, or per-device metrics as training keeps them). A standalone
+evaluate then sums the metric variables over the processes once
 (`combine_process_metrics`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +81,38 @@ def _is_float(value: Any) -> bool:
     return jnp.issubdtype(value.dtype, jnp.floating)
 
 
+def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable], Callable]:
+    """A `wrap` of `training.accumulation_programs`: `add` run on every device of `mesh` at once.
+
+    Each device adds its own rows' gradient to its own row of the
+    `per_device` sums, non-trainable and metric state (`shard_map`): the
+    program holds no collective, so an OOM on one device leaves no other
+    waiting in one. With `tail` the rows (fewer than the devices) come
+    replicated, and only the first device keeps what it added.
+    """
+    axis = processes.LOCAL_AXIS
+    per, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+
+    def wrap(add_fn: Callable) -> Callable:
+        def body(sums, trainable, non_trainable, optimizer, metrics, data, weight):
+            own = tuple(jax.tree_util.tree_map(lambda a: a[0], group)
+                        for group in (sums, non_trainable, metrics))
+            new = tuple(add_fn(own[0], trainable, own[1], optimizer, own[2], data, weight))
+            if tail:
+                keep = jax.lax.axis_index(axis) == 0
+                new = jax.tree_util.tree_map(
+                    lambda n, o: jnp.where(keep, n, o.astype(n.dtype)), new, own)
+            return tuple(jax.tree_util.tree_map(lambda a: a[None], group) for group in new)
+
+        # check_vma=False: with JAX's varying-axis types, the gradient of the
+        # replicated weights would be summed over the devices (a psum).
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(per, whole, per, whole, per, whole if tail else per, whole),
+            out_specs=(per, per, per), check_vma=False)
+
+    return wrap
+
+
 class ProcessAccumulator:
     """Sums this process's weighted piece gradients; `apply` agrees, sums over processes, updates.
 
@@ -78,69 +126,94 @@ class ProcessAccumulator:
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
-        self._add, self._apply = training.accumulation_programs(model)
+        self._mesh = processes.local_mesh()
+        self._devices = int(self._mesh.devices.size)
+        self._add, self._apply = training.accumulation_programs(
+            model, _on_every_device(self._mesh, tail=False))
+        self._add_tail, _ = training.accumulation_programs(
+            model, _on_every_device(self._mesh, tail=True))
         self._sums: Optional[List[Any]] = None
         self._base: Optional[List[List[Any]]] = None  # the global state at `reset`
-        self._local: Optional[List[List[Any]]] = None  # its local copies
-        self._non_trainable: List[Any] = []
-        self._metrics: List[Any] = []
-        self._rows = 0
+        self._weights: Optional[List[List[Any]]] = None  # trainable, optimizer, local copies
+        self._metrics_before: List[Any] = []  # per device, at `reset`
+        self._non_trainable: List[Any] = []  # per device
+        self._metrics: List[Any] = []  # per device
+        self._rows = [0] * self._devices  # each local device's rows of the batch
         self.update_began = False
 
     def reset(self) -> None:
-        """Start a batch: zero the local sums, take local copies of the state."""
-        model = self._model_ref()
+        """Start a batch: zero the sums, take local copies of the state (one per device)."""
+        model, mesh = self._model_ref(), self._mesh
         self._sums = None
         self._base = _state.get(model, TRAIN_STATE)
-        self._local = processes.local(self._base)
-        self._non_trainable, self._metrics = self._local[1], self._local[3]
-        device = processes.local_device()
-        self._sums = [jax.device_put(jnp.zeros(v.shape, v.dtype), device)
-                      for v in self._local[0]]
-        self._rows = 0
+        trainable, non_trainable, optimizer, metrics = self._base
+        self._weights = processes.replicated_locally([trainable, optimizer], mesh)
+        self._non_trainable = processes.per_device(non_trainable, mesh)
+        self._metrics = self._metrics_before = processes.per_device(metrics, mesh)
+        self._sums = [processes.zeros_per_device(v.shape, v.dtype, mesh) for v in trainable]
+        self._rows = [0] * self._devices
 
     def add(self, data: Any, weight: float) -> None:
-        """Add the gradient of a piece of this process's rows (weighted by its rows)."""
-        rows = distribution.batch_rows(data)
-        device = processes.local_device()
-        data = jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, device), data)
-        trainable, _, optimizer, _ = self._local
-        sums, non_trainable, metrics = jax.block_until_ready(self._add(
+        """Add the gradient of a piece of this process's rows (weighted by its rows).
+
+        The rows are laid out over the local devices, an equal share each
+        (`piece_multiple`); the rest (fewer rows than devices,
+        `distribution.split_rows`) runs replicated on every local device as
+        a second program, as the single-process path runs it, and only the
+        first device keeps it.
+        """
+        n = self._devices
+        head, tail, head_rows, tail_rows = distribution.split_rows(data, n)
+        if head is not None:
+            self._run(self._add, distribution.put(
+                head, processes.local_sharding(self._mesh, rows=True)), head_rows // n)
+            self._rows = [rows + head_rows // n for rows in self._rows]
+        if tail is not None:
+            self._run(self._add_tail, distribution.put(
+                tail, processes.local_sharding(self._mesh, rows=False)), tail_rows)
+            self._rows[0] += tail_rows
+
+    def _run(self, program: Any, data: Any, rows: int) -> None:
+        """One `add` program over the local devices, `rows` a device; waited for."""
+        trainable, optimizer = self._weights
+        sums, non_trainable, metrics = jax.block_until_ready(program(
             self._sums, trainable, self._non_trainable, optimizer, self._metrics, data,
             jnp.asarray(rows, jnp.float32),
         ))
-        self._sums, self._non_trainable, self._metrics = sums, non_trainable, metrics
-        self._rows += rows
+        self._sums, self._non_trainable, self._metrics = list(sums), non_trainable, metrics
 
     def apply(self) -> None:
         """Agree with every process, sum over them, update the global state once."""
         model = self._model_ref()
         self.update_began = False
-        everyone = processes.agree(self._rows, f"a train batch of model {model.name!r}")
+        everyone = processes.agree(sum(self._rows), f"a train batch of model {model.name!r}")
         total = sum(everyone)
-        share = self._rows / total if total else 0.0
+        shares = [rows / total if total else 0.0 for rows in self._rows]
         trainable, non_trainable, optimizer, metrics = self._base
-        _, local_non_trainable, _, local_metrics = self._local
         sums, self._sums = self._sums, None
-        values = [s * jnp.asarray(1.0 / total, s.dtype) for s in sums]
+        values = [processes.map_per_device(
+            lambda i, s: s * jnp.asarray(1.0 / total, s.dtype), s) for s in sums]
         like = list(trainable)
-        values += [new - old for new, old in zip(self._metrics, local_metrics)]
+        values += [processes.map_per_device(lambda i, new, old: new - old, new, old)
+                   for new, old in zip(self._metrics, self._metrics_before)]
         like += list(metrics)
         floats = [i for i, v in enumerate(non_trainable) if _is_float(v)]
-        values += [self._non_trainable[i] * jnp.asarray(share, non_trainable[i].dtype)
-                   for i in floats]
+        values += [processes.map_per_device(
+            lambda i, v: v * jnp.asarray(shares[i], v.dtype), self._non_trainable[j])
+            for j in floats]
         like += [non_trainable[i] for i in floats]
         self.update_began = True
         summed = processes.all_sum(values, like)
         n_t, n_m = len(trainable), len(metrics)
         grads, deltas, averaged = summed[:n_t], summed[n_t:n_t + n_m], summed[n_t + n_m:]
         new_metrics = [old + delta for old, delta in zip(metrics, deltas)]
-        new_non_trainable = processes.as_global(self._non_trainable, non_trainable)
+        new_non_trainable = processes.as_global(
+            [processes.first_row(v) for v in self._non_trainable], non_trainable)
         for i, value in zip(floats, averaged):
             new_non_trainable[i] = value
         new_trainable, new_optimizer = jax.block_until_ready(
             self._apply(trainable, optimizer, grads))
-        self._base = self._local = None
+        self._base = self._weights = None
         _state.put(model, TRAIN_STATE,
                    (new_trainable, new_non_trainable, new_optimizer, new_metrics))
         _state.materialize(model)  # the batch's metrics are read from the variables next

@@ -7,15 +7,16 @@ it is killed (measured: 240-310 s; JAX has no collective timeout). MemFit's
 steps therefore hold no collective where memory can run out:
 
 - every process computes the gradients of its own rows on *local copies* of
-  the replicated state (`local`: each global array's shard on this process's
-  first device) with no collective, in pieces retried smaller on an OOM
-  without any other process knowing;
+  the replicated state over its own devices (`local_mesh`; the copies each
+  local device holds already, `replicated_locally`; one partial sum per
+  device, `per_device`) with no collective, in pieces retried smaller on an
+  OOM without any other process knowing;
 - then every process *agrees* (`agree`): it posts its status and its rows to
   the coordination service's key-value store and reads every peer's, with a
   timeout (`timeout_s`, `KERAS_MEMFIT_PROCESS_TIMEOUT`, default 600 s: the
   first steps compile);
 - only once all said "ok", one sum across the processes (`all_sum`: a global
-  array made of the per-process arrays, summed by a jitted program whose
+  array made of every device's part, summed by a jitted program whose
   output is laid out as the state is) and the update on the global state.
 
 A process whose train function raises (an error that is not an OOM, or an
@@ -238,14 +239,63 @@ def _is_global(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
 
 
+def local_devices() -> List[Any]:
+    """This process's devices of the active distribution's mesh (JAX's local devices without one).
+
+    In the mesh's order; `local_mesh()` lays them out along `LOCAL_AXIS`.
+
+    Example:
+        >>> local_devices()  # process 1 of 2, two CPU devices each
+        [CpuDevice(id=2048), CpuDevice(id=2049)]
+    """
+    distribution = keras.distribution.distribution()
+    mesh = getattr(getattr(distribution, "device_mesh", None), "backend_mesh", None)
+    devices = list(mesh.local_devices) if mesh is not None else []
+    return devices or list(jax.local_devices())
+
+
 def local_device() -> Any:
-    """The device this process computes its rows on: its first local device.
+    """This process's first device (`local_devices()[0]`), where single local copies live.
 
     Example:
         >>> local_device()  # process 1 of 2, one CPU device each
         CpuDevice(id=2048)
     """
-    return jax.local_devices()[0]
+    return local_devices()[0]
+
+
+LOCAL_AXIS = "local"  # the axis of `local_mesh()`
+
+
+def local_mesh() -> jax.sharding.Mesh:
+    """A one-axis mesh (`LOCAL_AXIS`) of this process's devices (`local_devices()`).
+
+    A program over it involves no other process, so an OOM in it is this
+    process's own.
+    """
+    return jax.sharding.Mesh(np.array(local_devices()), (LOCAL_AXIS,))
+
+
+def local_sharding(mesh: jax.sharding.Mesh, rows: bool) -> jax.sharding.NamedSharding:
+    """Over `mesh`: the leading axis laid out along `LOCAL_AXIS` (`rows`), or replicated."""
+    spec = (LOCAL_AXIS,) if rows else ()
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _parts(array: Any) -> Dict[Any, Any]:
+    """Device -> the array's data on that device (a single-device array each).
+
+    `addressable_shards` raises for the variables Keras lays out with one
+    device a process (jax 0.10.2); their one part is `addressable_data(0)`.
+    """
+    try:
+        return {shard.device: shard.data for shard in array.addressable_shards}
+    except ValueError:
+        if len(array.sharding.addressable_devices) != 1:
+            raise
+        data = array.addressable_data(0)
+        (device,) = data.devices()
+        return {device: data}
 
 
 def local(tree: Any) -> Any:
@@ -263,6 +313,77 @@ def local(tree: Any) -> Any:
         return data if device in data.devices() else jax.device_put(data, device)
 
     return jax.tree_util.tree_map(one, tree)
+
+
+def replicated_locally(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`tree`'s replicated global arrays as arrays replicated over `mesh` (no copy).
+
+    Each local device's copy of the global array becomes that device's copy
+    of the local one (`mesh` is `local_mesh()`); other arrays are copied onto
+    every device of `mesh`.
+
+    Example:
+        >>> trainable = replicated_locally(_state.get(model, ("trainable",))[0], local_mesh())
+    """
+    sharding = local_sharding(mesh, rows=False)
+
+    def one(leaf: Any) -> Any:
+        if not _is_global(leaf):
+            return jax.device_put(leaf, sharding)
+        parts = _parts(leaf)
+        arrays = [parts[device] for device in mesh.devices.flat]
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def per_device(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Each array of `tree` (replicated) as one copy per device of `mesh`, stacked.
+
+    An array of shape `s` becomes one of shape `(devices,) + s` laid out
+    along `LOCAL_AXIS`: row `i` is device `i`'s own copy, which a program
+    over `mesh` updates with that device's rows alone (see `all_sum`).
+
+    Example:
+        >>> metrics = per_device(_state.get(model, ("metrics",))[0], local_mesh())
+    """
+    copies = replicated_locally(tree, mesh)
+    sharding = local_sharding(mesh, rows=True)
+
+    def one(leaf: Any) -> Any:
+        parts = _parts(leaf)
+        arrays = [parts[device][None] for device in mesh.devices.flat]
+        return jax.make_array_from_single_device_arrays(
+            (len(arrays),) + tuple(leaf.shape), sharding, arrays)
+
+    return jax.tree_util.tree_map(one, copies)
+
+
+def zeros_per_device(shape: Tuple[int, ...], dtype: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Zeros of `shape` on every device of `mesh`, stacked as `per_device` stacks."""
+    size = int(mesh.devices.size)
+    return jnp.zeros((size,) + tuple(shape), dtype, device=local_sharding(mesh, rows=True))
+
+
+def map_per_device(fn: Any, stacked: Any, *others: Any) -> Any:
+    """`fn(i, row, *other_rows)` on device `i`'s row of `per_device` arrays, stacked again.
+
+    Each call runs on its own device (its rows are there); no collective.
+
+    Example:
+        >>> deltas = map_per_device(lambda i, new, old: new - old, metrics, metrics_before)
+    """
+    devices = [shard.device for shard in sorted(stacked.addressable_shards,
+                                                key=lambda s: s.index[0].start or 0)]
+    arrays = [_parts(a) for a in (stacked,) + others]
+    rows = [fn(i, *(parts[device] for parts in arrays)) for i, device in enumerate(devices)]
+    return jax.make_array_from_single_device_arrays(stacked.shape, stacked.sharding, rows)
+
+
+def first_row(stacked: Any) -> Any:
+    """The first device's row of a `per_device` array, without its leading axis."""
+    first = min(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return first.data[0]
 
 
 def local_rows(tree: Any) -> Any:
@@ -321,8 +442,15 @@ def _sum_program(shardings: Tuple[Any, ...]) -> Any:
 def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     """The sum over the processes of each local array of `values`, laid out as `like`.
 
-    Every process calls it with its own `values` (arrays on `local_device()`,
-    the shapes of `like`'s global arrays); the one collective of a batch.
+    Every process calls it with its own `values`, in the same order: each
+    one either an array of the shape of its `like` (on `local_device()`;
+    this process's part), or a `per_device` array of one more axis (each
+    local device's row is that device's part). The one collective of a
+    batch.
+
+    Raises:
+        ValueError: If a value's shape is neither its `like`'s nor one
+            row per local device of it.
 
     Example:
         >>> grads = all_sum(local_grads, trainable)  # in every process, same order
@@ -335,14 +463,28 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     first = local_device()
     devices = mesh.devices.size
     stacked = []
-    for value in values:
-        value = jnp.asarray(value)
+    for value, ref in zip(values, like):
+        value = value if isinstance(value, jax.Array) else jnp.asarray(value)
+        shape = tuple(ref.shape)
         shards = []
-        for device in stacked_sharding.addressable_devices:
-            part = value if device == first else jnp.zeros_like(value)
-            shards.append(jax.device_put(part[None], device))
+        if tuple(value.shape) == shape:
+            for device in stacked_sharding.addressable_devices:
+                part = value if device == first else jnp.zeros_like(value)
+                shards.append(jax.device_put(part[None], device))
+        elif tuple(value.shape[1:]) == shape and value.ndim == len(shape) + 1:
+            parts = _parts(value)
+            for device in stacked_sharding.addressable_devices:
+                if device not in parts or parts[device].shape[0] != 1:
+                    raise ValueError(
+                        f"all_sum takes one row per local device; received an array of "
+                        f"shape {tuple(value.shape)} with no single row on {device}")
+                shards.append(parts[device])
+        else:
+            raise ValueError(
+                f"all_sum takes arrays of shape {shape} or one row per local device of it; "
+                f"received shape {tuple(value.shape)}")
         stacked.append(jax.make_array_from_single_device_arrays(
-            (devices,) + tuple(value.shape), stacked_sharding, shards))
+            (devices,) + shape, stacked_sharding, shards))
     return _sum_program(tuple(ref.sharding for ref in like))(stacked)
 
 

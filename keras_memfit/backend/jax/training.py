@@ -45,7 +45,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -360,13 +360,18 @@ def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.
     return distribution.sharded_train_step(TrainStep(model, custom=True))
 
 
-def accumulation_programs(model: keras.Model) -> Tuple[Any, Any]:
+def accumulation_programs(
+    model: keras.Model, wrap: Optional[Callable[[Callable], Callable]] = None,
+) -> Tuple[Any, Any]:
     """The compiled programs of gradient accumulation: `(add, apply)`.
 
     `add(sums, trainable, non_trainable, optimizer, metrics, data, weight)`
     returns `(sums + weight * gradients, non_trainable, metrics)` (the sums
     donated: added to in place); `apply(trainable, optimizer, sums)` returns
     the optimizer's `stateless_apply` (trainable and optimizer donated).
+    `wrap`, if given, transforms `add`'s function before it is compiled (the
+    multi-process accumulator maps it over the local devices:
+    `process_training`).
     """
     model_ref = weakref.ref(model)
 
@@ -394,6 +399,8 @@ def accumulation_programs(model: keras.Model) -> Tuple[Any, Any]:
         return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
 
     # The sums are added to in place; the update works in place.
+    if wrap is not None:
+        add_fn = wrap(add_fn)
     return (_compile(model, add_fn, donate_argnums=(0,)),
             _compile(model, apply_fn, donate_argnums=(0, 1)))
 
