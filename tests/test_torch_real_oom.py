@@ -3,7 +3,8 @@
 Each test runs in a child process with Keras on torch and an address-space
 limit set before its Python starts (`tests/torch_support.py`), so over-large
 batches fail with PyTorch's genuine `DefaultCPUAllocator: can't allocate
-memory` (raised inside a layer, re-raised by Keras with the layer's call
+memory`, or a kernel's `posix_memalign failed:Cannot allocate memory (12)`
+(raised inside a layer, re-raised by Keras with the layer's call
 prepended). The references are plain Keras at a batch that fits, and (for
 MemFit) the same fit run in a child without the limit.
 """
@@ -69,7 +70,13 @@ def child_predict():
     expected = model.predict(x, batch_size=FITS, verbose=0)
     weights = model.get_weights()
     message = _assert_ooms(lambda: model.predict(x, batch_size=PREDICT_ROWS, verbose=0))
-    assert "DefaultCPUAllocator" in message, message[:300]
+    # A host allocation failed: PyTorch's CPU allocator, or a kernel's aligned
+    # buffer (which of the two runs out first depends on the address space's
+    # layout; CI has seen both).
+    from keras_memfit.backend.torch.oom import is_aligned_alloc_oom, is_cpu_allocator_oom
+
+    error = RuntimeError(message)
+    assert is_cpu_allocator_oom(error) or is_aligned_alloc_oom(error), message[:300]
     log = _OOMLog()
     result = keras_memfit.safe_predict(model, x, batch_size=PREDICT_ROWS, verbose=0)
     assert log.ooms >= 1, "safe_predict met no OOM: the test proves nothing"
