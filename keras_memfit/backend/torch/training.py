@@ -102,8 +102,7 @@ def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tup
 
 def drop_gradients(weights: Sequence[Any]) -> None:
     """Free the gradients `backward()` left on `weights` (`.grad = None`)."""
-    for w in weights:
-        w.value.grad = None
+    _drop_grads([w.value for w in weights])
 
 
 def _drop_grads(tensors: Sequence[Any]) -> None:
