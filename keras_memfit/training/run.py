@@ -68,14 +68,15 @@ STATE_KEPT = (
 UPDATE_OOM = (
     "The optimizer update itself ran out of memory; its memory does not depend on the "
     "batch size, so splitting the batch cannot help, and the weights and optimizer "
-    "slots may be partly updated (TensorFlow, torch) or lost (JAX, whose update works in "
-    "place on the state it was given)."
+    "slots may be partly updated (TensorFlow, torch) or lost (JAX, and TensorFlow under "
+    "jit_compile, whose update works in place on the state it was given)."
 )
 UPDATE_BEGAN_OOM = (
     "The step ran out of memory after its optimizer update began (in the update, or in "
     "the backward pass while later layers' updates ran, as in Keras's own step): the "
-    "weights and optimizer slots may be partly updated (TensorFlow, torch) or lost (JAX, whose "
-    "update works in place on the state it was given), so MemFit cannot run the batch "
+    "weights and optimizer slots may be partly updated (TensorFlow, torch) or lost (JAX, and "
+    "TensorFlow under jit_compile, whose update works in place on the state it was given), "
+    "so MemFit cannot run the batch "
     "again. Restore the weights (e.g. from a checkpoint) and use a smaller batch_size."
 )
 

@@ -24,8 +24,8 @@ from keras_memfit.backend.tensorflow.training import (
     _forward_loss,
     _track_loss,
     _unpack,
-    XlaHolds,
 )
+from keras_memfit.backend.tensorflow.holds import XlaHolds
 
 
 def add_gradients(

@@ -3,10 +3,20 @@
 MemFit's building blocks for the TensorFlow backend: `make_train_step` (Keras's
 default step, with its small state snapshotted inside the same compiled call),
 `make_custom_train_step` (a model's own `train_step`), the check
-`has_default_train_step`, and `held_values`/`XlaHolds` (what an XLA call
-that updates variables holds so that an OOM leaves them intact); gradient accumulation is
-in `accumulation.py`. Every returned
+and `has_default_train_step`; what an XLA call that updates variables holds
+so that an OOM leaves them intact is in `holds.py`, gradient accumulation in
+`accumulation.py`. Every returned
 object satisfies its protocol in `keras_memfit.backend.base`.
+
+Under XLA (`jit_compile=True`, Keras's default on a GPU) Keras's default step
+runs as two compiled calls, as on JAX: a gradient call (forward pass, loss,
+gradients, metrics), which updates only the small state and so can be held
+whole (`XlaHolds`) at no cost, then an update call (`apply_gradients`),
+which TensorFlow's XLA launch lets update the weights and optimizer slots in
+place (it donates their buffers). One fused call would have to hold the
+weights and slots while it runs, so that an OOM cannot free them, and XLA
+would then write their updates into new buffers: about 0.6 of the weights'
+bytes more at the peak (`benchmarks/footprint.py`, "fit-jit").
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import tensorflow as tf
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.tensorflow.holds import XlaHolds
 from keras_memfit.backend.tensorflow.steps import _compile
 
 logger = logging.getLogger("keras_memfit")
@@ -113,6 +124,12 @@ class TrainStep:
     left the weights untouched (the batch drives memory: later OOMs must stay
     retriable). Each order is a `tf.function`, traced when first used.
 
+    Under XLA the step is split instead (`split`, see the module docstring):
+    the gradient call snapshots and bumps as above and returns the
+    gradients; the update call applies them in place. An OOM of the gradient
+    call leaves the weights untouched (it only reads them); one of the update
+    call sets `UPDATE_BEGAN` (its donated weights and slots may be freed).
+
     When a call raises an `Exception`, the step reads the counters (host
     reads, only then), restores the small state if the snapshot had run, and
     sets `last_outcome` to a `StepOutcome`: `UNTOUCHED` (nothing ran: XLA,
@@ -128,6 +145,8 @@ class TrainStep:
             free one: the trainable weights' bytes minus the largest one's.
         always_strict: Whether every call runs strict (set after an OOM that
             left the weights untouched).
+        split: Whether the step runs as a gradient call and an update call
+            (under XLA).
     """
 
     snapshots_itself = True
@@ -148,12 +167,15 @@ class TrainStep:
                 self._shadows.append(tf.Variable(v.value, trainable=False))
         self._model = weakref.ref(model)
         self._steps: Dict[bool, Callable] = {}  # strict -> compiled step, made on first use
-        # Under XLA a call holds what it updates (`XlaHolds`): an OOM then leaves it intact.
+        # Under XLA a call holds what it updates (`XlaHolds`): an OOM then leaves it
+        # intact. The gradient call updates only the small state, held on every call.
         self._holds = XlaHolds(
             model,
             small=lambda: self._guarded + self._shadows + [self.generation, self.update_began],
-            large=lambda: _updated_by_a_step(self._model()),
+            large=lambda: [],
         )
+        self.split = self._holds.active
+        self._split_steps: Optional[Tuple[Callable, Callable]] = None  # made on first use
 
     def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
         """Choose the order of each call from `peak_at(rows)`: the estimated peak, or None."""
@@ -174,6 +196,8 @@ class TrainStep:
         return self.strict_extra_bytes <= STRICT_SHARE * peak
 
     def __call__(self, data: Any) -> Dict[str, Any]:
+        if self.split:
+            return self._call_split(data)
         strict = self.strict_at(_host_rows(data))
         step = self._steps.get(strict)
         if step is None:
@@ -194,6 +218,31 @@ class TrainStep:
         held.clear()
         self._holds.ran(signature)
         self._completed += 1
+        return logs
+
+    def _call_split(self, data: Any) -> Dict[str, Any]:
+        """The gradient call (small state held), then the in-place update call."""
+        if self._split_steps is None:
+            self._split_steps = _make_split_steps(
+                self._model(), self.generation, list(zip(self._shadows, self._guarded)))
+        gradient_step, update_step = self._split_steps
+        _, held = self._holds.hold(data)
+        try:
+            gradients, logs = gradient_step(data)
+        except Exception:
+            held.clear()
+            self.last_outcome = self._settle()
+            raise
+        except BaseException:
+            self._completed = int(self.generation.numpy())
+            raise
+        held.clear()
+        self._completed += 1
+        try:
+            update_step(gradients)
+        except Exception:
+            self.last_outcome = StepOutcome.UPDATE_BEGAN  # its donated buffers may be gone
+            raise
         return logs
 
     def _settle(self) -> StepOutcome:
@@ -228,6 +277,20 @@ def make_train_step(model: keras.Model) -> TrainStep:
     return TrainStep(model, train_state_variables(model))
 
 
+def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]) -> Any:
+    """`data`, ordered after `pairs`' snapshot (`shadow <- value`) and `generation`'s bump.
+
+    Inside a compiled step: whatever reads the returned tensors runs after
+    the small state was copied into its shadows and the call counted, so
+    that a failure later in the call can be told from one before it.
+    """
+    reads = [shadow.assign(v.value) for shadow, v in pairs]
+    with tf.control_dependencies(reads):
+        bumped = generation.assign_add(1)
+    with tf.control_dependencies([bumped]):
+        return keras.tree.map_structure(lambda t: None if t is None else tf.identity(t), data)
+
+
 def _make_train_step(
     model: keras.Model, update_began, generation, pairs, strict: bool
 ) -> Callable:
@@ -235,18 +298,52 @@ def _make_train_step(
 
     def train_step(data):
         model = model_ref()
-        reads = [shadow.assign(v.value) for shadow, v in pairs]
-        with tf.control_dependencies(reads):
-            bumped = generation.assign_add(1)
-        with tf.control_dependencies([bumped]):
-            data = keras.tree.map_structure(
-                lambda t: None if t is None else tf.identity(t), data
-            )
+        data = _after_snapshot(data, generation, pairs)
         return flagged_train_step(
             model, data, lambda: update_began.assign(generation.read_value()), strict=strict
         )
 
     return _compile(model, train_step)
+
+
+def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, Callable]:
+    """Keras's default step as two compiled calls: `data -> (gradients, logs)`, `gradients -> None`.
+
+    The first snapshots `pairs` and bumps `generation` before anything
+    that needs memory (as `_make_train_step`), then runs the forward pass,
+    the loss, the gradients, the loss tracker and the metrics (which do not
+    read the updated weights); it returns the gradients that exist (sparse
+    ones as `tf.IndexedSlices`). The second applies them, one optimizer step.
+    """
+    model_ref = weakref.ref(model)
+    present: List[bool] = []  # per trainable weight: whether it gets a gradient (at trace)
+
+    def gradient_step(data):
+        model = model_ref()
+        data = _after_snapshot(data, generation, pairs)
+        x, y, sample_weight = _unpack(data)
+        y_pred, loss, gradients = _loss_and_gradients(model, x, y, sample_weight)
+        present[:] = [g is not None for g in gradients]
+        _track_loss(model, loss, x)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return [g for g in gradients if g is not None], logs
+
+    def update_step(gradients):
+        model = model_ref()
+        weights = [w for w, p in zip(model.trainable_weights, present) if p]
+        model.optimizer.apply_gradients(zip(gradients, weights))
+
+    return _compile(model, gradient_step), _compile(model, update_step)
+
+
+def _loss_and_gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
+    """`(y_pred, loss, gradients)`: the forward pass and the (scaled) loss's gradients."""
+    with tf.GradientTape() as tape:
+        y_pred, loss = _forward_loss(model, x, y, sample_weight)
+        scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+    weights = model.trainable_weights
+    gradients = tape.gradient(scaled, weights) if weights else []
+    return y_pred, loss, gradients
 
 
 def _tensors(gradient: Any) -> List[Any]:
@@ -272,12 +369,9 @@ def flagged_train_step(
     `tf.IndexedSlices`). Traced inside a step (on one device, or per replica).
     """
     x, y, sample_weight = _unpack(data)
-    with tf.GradientTape() as tape:
-        y_pred, loss = _forward_loss(model, x, y, sample_weight)
-        scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+    y_pred, loss, gradients = _loss_and_gradients(model, x, y, sample_weight)
     weights = model.trainable_weights
     if weights:
-        gradients = tape.gradient(scaled, weights)
         present = [g for g in gradients if g is not None]
         waited = present if strict else present[-1:]
         with tf.control_dependencies([t for g in waited for t in _tensors(g)]):
@@ -292,7 +386,10 @@ class CustomTrainStep:
     """A model's own (overridden) `train_step`, compiled as Keras would.
 
     It cannot tell how far a failed call got, nor snapshot what it touches:
-    callers snapshot the small state with a `Guard` around each call.
+    callers snapshot the small state with a `Guard` around each call. Under
+    XLA it cannot be split either: a call holds the small state, and on the
+    first call at each input signature the weights and optimizer variables
+    too (`XlaHolds`), so that an OOM there frees none of them.
 
     Attributes:
         snapshots_itself: False.
@@ -309,9 +406,19 @@ class CustomTrainStep:
             return model_ref().train_step(data)
 
         self._step = _compile(model, train_step)
+        self._holds = XlaHolds(
+            model, small=lambda: train_state_variables(model_ref()),
+            large=lambda: _updated_by_a_step(model_ref()),
+        )
 
     def __call__(self, data: Any) -> Dict[str, Any]:
-        return self._step(data)
+        signature, held = self._holds.hold(data)
+        try:
+            logs = self._step(data)
+        finally:
+            held.clear()
+        self._holds.ran(signature)
+        return logs
 
 
 def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
@@ -319,80 +426,7 @@ def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
     return CustomTrainStep(model)
 
 
-
-def held_values(variables: Sequence[Any]) -> List[Any]:
-    """The current values of `variables`, to hold while an XLA call that updates them runs.
-
-    TensorFlow's XLA launch donates the buffer of a resource variable the
-    compiled function updates when nothing else references it, and when the
-    call then fails (an OOM while XLA allocates, before anything runs) the
-    donated buffer is freed while the variable still holds it: the variable
-    reads freed memory, and its next assignment frees the buffer again
-    (`bfc_allocator.cc: Check failed: c->in_use()` aborts the process).
-    Holding a reference to each value while the call runs keeps it from
-    being donated: XLA writes the updates into new buffers (the updated
-    variables' bytes more during the call), and a failed call leaves the
-    variables as they were.
-    """
-    values = []
-    for v in variables:
-        inner = v if isinstance(v, tf.Variable) else getattr(v, "value", None)
-        if isinstance(inner, tf.Variable):
-            values.append(inner.read_value())
-    return values
-
-
 def _updated_by_a_step(model: keras.Model) -> List[Any]:
     """The weights and optimizer variables a train step updates."""
     optimizer = getattr(model, "optimizer", None)
     return list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
-
-
-def _signature(data: Any) -> Tuple[Any, ...]:
-    """What an XLA program is compiled for: the shapes and dtypes of `data`'s tensors."""
-    return tuple(
-        (tuple(item.shape), str(getattr(item, "dtype", "")))
-        if getattr(item, "shape", None) is not None else repr(item)
-        for item in keras.tree.flatten(data)
-    )
-
-
-class XlaHolds:
-    """What a compiled step that updates variables holds on each call under XLA.
-
-    See `held_values`: a held variable survives an OOM of the call, at the
-    cost of its bytes more during the call. The small state (`small()`:
-    metrics, counters, snapshots) is held on every call. The large state
-    (`large()`: weights, optimizer slots, gradient sums) only on the first
-    call at each input signature: an XLA program allocates the same buffers
-    at every call, so once one succeeded its next calls fit as well (unless
-    the free memory shrank meanwhile), and the steady state donates them as
-    Keras's own step does. Without `jit_compile` nothing is held (TensorFlow
-    updates in place, and an OOM frees nothing it should not).
-
-    Attributes:
-        active: Whether the model's steps run under XLA.
-    """
-
-    def __init__(
-        self, model: keras.Model, small: Callable[[], Sequence[Any]],
-        large: Callable[[], Sequence[Any]],
-    ) -> None:
-        self.active = bool(model.jit_compile) and not getattr(model, "run_eagerly", False)
-        self._small, self._large = small, large
-        self._ran: set = set()
-
-    def hold(self, data: Any) -> Tuple[Optional[Tuple[Any, ...]], List[Any]]:
-        """The signature of a call on `data` and the values to hold while it runs."""
-        if not self.active:
-            return None, []
-        signature = _signature(data)
-        variables = list(self._small())
-        if signature not in self._ran:
-            variables += list(self._large())
-        return signature, held_values(variables)
-
-    def ran(self, signature: Optional[Tuple[Any, ...]]) -> None:
-        """Record that a call at `signature` succeeded."""
-        if signature is not None:
-            self._ran.add(signature)
