@@ -221,12 +221,16 @@ class BatchPlanner:
         bytes more or less in use elsewhere do not make a new shape (a new
         compilation) in a later call. A training batch not tried yet is
         tried whole while the estimate says it fits at all (a split costs
-        even when it fits; see `probe="after_oom"`).
+        even when it fits; see `probe="after_oom"`), and where it says that
+        not even one sample fits: its fixed part (the gradients and the
+        update's temporaries) is then more than is free, which splitting the
+        batch cannot lower, so the estimate is no guide and the batch Keras
+        would run is tried (an OOM there leaves the model untouched).
         """
         k = self._k
         if self.phase == "train" and k.smallest_failed is None:
             whole = self.estimate(margin=1.0)
-            if whole is not None and whole >= cap:
+            if whole is not None and (whole >= cap or self._nothing_fits()):
                 return None
         estimate = self.estimate()
         if estimate is None:
@@ -234,6 +238,12 @@ class BatchPlanner:
         if k.xla_cap is None or estimate < k.xla_cap * MARGIN:
             k.xla_cap = estimate
         return k.xla_cap
+
+    def _nothing_fits(self) -> bool:
+        """Whether the estimate says not even one sample fits in the free memory."""
+        k = self._k
+        free = self._memory.free(self._limit[0]) if self._limit is not None else None
+        return free is not None and free - k.fixed_extra < k.bytes_per_sample
 
     def _exact_limit(self) -> bool:
         return self._limit is not None and self._limit[1]
