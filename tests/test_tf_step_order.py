@@ -190,19 +190,28 @@ VARIANTS = {
 }
 
 
+def variant_model(variant):
+    """`(make, dtype_policy)` for `VARIANTS[variant]`."""
+    make = VARIANTS[variant]
+    if make == "mixed_float16":
+        return _mlp, "mixed_float16"
+    return make, "float32"
+
+
+def variant_data(variant):
+    """`(x, y)` for `VARIANTS[variant]`: token ids for the Embedding model."""
+    if variant == "embedding":
+        return np.random.default_rng(1).integers(0, 50, (64, 5)).astype("int32"), _data()[1]
+    return _data()
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["free", "strict"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_both_orders_train_what_plain_fit_trains(monkeypatch, variant, strict):
-    make = VARIANTS[variant]
-    if make == "mixed_float16":
-        keras.config.set_dtype_policy("mixed_float16")
-        make = _mlp
+    make, policy = variant_model(variant)
+    keras.config.set_dtype_policy(policy)
     try:
-        if variant == "embedding":
-            x = np.random.default_rng(1).integers(0, 50, (64, 5)).astype("int32")
-            y = _data()[1]
-        else:
-            x, y = _data()
+        x, y = variant_data(variant)
         expected = make()
         expected.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         _Recorded.kinds = []
