@@ -365,11 +365,15 @@ def part_compiles(config: Dict[str, Any]) -> Dict[str, Any]:
             out["ooms"].append(ooms.count)
         return out
 
+    groups = config.get("groups", ["predict", "fit"])
     rows, oracle_batch = config["predict_rows"], config["predict_oracle_batch"]
-    result["predict_oracle"] = calls(_compile_model(scenario), lambda m: np.asarray(
-        m.predict(x, batch_size=oracle_batch, verbose=0)))
-    result["safe_predict"] = calls(_compile_model(scenario), lambda m: np.asarray(
-        keras_memfit.safe_predict(m, x, batch_size=rows, verbose=0)))
+    if "predict" in groups:
+        result["predict_oracle"] = calls(_compile_model(scenario), lambda m: np.asarray(
+            m.predict(x, batch_size=oracle_batch, verbose=0)))
+        result["safe_predict"] = calls(_compile_model(scenario), lambda m: np.asarray(
+            keras_memfit.safe_predict(m, x, batch_size=rows, verbose=0)))
+    if "fit" not in groups:
+        return result
     fit_rows, fit_batch = config["fit_rows"], config["fit_batch"]
     xf, yf = x[:fit_rows], y[:fit_rows]
 

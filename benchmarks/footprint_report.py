@@ -112,7 +112,8 @@ def compile_lines(data: Dict[str, Any], comp: Dict[str, Any]) -> List[str]:
                "`jax.monitoring` events `/jax/core/compile/backend_compile_duration`")
     lines = [f"{model}, under {limit}; XLA compilations counted with {counter}. Counter "
              f"check on a toy jitted function at shapes 3, 3, 4: counted {comp['toy']} "
-             f"(expected {TOY_COMPILES}). Each call on a fresh model.", "",
+             f"(expected {TOY_COMPILES}). Each call on a fresh model; the predict calls and "
+             "the fit calls each in a fresh process.", "",
              "| call | compilations: 1st call | 2nd call | OOMs caught (1st, 2nd) | "
              "extra over the oracle (1st, 2nd) | target |",
              "|---|---:|---:|---:|---:|---|"]
