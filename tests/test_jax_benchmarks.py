@@ -31,7 +31,10 @@ def test_jax_floor_quick_run_checks_its_loops_and_writes_its_section(tmp_path):
     assert text.count("<!-- BEGIN benchmark: jax-floor -->") == 1
     for model, batch in (("cnn", 64), ("mlp", 32), ("tiny", 8)):
         for loop in ("Keras's step", "keras_memfit's step", "model.fit", "model.fit + MemFit"):
-            assert f"| {model} | {batch} | {loop} |" in text, (model, loop)
+            assert f"| {model} | {batch} | 20 | {loop} |" in text, (model, loop)
+        assert text.count(f"| {model} | {batch} | 20 | model.fit + MemFit |") == 1
+    # Each model's fit row carries issue #20's verdict: the CNN by ratio, the rest by us/step.
+    assert text.count("us/step: pass") + text.count("us/step: FAIL") >= 2
 
 
 def test_jax_floor_refuses_another_backend():
