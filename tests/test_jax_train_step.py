@@ -330,13 +330,17 @@ def test_a_failed_update_program_is_reported_not_retried():
 # ------------------------------ batch 1: Keras's fused step where the two programs do not fit
 BATCH_ONE_WIDE = 32_768  # weights P = 256 MiB: the two programs need 1.5 P, Keras's step P / 2
 # x P of address space left once the model and Adam's slots exist; measured with
-# MALLOC_ARENA_MAX=1: plain Keras trains from 1.75 (1.5 fails), the two programs
-# fail up to 2.25 at least.
-BATCH_ONE_HEADROOM = float(os.environ.get("KERAS_MEMFIT_HEADROOM", 2.0))
+# MALLOC_ARENA_MAX=1 (2026-12-03): plain Keras's need varies from run to run, as its
+# loop lets the second step allocate while the first one's temporaries (P / 2) are
+# still alive (its peak 1.23 P or 1.76 P): it failed 1 of 6 runs at 1.9, and at 2.0
+# in 1 of 4 runs on a loaded machine (and once in CI); at 2.1, 12 of 12 trained, 8 of
+# them loaded. The two programs fail up to 2.8 (they fit at 3.0). MemFit picks
+# Keras's fused step up to 2.1 (at 2.2 its "tight" two programs train instead).
+BATCH_ONE_HEADROOM = float(os.environ.get("KERAS_MEMFIT_HEADROOM", 2.1))
 
 
 def child_batch_one_fit():
-    """Two steps at batch 1 of the wide model under an address-space limit set 2 P
+    """Two steps at batch 1 of the wide model under an address-space limit set 2.1 P
     above what the model, its Adam slots and JAX already hold: Keras's fused
     step (temporaries about P / 2: XLA fuses a rank-one gradient into its
     update) fits, MemFit's two programs (all gradients, P, then the update)
