@@ -8,6 +8,7 @@ in benchmarks/RESULTS.md, never asserted in a timed unit test.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -33,8 +34,12 @@ def test_jax_floor_quick_run_checks_its_loops_and_writes_its_section(tmp_path):
         for loop in ("Keras's step", "keras_memfit's step", "model.fit", "model.fit + MemFit"):
             assert f"| {model} | {batch} | 20 | {loop} |" in text, (model, loop)
         assert text.count(f"| {model} | {batch} | 20 | model.fit + MemFit |") == 1
-    # Each model's fit row carries issue #20's verdict: the CNN by ratio, the rest by us/step.
-    assert text.count("us/step: pass") + text.count("us/step: FAIL") >= 2
+    # Each model's fit row carries issue #20's verdict, by ratio or by us/step (which one
+    # depends on plain fit's time per step on this machine).
+    fit_rows = [line for line in text.splitlines() if "| model.fit + MemFit |" in line]
+    assert len(fit_rows) == 3, fit_rows
+    for line in fit_rows:
+        assert re.search(r"\| <= (1\.02x|\+30 us/step): (pass|FAIL) \|$", line), line
 
 
 def test_jax_floor_refuses_another_backend():
