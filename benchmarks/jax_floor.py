@@ -241,9 +241,11 @@ state without Keras's loop: keras_memfit's train step, a gradient program that
 donates nothing (waited for) and an in-place update program (not waited for).
 Targets (issue #20), judged on `model.fit + MemFit` by plain `model.fit`'s time
 per step: within 1.02x where a step takes 2 ms or more (the CNN), else at most
-30 us added per step (host-bound steps: the tiny model, the MLP). "Extra host
-CPU" is the same difference in the main thread's CPU time (`time.thread_time`),
-which other processes on a loaded machine stretch far less than wall time. See the module docstring of `benchmarks/jax_floor.py`.
+30 us added per step (a host-bound step, such as the tiny model's); the Target
+column says which applied. "Extra host CPU" is the same difference in the main
+thread's CPU time (`time.thread_time`), which other processes on a loaded machine
+stretch far less than wall time. See the module docstring of
+`benchmarks/jax_floor.py`.
 
 | Machine | |
 |---|---|
