@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import random
 import re
 import statistics
 from typing import Dict, List, Sequence, Tuple
@@ -26,6 +27,10 @@ MiB = 2**20
 OVERHEAD_TARGETS = {"predict": 1.05, "evaluate": 1.05, "fit": 1.02}
 """Overhead: keras_memfit time / Keras time (ratio of medians), per call."""
 OVERHEAD_CALLS = ("predict", "evaluate", "fit")
+OVERHEAD_CONFIDENCE = 0.95
+"""Overhead: the confidence of the interval reported around each ratio of medians."""
+BOOTSTRAP_RESAMPLES = 2000
+"""Overhead: resamples of the interleaved pairs behind that interval (fixed seed)."""
 SEED_TARGETS = {"safe": 1.3, "safe_second": 1.05}
 """Seed: safe_predict's first and second call / the oracle (ratio of medians)."""
 HOSTMEM_TARGET_SHARE = 0.10
@@ -101,6 +106,40 @@ class Result:
     def passed(self) -> bool:
         return self.ratio <= self.target
 
+    def ratio_interval(
+        self, confidence: float = OVERHEAD_CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
+        seed: int = 0,
+    ) -> Tuple[float, float]:
+        """A percentile-bootstrap interval around `ratio`: how far this run's noise reaches.
+
+        The interleaved pairs are resampled with replacement (a pair stays a
+        pair, so drift that hit both of its calls stays cancelled), the ratio
+        of medians is computed on each resample, and the interval is the
+        central `confidence` share of those ratios. A fixed `seed` makes the
+        interval a function of the timings alone.
+
+        Returns:
+            (low, high): both equal to `ratio` when every pair has the same ratio.
+        """
+        pairs = list(zip(self.memfit_times, self.keras_times))
+        rng = random.Random(seed)
+        ratios = []
+        for _ in range(resamples):
+            sample = rng.choices(pairs, k=len(pairs))
+            ratios.append(statistics.median(m for m, _ in sample)
+                          / statistics.median(k for _, k in sample))
+        ratios.sort()
+        tail = (1.0 - confidence) / 2.0
+        low = ratios[int(tail * (resamples - 1))]
+        high = ratios[int(round((1.0 - tail) * (resamples - 1)))]
+        return low, high
+
+    @property
+    def resolved(self) -> bool:
+        """Whether this run tells the ratio from the target: its interval lies on one side."""
+        low, high = self.ratio_interval()
+        return high <= self.target or low > self.target
+
 
 def _span(times: List[float]) -> str:
     return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
@@ -110,16 +149,18 @@ def results_table(results: Sequence[Result]) -> str:
     """The overhead cases as a Markdown table."""
     lines = [
         "| Model | Call | Batch | Samples (steps) | Repeats | Keras s: median (min-max) "
-        "| keras_memfit s: median (min-max) | Ratio of medians | Median paired ratio "
+        "| keras_memfit s: median (min-max) | Ratio of medians "
+        f"| {OVERHEAD_CONFIDENCE:.0%} interval | Median paired ratio "
         "| Extra ms/step | Target | Result |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|:---:|:---:|",
     ]
     for r in results:
+        low, high = r.ratio_interval()
         lines.append(
             f"| {r.model} | {r.call} | {r.batch_size} | {r.samples} ({r.steps}) | "
             f"{r.repeats} | {_span(r.keras_times)} | {_span(r.memfit_times)} | "
-            f"**{r.ratio:.3f}** | {r.paired_ratio:.3f} | {r.per_step_overhead_ms:+.3f} | "
-            f"<= {r.target} | {'pass' if r.passed else 'FAIL'} |"
+            f"**{r.ratio:.3f}** | {low:.3f}-{high:.3f} | {r.paired_ratio:.3f} | "
+            f"{r.per_step_overhead_ms:+.3f} | <= {r.target} | {'pass' if r.passed else 'FAIL'} |"
         )
     return "\n".join(lines)
 
@@ -141,6 +182,12 @@ def verdicts(results: Sequence[Result]) -> str:
             lines.append(f"- **{call}: target ratio <= {target} fails in "
                          f"{len(failed)} of {len(mine)} cases** (worst: {worst.ratio:.3f}, "
                          f"{worst.model} batch {worst.batch_size}).")
+    unresolved = [r for r in results if not r.resolved]
+    if unresolved:
+        names = ", ".join(f"{r.model} {r.call} batch {r.batch_size} ({r.ratio:.3f}, "
+                          f"{'pass' if r.passed else 'FAIL'})" for r in unresolved)
+        lines.append(f"- {OVERHEAD_CONFIDENCE:.0%} intervals that contain the target, where this "
+                     f"run's noise cannot tell the ratio from it: {names}.")
     return "\n".join(lines)
 
 

@@ -17,9 +17,11 @@ warm-up or timed, the model's weights and optimizer variables are reset to
 the same initial values (untimed), so both paths train the same steps from
 the same state; `shuffle=False`, one epoch.
 Reported: median, min and max seconds per call of each path, the ratio of
-the medians (the criterion) and the median of the per-pair ratios (a second
-view, robust to slow drift). Timings on a shared machine are noisy; compare
-ratios, not absolute times.
+the medians (the criterion), a 95% bootstrap interval around it over the
+pairs (how far the run's noise reaches: where it contains the target, the
+run cannot tell the ratio from the target) and the median of the per-pair
+ratios (a second view, robust to slow drift). Timings on a shared machine
+are noisy; compare ratios, not absolute times.
 
 Usage (from the repository root):
     python -m benchmarks.overhead            # full run; rewrites its section
@@ -30,6 +32,9 @@ Usage (from the repository root):
                                              # TensorFlow needed); its own
                                              # section, "overhead-jax"
     KERAS_BACKEND=torch python -m benchmarks.overhead # on torch: "overhead-torch"
+    KERAS_BACKEND=torch python -m benchmarks.overhead --from-json benchmarks/overhead_torch.json
+                                             # that section again from the timings
+                                             # its run saved (--json), timing nothing
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import OVERHEAD_CALLS as CALLS  # noqa: E402
 from benchmarks.common import OVERHEAD_TARGETS as TARGETS  # noqa: E402
+from benchmarks.common import BOOTSTRAP_RESAMPLES, OVERHEAD_CONFIDENCE  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Result,
     cpu_model,
@@ -415,7 +421,10 @@ call, outside the timing (objects that exist before a case's timed calls are
 frozen out of the collector's view with `gc.freeze()`, so that it scans only
 what the timed calls made). "Extra ms/step" is (memfit median - Keras median) /
 steps. The machine is shared with other jobs, so absolute times move between
-runs; the ratios are the result.
+runs; the ratios are the result. The {OVERHEAD_CONFIDENCE:.0%} interval is a percentile
+bootstrap of the ratio of medians over the interleaved pairs ({BOOTSTRAP_RESAMPLES:,}
+resamples, fixed seed): where it contains the target, this run's noise cannot
+tell the ratio from the target, whichever side of it the ratio fell.
 
 | Machine | |
 |---|---|
@@ -459,6 +468,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None,
                         help="also write the raw timings to this JSON file "
                              "(used by python -m benchmarks.run)")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="time nothing: rebuild this backend's section from the timings "
+                             "a run saved with --json (its command, machine and loads too)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a ratio exceeds the target (off by default: "
                              "timings on shared machines are not a pass/fail test)")
@@ -478,6 +490,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def saved_backend(info: Dict[str, str]) -> Optional[str]:
+    """The Keras backend whose devices a run's machine info lists (see `versions`)."""
+    names = {"Devices seen by TensorFlow": "tensorflow", "Devices seen by JAX": "jax",
+             "Devices seen by torch": "torch"}
+    return next((names[key] for key in info if key in names), None)
+
+
+def load_json(path: str) -> Tuple[List[Result], Dict[str, str], List[str], str]:
+    """The results, machine, command line and end load that a run saved with `--json`.
+
+    The command line is the run's own, less its `--json` and `--from-json`
+    options (they name files, not how the timings were taken).
+    """
+    import json
+
+    with open(path) as f:
+        saved = json.load(f)
+    argv: List[str] = []
+    words = iter(saved.get("argv", []))
+    for word in words:
+        if word in ("--json", "--from-json"):
+            next(words, None)
+        elif not word.startswith(("--json=", "--from-json=")):
+            argv.append(word)
+    return ([Result(**case) for case in saved["cases"]], saved["machine"], argv,
+            saved.get("end_load", "n/a"))
+
+
 def job(config: Dict[str, Any], say: Any = None) -> Dict[str, Any]:
     """`main(config["args"])` as a `benchmarks.jobs.run_job` target (in a fresh process)."""
     return {"exit_code": main(list(config["args"]))}
@@ -490,18 +530,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
-    info = machine_info()
-    log("machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()))
-    results: List[Result] = []
-    for name in args.models:
-        for batch_size in args.batch_sizes:
-            results.extend(run_case(
-                name, batch_size,
-                samples=args.samples, repeats=args.repeats, warmup=args.warmup,
-                target_seconds=args.target_seconds, max_samples=args.max_samples,
-                calls=args.calls, log=log,
-            ))
-    end_load = load_average()
+    if args.from_json:
+        results, info, argv, end_load = load_json(args.from_json)
+        saved = saved_backend(info)
+        if saved != os.environ.get("KERAS_BACKEND"):
+            print(f"error: --from-json {args.from_json} holds timings taken on the {saved} "
+                  f"backend; received KERAS_BACKEND={os.environ.get('KERAS_BACKEND')}. Run it "
+                  f"with KERAS_BACKEND={saved}, so that the right section is rewritten.",
+                  file=sys.stderr)
+            return 2
+    else:
+        info = machine_info()
+        log("machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()))
+        results = []
+        for name in args.models:
+            for batch_size in args.batch_sizes:
+                results.extend(run_case(
+                    name, batch_size,
+                    samples=args.samples, repeats=args.repeats, warmup=args.warmup,
+                    target_seconds=args.target_seconds, max_samples=args.max_samples,
+                    calls=args.calls, log=log,
+                ))
+        end_load = load_average()
 
     print()
     print(results_table(results))
@@ -514,8 +564,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import json
 
         with open(args.json, "w") as f:
-            json.dump({"cases": [dataclasses.asdict(r) for r in results],
-                       "machine": info}, f)
+            json.dump({"cases": [dataclasses.asdict(r) for r in results], "machine": info,
+                       "argv": argv, "end_load": end_load}, f)
     write = not args.no_write and (args.write or not args.quick)
     if write:
         key = section_key_and_title()[0]

@@ -1,0 +1,136 @@
+"""The overhead benchmark's interval around each ratio, and its sections rebuilt from saved timings.
+
+The interval says how far a run's noise reaches: these tests build timings
+whose answer is known by construction (every pair at one ratio, drift that
+hits both calls of a pair alike, a clear slowdown under small noise) and
+check the interval against it. Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+sys.path.insert(0, ROOT)
+try:
+    from benchmarks.common import Result, results_table, verdicts
+finally:
+    sys.path.remove(ROOT)
+
+
+def _result(keras_times, memfit_times, call="fit"):
+    return Result("mlp", call, 32, 320, len(keras_times), list(keras_times), list(memfit_times))
+
+
+def _noisy(n, seed, spread):
+    """`n` multiplicative noise factors around 1 (log-normal, sigma `spread`)."""
+    rng = random.Random(seed)
+    return [math.exp(rng.gauss(0.0, spread)) for _ in range(n)]
+
+
+def test_every_pair_at_one_ratio_gives_an_interval_of_that_ratio_alone():
+    keras = [1.0 + 0.01 * i for i in range(21)]
+    result = _result(keras, [1.01 * k for k in keras])
+    low, high = result.ratio_interval()
+    assert low == high == result.ratio
+    assert abs(result.ratio - 1.01) < 1e-12
+    assert result.resolved and result.passed  # 1.01 <= 1.02, and nothing uncertain about it
+
+
+def test_drift_that_hits_both_calls_of_a_pair_does_not_widen_the_interval():
+    # The machine's speed drifts threefold over the run; each pair's two calls see
+    # the same speed. Resampling the two paths' times apart would mix slow Keras
+    # calls with fast MemFit ones and give a wide interval; resampling pairs gives none.
+    drift = [1.0 + 2.0 * i / 40 for i in range(41)]
+    result = _result(drift, [1.03 * d for d in drift])
+    low, high = result.ratio_interval()
+    assert math.isclose(low, 1.03) and math.isclose(high, 1.03)
+    assert result.resolved and not result.passed
+
+
+def test_a_clear_slowdown_under_small_noise_is_resolved_as_a_failure():
+    keras = _noisy(21, seed=1, spread=0.01)
+    memfit = [1.10 * k * f for k, f in zip(keras, _noisy(21, seed=2, spread=0.01))]
+    result = _result(keras, memfit)
+    low, high = result.ratio_interval()
+    assert 1.02 < low <= result.ratio <= high < 1.2
+    assert result.resolved and not result.passed
+
+
+def test_the_interval_holds_the_ratio_and_narrows_with_more_pairs():
+    def interval(n):
+        keras = _noisy(n, seed=3, spread=0.1)
+        memfit = [k * f for k, f in zip(keras, _noisy(n, seed=4, spread=0.1))]
+        result = _result(keras, memfit)
+        low, high = result.ratio_interval()
+        assert low <= result.ratio <= high
+        return high - low
+
+    few, many = interval(21), interval(400)
+    assert few > 0.05  # 10% noise on 21 pairs: a 2% target is inside it
+    assert many < few / 2  # about sqrt(400 / 21) = 4.4 times narrower
+
+
+def test_the_table_and_verdicts_show_the_interval_and_name_unresolved_cases():
+    steady = [1.0] * 21
+    noisy = _noisy(21, seed=5, spread=0.1)
+    results = [
+        _result(steady, [0.99] * 21),  # resolved pass
+        _result(noisy, [1.03 * k * f for k, f in zip(noisy, _noisy(21, seed=6, spread=0.1))],
+                call="predict"),
+    ]
+    table = results_table(results)
+    assert "| 95% interval |" in table.splitlines()[0]
+    assert "| **0.990** | 0.990-0.990 |" in table
+    text = verdicts(results)
+    unresolved = [line for line in text.splitlines() if "intervals that contain the target" in line]
+    assert len(unresolved) == 1
+    assert "mlp predict batch 32" in unresolved[0] and "mlp fit" not in unresolved[0]
+
+
+def _saved(tmp_path, devices_key):
+    keras = [1.0, 1.1, 0.9]
+    path = tmp_path / "timings.json"
+    path.write_text(json.dumps({
+        "cases": [dict(model="mlp", call="fit", batch_size=32, samples=320, repeats=3,
+                       keras_times=keras, memfit_times=[1.5 * k for k in keras])],
+        "machine": {"Date (UTC)": "2026-12-03 14:51", devices_key: "cpu"},
+        "argv": ["--repeats", "3", "--json", "/somewhere/timings.json", "--write"],
+        "end_load": "0.50 / 0.40 / 0.30",
+    }))
+    return path
+
+
+def _rebuild(path, output, backend):
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.overhead", "--from-json", str(path),
+         "--output", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_from_json_rebuilds_the_backends_section_from_saved_timings(tmp_path):
+    output = tmp_path / "RESULTS.md"
+    proc = _rebuild(_saved(tmp_path, "Devices seen by torch"), output, "torch")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = output.read_text()
+    assert text.count("<!-- BEGIN benchmark: overhead-torch -->") == 1
+    assert "Generated by `python -m benchmarks.overhead --repeats 3 --write`." in text
+    assert "| Load average at end (1/5/15 min) | 0.50 / 0.40 / 0.30 |" in text
+    # 1.5 times Keras in every pair: ratio 1.5, an interval of 1.5 alone, a failure.
+    assert "| **1.500** | 1.500-1.500 |" in text and "| FAIL |" in text
+
+
+def test_from_json_refuses_timings_of_another_backend_and_writes_nothing(tmp_path):
+    output = tmp_path / "RESULTS.md"
+    proc = _rebuild(_saved(tmp_path, "Devices seen by JAX"), output, "torch")
+    assert proc.returncode == 2
+    assert "taken on the jax backend; received KERAS_BACKEND=torch" in proc.stderr
+    assert not output.exists()
