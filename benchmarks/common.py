@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import random
@@ -134,10 +135,15 @@ class Result:
         high = ratios[int(round((1.0 - tail) * (resamples - 1)))]
         return low, high
 
+    @functools.cached_property
+    def interval(self) -> Tuple[float, float]:
+        """`ratio_interval()` at its defaults, computed once (the table and verdicts read it)."""
+        return self.ratio_interval()
+
     @property
     def resolved(self) -> bool:
         """Whether this run tells the ratio from the target: its interval lies on one side."""
-        low, high = self.ratio_interval()
+        low, high = self.interval
         return high <= self.target or low > self.target
 
 
@@ -155,7 +161,7 @@ def results_table(results: Sequence[Result]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|:---:|---:|---:|:---:|:---:|",
     ]
     for r in results:
-        low, high = r.ratio_interval()
+        low, high = r.interval
         lines.append(
             f"| {r.model} | {r.call} | {r.batch_size} | {r.samples} ({r.steps}) | "
             f"{r.repeats} | {_span(r.keras_times)} | {_span(r.memfit_times)} | "
