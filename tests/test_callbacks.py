@@ -432,7 +432,7 @@ def test_train_steps_satisfy_the_train_step_protocol():
     for model in (default_model, custom_model):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # builds the optimizer
     default = backend.make_train_step(default_model)
-    custom = backend.make_custom_train_step(custom_model)
+    custom = backend.make_custom_train_step(custom_model, (x, y))
     assert isinstance(default, base.TrainStep) and isinstance(custom, base.TrainStep)
     # On JAX a model's own train_step is functional too: its step writes the
     # new state only once it succeeded, so it snapshots itself as well.

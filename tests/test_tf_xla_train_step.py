@@ -174,7 +174,7 @@ def child_custom_step_after_xla_oom():
 
     x, y = _rows_data()
     model = _custom_model()
-    step = backend.get().make_custom_train_step(model)
+    step = backend.get().make_custom_train_step(model, (tf.constant(x), tf.constant(y)))
     try:
         step((tf.constant(x), tf.constant(y)))  # the whole batch: XLA runs out of memory
         raise AssertionError("the whole batch fitted: the cap is too high")

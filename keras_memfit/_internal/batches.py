@@ -77,14 +77,26 @@ def as_chunk(batch: Any) -> tuple:
     return tuple(keras.utils.unpack_x_y_sample_weight(batch))
 
 
-def as_batch(chunk: tuple) -> tuple:
-    """An `(x, y, sample_weight)` chunk back as a Keras batch."""
-    x, y, sample_weight = chunk
-    if sample_weight is not None:
-        return (x, y, sample_weight)
-    if y is not None:
-        return (x, y)
-    return (x,)
+def form_of(batch: Any) -> int:
+    """How Keras packed `batch`: 0 for a bare `x`, else the tuple's length (1 to 3).
+
+    Keras's loops hand a step `x` itself when there are no targets and `x` is
+    not a tuple (`keras.utils.pack_x_y_sample_weight`); a model's own
+    `train_step` may read its `data` as that `x`.
+    """
+    return len(batch) if isinstance(batch, (tuple, list)) else 0
+
+
+def as_batch(chunk: tuple, form: int) -> Any:
+    """An `(x, y, sample_weight)` chunk (or a piece of it) back as a Keras batch of `form`.
+
+    Example:
+        >>> as_batch((x, None, None), form_of(x)) is x
+        True
+    """
+    if form == 0:
+        return chunk[0]
+    return tuple(chunk[:form])
 
 
 def _rank(leaf: Any) -> Optional[int]:

@@ -8,6 +8,9 @@ the mean over samples (the two differ when the last batch is shorter).
 `safe_evaluate` runs its test step the same way (see the backend's
 `make_test_step`), so a batch run whole counts exactly as in Keras.
 
+MemFit's training (`mode="accumulate"`) counts a split batch once the same
+way (`CountedOnce`), as Keras's train step counts each batch.
+
 A batch split into pieces after an OOM must still count once. Its pieces run
 the exact step (traced per piece size: each tracker weights a piece by its
 rows, so the pieces add up to rows x the batch mean); when the batch's last
@@ -30,11 +33,46 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.planning import data as _data
 
 
+class CountedOnce:
+    """Settles a split batch's per-output loss trackers to the one count Keras gives a batch.
+
+    Call `begin()` before the batch's first piece (after any failed try was
+    undone) and `settle()` after its last: each tracker's contribution since
+    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`.
+    Nothing to do (no trackers) on a backend whose Keras weights batches by
+    rows, or for a model run eagerly (static shapes: Keras weights by rows).
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        counts_once = _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE and not getattr(
+            model, "run_eagerly", False
+        )
+        self.trackers = _keras_compat.per_output_loss_trackers(model) if counts_once else []
+        self.before: Optional[List[Tuple[Any, Any]]] = None
+
+    def begin(self) -> None:
+        """Note the trackers' state before a split batch."""
+        if self.trackers:
+            self.before = [(_value(t.total), _value(t.count)) for t in self.trackers]
+
+    def settle(self) -> None:
+        """Count what the pieces added since `begin()` as one batch."""
+        if self.before is None:
+            return
+        for tracker, (total, count) in zip(self.trackers, self.before):
+            added = _value(tracker.count) - count
+            if added > 0:
+                tracker.total.assign(total + (_value(tracker.total) - total) / added)
+                tracker.count.assign(count + 1)
+        self.before = None
+
+
 class SplitBatches:
     """Tracks the batch being run, and settles the per-output losses of a split one.
 
-    Use: run the chunks from `tag(chunks)` with the step from `step(...)`,
-    and call `finished(rows)` after each successful piece.
+    Use: `begin_batch(rows)` as each of Keras's batches starts (or run the
+    chunks from `tag(chunks)`), run it with the step from `step(...)`, and
+    call `finished(rows)` after each successful piece.
     """
 
     def __init__(self, model: keras.Model, exact: bool) -> None:
@@ -44,16 +82,20 @@ class SplitBatches:
                 (nothing to settle then).
         """
         self.model = model
-        # Run eagerly, Keras's batches have static shapes: it weights them by rows.
-        counts_once = _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE and not getattr(
-            model, "run_eagerly", False
-        )
-        self.trackers = (
-            [] if exact or not counts_once else _keras_compat.per_output_loss_trackers(model)
-        )
+        self.counted = CountedOnce(model)
+        if exact:
+            self.counted.trackers = []
         self.rows = 0
         self.done = 0
-        self.before: Optional[List[Tuple[Any, Any]]] = None
+
+    @property
+    def trackers(self) -> List[Any]:
+        """The per-output loss trackers to settle ([] when there is nothing to settle)."""
+        return self.counted.trackers
+
+    def begin_batch(self, rows: int) -> None:
+        """A batch of `rows` (one of Keras's) begins."""
+        self.rows, self.done, self.counted.before = rows, 0, None
 
     def tag(self, chunks: Iterable[Any], batch_size: Optional[int]) -> Iterator[Any]:
         """The batches Keras would run, noting each one's rows as it starts.
@@ -69,7 +111,7 @@ class SplitBatches:
             step = batch_size if self.trackers and batch_size else n
             for start in range(0, n, step or 1):
                 batch = _data.rows(chunk, start, start + step)
-                self.rows, self.done, self.before = _data.num_rows(batch), 0, None
+                self.begin_batch(_data.num_rows(batch))
                 yield batch
 
     def step(
@@ -90,8 +132,8 @@ class SplitBatches:
             nonlocal exact_step
             if _data.num_rows(piece) >= self.rows:
                 return keras_step(piece)
-            if self.before is None:  # the state before the batch (a failed try was undone)
-                self.before = [(_value(t.total), _value(t.count)) for t in self.trackers]
+            if self.counted.before is None:  # the state before the batch (a failed try was undone)
+                self.counted.begin()
             if exact_step is None:
                 exact_step = make_exact(piece)
             return exact_step(piece)
@@ -101,14 +143,9 @@ class SplitBatches:
     def finished(self, rows: int) -> bool:
         """Note a successful piece of `rows`; True when it ended a split batch (now settled)."""
         self.done += rows
-        if self.before is None or self.done < self.rows:
+        if self.counted.before is None or self.done < self.rows:
             return False
-        for tracker, (total, count) in zip(self.trackers, self.before):
-            added = _value(tracker.count) - count
-            if added > 0:
-                tracker.total.assign(total + (_value(tracker.total) - total) / added)
-                tracker.count.assign(count + 1)
-        self.before = None
+        self.counted.settle()
         return True
 
 

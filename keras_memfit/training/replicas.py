@@ -44,7 +44,7 @@ import numpy as np
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
-from keras_memfit._internal.batches import as_batch, concatenate, first_unsplittable
+from keras_memfit._internal.batches import as_batch, concatenate, first_unsplittable, form_of
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
@@ -66,6 +66,7 @@ class _Batch:
     def __init__(self, replicas: Any, batch: Any) -> None:
         self.replicas = replicas
         self.batch = batch
+        self.form = form_of(batch)  # how Keras packed it: each replica's pieces alike
         self.local = replicas.local(batch)
         self.counts = [_data.num_rows(chunk) for chunk in self.local]
         self.slots = max(self.counts)
@@ -100,7 +101,7 @@ class _Batch:
         if len(piece[1]) == self.slots:
             return self.batch
         chunks, _ = self.parts(piece)
-        return self.replicas.distribute([as_batch(c) for c in chunks])
+        return self.replicas.distribute([as_batch(c, self.form) for c in chunks])
 
 
 class RunView(Protocol):
@@ -229,7 +230,8 @@ class ReplicaRun:
         def add(piece: tuple, share: float) -> None:
             chunks, shares = batch.parts(piece)
             parts["accumulator"].add(
-                replicas.distribute([as_batch(c) for c in chunks]), replicas.scalars(shares)
+                replicas.distribute([as_batch(c, batch.form) for c in chunks]),
+                replicas.scalars(shares),
             )
             pieces.count += 1
 

@@ -45,10 +45,11 @@ from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal.batches import (
-    as_batch, as_chunk, concatenate, first_unsplittable, splittable_rows,
+    as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
 )
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
+from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
 from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
@@ -88,12 +89,15 @@ class TrainParts:
     Attributes:
         step: The compiled train step.
         guard: Guards the small state a step updates (steps not snapshotting it).
+        counted: Counts an accumulated batch once for the per-output loss
+            trackers, as Keras's step counts a batch.
         accumulator: The gradient accumulator (the size of the weights),
             made when a batch is first split, dropped by `Run.release`.
     """
 
     step: TrainStep
     guard: Guard
+    counted: CountedOnce
     accumulator: Optional[Accumulator] = None
 
 
@@ -141,7 +145,7 @@ class Run:
         self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
-        self._test_parts: Optional[Tuple[Any, Guard]] = None
+        self._test_parts: Optional[Tuple[Tuple[Any, Guard], SplitBatches]] = None
         self._predict_step: Any = None
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
@@ -167,21 +171,21 @@ class Run:
             n = splittable_rows(chunk)
             if n is None:
                 return self.keras_call("train", batches, first_unsplittable([chunk]))
-            return self._train_batch(chunk, n)
+            return self._train_batch(chunk, n, form_of(batches[0]))
         chunks = [as_chunk(batch) for batch in batches]
         rows = [splittable_rows(chunk) for chunk in chunks]  # None: cannot be split
         if None in rows:
             return self.keras_call("train", batches, first_unsplittable(chunks))
         logs = None
-        for chunk, n in zip(chunks, rows):
-            logs = self._train_batch(chunk, n)
+        for batch, chunk, n in zip(batches, chunks, rows):
+            logs = self._train_batch(chunk, n, form_of(batch))
         return logs
 
-    def _train_batch(self, chunk: tuple, n: int) -> Any:
-        """Train on one Keras batch of `n` rows: whole while it fits, else in pieces."""
-        parts = self._train_parts_for(chunk)
+    def _train_batch(self, chunk: tuple, n: int, form: int) -> Any:
+        """Train on one Keras batch of `n` rows (packed as `form`): whole while it fits, else in pieces."""
+        parts = self._train_parts_for(chunk, form)
         planner = self.planner_for("train", _data.signature(chunk[0]), n)
-        run = self._step_runner(parts.step, planner)
+        run = self._step_runner(parts.step, planner, form)
         guard = None if parts.step.snapshots_itself else parts.guard
         try:
             # The whole batch first, without the loop's bookkeeping (once per Keras step).
@@ -210,12 +214,14 @@ class Run:
         self.note_pieces("train", pieces.count, n)
         return pieces.result
 
-    def _step_runner(self, step: TrainStep, planner: BatchPlanner) -> Callable[[tuple], Any]:
-        """`step` on a piece; an OOM after its optimizer update began is final."""
+    def _step_runner(
+        self, step: TrainStep, planner: BatchPlanner, form: int
+    ) -> Callable[[tuple], Any]:
+        """`step` on a piece, packed as Keras packed its batch; an OOM after its update began is final."""
 
         def run(piece: tuple) -> Any:
             try:
-                return step(as_batch(piece))
+                return step(as_batch(piece, form))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
                     raise self._oom_error(piece, planner, UPDATE_BEGAN_OOM) from exc
@@ -239,10 +245,11 @@ class Run:
                 self._warned_batch_statistics = True
                 _warn_batch_statistics(model)
             parts.accumulator.reset()
+            parts.counted.begin()
             pieces.count = -1  # on_piece counts the chunk once more
 
         def add(piece: tuple, share: float) -> None:
-            parts.accumulator.add(as_batch(piece), share)
+            parts.accumulator.add(as_batch(piece, 3), share)
             pieces.count += 1
 
         def finish() -> Any:
@@ -252,6 +259,7 @@ class Run:
                 if not is_oom_error(exc):
                     raise
                 raise self._oom_error(chunk, planner, UPDATE_OOM) from exc
+            parts.counted.settle()
             return model.get_metrics_result()
 
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
@@ -263,13 +271,13 @@ class Run:
         if self._replicas is not None:
             self._replicas.release()
 
-    def _train_parts_for(self, chunk: tuple) -> TrainParts:
+    def _train_parts_for(self, chunk: tuple, form: int) -> TrainParts:
         if self._train_parts is None:
             backend = _backend.get()
             model = self.model
-            # Builds the model, its metrics and loss, and the optimizer too.
-            backend.prepare_test(model, _data.rows(chunk, 0, 1))
             custom = not backend.has_default_train_step(model)
+            if not custom:  # builds the model, its metrics and loss, and the optimizer too
+                backend.prepare_test(model, _data.rows(chunk, 0, 1))
             key = (
                 "train",
                 custom,
@@ -281,13 +289,16 @@ class Run:
             )
 
             def build() -> TrainParts:
-                make = backend.make_custom_train_step if custom else backend.make_train_step
-                step = make(model)
+                if custom:  # built as Keras builds it: by the step itself, on Keras's batch
+                    step = backend.make_custom_train_step(model, as_batch(chunk, form))
+                else:
+                    step = backend.make_train_step(model)
                 if isinstance(step, OrderedTrainStep):  # when its update may begin
                     step.use_peak_estimate(training_peak(model))
                 return TrainParts(
                     step=step,
                     guard=backend.guard_variables(_model_state.train_state_variables(model)),
+                    counted=CountedOnce(model),
                 )
 
             self._train_parts = _cache.per_model(model, key, build)
@@ -310,18 +321,28 @@ class Run:
         model = self.model
         pieces = Pieces()
 
+        def on_piece(size: int, piece: tuple, result: Any) -> bool:
+            split.finished(size)
+            return pieces(size, piece, result)
+
         for batch in batches:
             chunk = as_chunk(batch)
+            form = form_of(batch)
             if self._test_parts is None:
-                self._test_parts = test_step_and_guard(model, chunk)
-            step, guard = self._test_parts
+                self._test_parts = test_step_and_guard(model, chunk), SplitBatches(model, False)
+            (step, guard), split = self._test_parts
             n = _data.num_rows(chunk)
+            split.begin_batch(n)
+            run = split.step(  # a split batch counts once for the per-output losses
+                lambda piece: step(as_batch(piece, form)),
+                lambda piece: _exact_test_step(model, piece, form),
+            )
             planner = self.planner_for("evaluate", _data.signature(chunk[0]), n)
             pieces.count = 0
             try:
                 run_in_pieces(
-                    model, "evaluate", [chunk], lambda piece: step(as_batch(piece)),
-                    pieces, requested=None, guard=guard, planner=planner,
+                    model, "evaluate", [chunk], run, on_piece,
+                    requested=None, guard=guard, planner=planner,
                 )
                 planner.finish_batch()
                 self.note_pieces("evaluate", pieces.count, n)
@@ -419,6 +440,12 @@ class Run:
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._unlocated.clear()
+
+
+def _exact_test_step(model: keras.Model, piece: tuple, form: int) -> Callable[[tuple], Any]:
+    """The test step whose per-output loss trackers weight a piece by its rows, packed as `form`."""
+    step = test_step_and_guard(model, piece, exact=True)[0]
+    return lambda piece: step(as_batch(piece, form))
 
 
 def batch_dependent_layers(model: keras.Model) -> List[Any]:

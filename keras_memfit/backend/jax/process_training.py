@@ -295,14 +295,14 @@ def make_train_step(model: keras.Model) -> Union[ProcessTrainStep, Any]:
     return training.make_train_step(model)
 
 
-def make_custom_train_step(model: keras.Model) -> Any:
+def make_custom_train_step(model: keras.Model, data: Any) -> Any:
     """A `TrainStep` running the model's own `train_step` (refused under several processes).
 
     Raises:
         NotImplementedError: Under several processes, naming the model.
 
     Example:
-        >>> logs = make_custom_train_step(model)((x[:64], y[:64]))
+        >>> logs = make_custom_train_step(model, (x, y))((x[:64], y[:64]))
     """
     if under_processes():
         raise NotImplementedError(
@@ -310,7 +310,7 @@ def make_custom_train_step(model: keras.Model) -> Any:
             f"model '{model.name}' ({type(model).__name__}) has its own. Train it without "
             "MemFit, or in one process."
         )
-    return training.make_custom_train_step(model)
+    return training.make_custom_train_step(model, data)
 
 
 def make_accumulator(model: keras.Model) -> Union[ProcessAccumulator, Any]:

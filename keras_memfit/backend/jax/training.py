@@ -355,8 +355,15 @@ def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.Sharded
     return distribution.sharded_train_step(TrainStep(model))
 
 
-def make_custom_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
-    """A `TrainStep` running the model's own `train_step` whole (functional too on JAX)."""
+def make_custom_train_step(
+    model: keras.Model, data: Any
+) -> Union[TrainStep, distribution.ShardedTrainStep]:
+    """A `TrainStep` running the model's own `train_step` whole (functional too on JAX).
+
+    Keras's `fit` built the model before its first batch (its symbolic
+    build), so `data` is not needed; the variable lists are taken anew.
+    """
+    _state.refresh(model)
     return distribution.sharded_train_step(TrainStep(model, custom=True))
 
 

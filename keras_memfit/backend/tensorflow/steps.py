@@ -106,13 +106,27 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
     traced = []
 
     def relaxed_test_step(data):
-        if not traced:  # trace with an unknown batch size first, as Keras does
-            compiled.get_concrete_function(relaxed_spec(data))
+        if not traced:
+            trace_as_keras(compiled, data)
             traced.append(True)
         return compiled(data)
 
     relaxed_test_step.__wrapped__ = compiled
     return relaxed_test_step
+
+
+def trace_as_keras(step: Callable, data: Any) -> None:
+    """Trace compiled `step` on `data` with an unknown batch dimension, as Keras traces its own.
+
+    Keras traces its step functions on its dataset's element spec, whose
+    batch dimension is unknown; a later call on any batch size then runs
+    that trace. What reads the static batch size while tracing (the
+    per-output loss trackers of a multi-output model) sees None, as in
+    Keras. The first trace also builds what the step builds (layers, the
+    optimizer, metrics). Nothing for a step run eagerly.
+    """
+    if isinstance(step, tf.types.experimental.PolymorphicFunction):
+        step.get_concrete_function(relaxed_spec(data))
 
 
 def relaxed_spec(value: Any) -> Any:

@@ -33,7 +33,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.holds import XlaHolds
-from keras_memfit.backend.tensorflow.steps import _compile
+from keras_memfit.backend.tensorflow.steps import _compile, trace_as_keras
 
 logger = logging.getLogger("keras_memfit")
 
@@ -205,6 +205,7 @@ class TrainStep:
                 self._model(), self.update_began, self.generation,
                 list(zip(self._shadows, self._guarded)), strict,
             )
+            trace_as_keras(step, data)
         signature, held = self._holds.hold((strict, data))
         try:
             logs = step(data)
@@ -225,6 +226,7 @@ class TrainStep:
         if self._split_steps is None:
             self._split_steps = _make_split_steps(
                 self._model(), self.generation, list(zip(self._shadows, self._guarded)))
+            trace_as_keras(self._split_steps[0], data)
         gradient_step, update_step = self._split_steps
         _, held = self._holds.hold(data)
         try:
@@ -383,8 +385,12 @@ def flagged_train_step(
 
 
 class CustomTrainStep:
-    """A model's own (overridden) `train_step`, compiled as Keras would.
+    """A model's own (overridden) `train_step`, compiled and traced as Keras would.
 
+    Traced when made, on Keras's batch with an unknown batch dimension (as
+    Keras traces its train function): the trace builds what the step builds
+    (layers, the optimizer, metrics: a model with no `call()` is built by
+    its `train_step` alone), so the small state to guard exists afterwards.
     It cannot tell how far a failed call got, nor snapshot what it touches:
     callers snapshot the small state with a `Guard` around each call. Under
     XLA it cannot be split either: a call holds the small state, and on the
@@ -399,13 +405,14 @@ class CustomTrainStep:
     snapshots_itself = False
     last_outcome: Optional[StepOutcome] = None
 
-    def __init__(self, model: keras.Model) -> None:
+    def __init__(self, model: keras.Model, data: Any) -> None:
         model_ref = weakref.ref(model)
 
         def train_step(data):
             return model_ref().train_step(data)
 
         self._step = _compile(model, train_step)
+        trace_as_keras(self._step, data)
         self._holds = XlaHolds(
             model, small=lambda: train_state_variables(model_ref()),
             large=lambda: _updated_by_a_step(model_ref()),
@@ -421,9 +428,9 @@ class CustomTrainStep:
         return logs
 
 
-def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
-    """A `CustomTrainStep` running `model.train_step`."""
-    return CustomTrainStep(model)
+def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
+    """A `CustomTrainStep` running `model.train_step`, traced on Keras's batch `data`."""
+    return CustomTrainStep(model, data)
 
 
 def _updated_by_a_step(model: keras.Model) -> List[Any]:

@@ -205,8 +205,8 @@ class CustomTrainStep:
             raise
 
 
-def make_custom_train_step(model: keras.Model) -> CustomTrainStep:
-    """A `CustomTrainStep` running `model.train_step`."""
+def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
+    """A `CustomTrainStep` running `model.train_step` (Keras's `fit` built the model: `data` unused)."""
     return CustomTrainStep(model)
 
 
