@@ -329,7 +329,8 @@ class Run:
             chunk = as_chunk(batch)
             form = form_of(batch)
             if self._test_parts is None:
-                self._test_parts = test_step_and_guard(model, chunk), SplitBatches(model, False)
+                self._test_parts = (  # traced as Keras's evaluate traces its step
+                    test_step_and_guard(model, chunk, exact=False), SplitBatches(model, False))
             (step, guard), split = self._test_parts
             n = _data.num_rows(chunk)
             split.begin_batch(n)
