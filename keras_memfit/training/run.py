@@ -192,20 +192,21 @@ class Run:
             logs = run_whole(self.model, "train", chunk, run, planner, guard=guard,
                              detail=STATE_KEPT, rows=n)
             if logs is SPLIT:
-                logs = self._train_pieces(parts, chunk, n, planner, run, guard)
+                logs = self._train_pieces(parts, chunk, n, form, planner, run, guard)
             planner.finish_batch()
         finally:
             if self._unlocated:
                 self.note_events(n)
         return logs
 
-    def _train_pieces(self, parts: TrainParts, chunk: tuple, n: int, planner: BatchPlanner,
-                      run: Callable[[tuple], Any], guard: Optional[Guard]) -> Any:
+    def _train_pieces(self, parts: TrainParts, chunk: tuple, n: int, form: int,
+                      planner: BatchPlanner, run: Callable[[tuple], Any],
+                      guard: Optional[Guard]) -> Any:
         """The batch as pieces (train steps, or accumulated micro-batches); the last logs."""
         pieces = Pieces()
         accumulation = None
         if self.mode == "accumulate":
-            accumulation = self._accumulation(parts, chunk, planner, pieces)
+            accumulation = self._accumulation(parts, chunk, form, planner, pieces)
         run_in_pieces(
             self.model, "train", [chunk], run, pieces, requested=None, planner=planner,
             guard=guard, accumulation=accumulation, detail=STATE_KEPT,
@@ -230,7 +231,7 @@ class Run:
         return run
 
     def _accumulation(
-        self, parts: TrainParts, chunk: tuple, planner: BatchPlanner, pieces: Pieces
+        self, parts: TrainParts, chunk: tuple, form: int, planner: BatchPlanner, pieces: Pieces
     ) -> Accumulation:
         """`chunk` as micro-batches whose summed gradients make one update.
 
@@ -249,7 +250,7 @@ class Run:
             pieces.count = -1  # on_piece counts the chunk once more
 
         def add(piece: tuple, share: float) -> None:
-            parts.accumulator.add(as_batch(piece, 3), share)
+            parts.accumulator.add(as_batch(piece, form), share)
             pieces.count += 1
 
         def finish() -> Any:
