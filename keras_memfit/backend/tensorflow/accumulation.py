@@ -335,7 +335,7 @@ class GradientAccumulator:
         rows = [] if steps.sums_sparse else [  # SGD's kept rows: at most its weights' size
             _rows_text(k, steps.weights[i]) for i, k in zip(sparse, kept)]
         self._held = None if not rows else (
-            f"{', '.join(rows)}: the sparse gradient's rows, one per lookup, all kept "
+            f"{', '.join(rows)}: the sparse gradients' rows, one per lookup, all kept "
             f"because {type(self._model().optimizer).__name__} updates them row by row"
         )
         gradients: List[Optional[tf.IndexedSlices]] = []
