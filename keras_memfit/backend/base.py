@@ -227,6 +227,13 @@ class Accumulator(Protocol):
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
 
+    def held(self) -> Optional[str]:
+        """What the last `apply` held that grows with the batch, in words; None: only sums.
+
+        For the message of an OOM in the update: None when it held sums the
+        size of the weights (memory that does not depend on the batch size).
+        """
+
 
 class Backend(Protocol):
     """What a backend package exports (see each backend's modules for details).

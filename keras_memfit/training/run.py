@@ -72,6 +72,13 @@ UPDATE_OOM = (
     "slots may be partly updated (TensorFlow, torch) or lost (JAX, and TensorFlow under "
     "jit_compile, whose update works in place on the state it was given)."
 )
+UPDATE_OOM_HELD = (
+    "The optimizer update ran out of memory holding {held}, for a batch of {rows} rows: "
+    "Keras's own step on that batch holds these rows too, and they grow with the batch "
+    "size, so use a smaller batch_size. The weights and optimizer slots may be partly "
+    "updated (or lost under jit_compile, whose update works in place on the state it was "
+    "given)."
+)
 UPDATE_BEGAN_OOM = (
     "The step ran out of memory after its optimizer update began (in the update, or in "
     "the backward pass while later layers' updates ran, as in Keras's own step): the "
@@ -259,7 +266,10 @@ class Run:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                raise self._oom_error(chunk, planner, UPDATE_OOM) from exc
+                held = parts.accumulator.held()
+                detail = UPDATE_OOM if held is None else UPDATE_OOM_HELD.format(
+                    held=held, rows=_data.num_rows(chunk))
+                raise self._oom_error(chunk, planner, detail) from exc
             parts.counted.settle()
             return model.get_metrics_result()
 

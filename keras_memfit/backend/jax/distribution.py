@@ -352,6 +352,9 @@ class ShardedAccumulator:
         if tail is not None:
             self.__wrapped__.add(_replicate(tail, self._distribution), weight * tail_rows / n)
 
+    def held(self) -> Optional[str]:
+        return self.__wrapped__.held()
+
     def apply(self) -> None:
         self.__wrapped__.apply()
 

@@ -182,6 +182,10 @@ class ProcessAccumulator:
         ))
         self._sums, self._non_trainable, self._metrics = list(sums), non_trainable, metrics
 
+    def held(self) -> Optional[str]:
+        """None: the gradients are dense, their sums the size of the weights."""
+        return None
+
     def apply(self) -> None:
         """Agree with every process, sum over them, update the global state once."""
         model = self._model_ref()

@@ -458,6 +458,10 @@ class GradientAccumulator:
         self._sums = sums
         _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
 
+    def held(self) -> Optional[str]:
+        """None: the gradients are dense, their sums the size of the weights."""
+        return None
+
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
         model = self._model_ref()

@@ -12,13 +12,14 @@ kept across fits.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import keras
 import tensorflow as tf
 
 from keras_memfit._internal.cache import per_model
 from keras_memfit._internal.model_state import train_state_variables
+from keras_memfit._internal.units import format_bytes
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
 from keras_memfit.backend.tensorflow.training import (
     _forward_loss,
@@ -86,6 +87,32 @@ def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
     return found[-1]
 
 
+def sums_sparse_exactly(optimizer: Any) -> bool:
+    """Whether `optimizer`'s update of a sparse gradient is its update of the rows' sum.
+
+    Keras's optimizers on TensorFlow are handed the `tf.IndexedSlices` itself,
+    one row per lookup (a token met twice: two rows), and their `ops` keep the
+    slices for element-wise steps and add up duplicate rows only where they
+    meet a dense tensor. SGD (with or without momentum) only scales the rows
+    and adds them, so the sum of the rows gives its update within rounding
+    (the order of the additions). Adam, AdamW, RMSprop, Adagrad and the others
+    square (or take the absolute value of) each row before adding them up (a
+    token met twice: `g1**2 + g2**2`, not `(g1 + g2)**2`), and `clipnorm` and
+    `clipvalue` clip the rows: their update needs every row.
+    """
+    clipped = any(
+        getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
+    )
+    return type(optimizer) is keras.optimizers.SGD and not clipped
+
+
+def _rows_text(slices: Sequence[tf.IndexedSlices], weight: Any) -> str:
+    """The rows `slices` hold of `weight`'s gradient and their bytes, in words."""
+    rows = sum(int(s.values.shape[0]) for s in slices)
+    row_bytes = slices[0].values.shape[1:].num_elements() * slices[0].values.dtype.size
+    return f"{rows} rows of '{weight.path}' ({format_bytes(rows * row_bytes)})"
+
+
 class AccumulationSteps:
     """A model's compiled accumulation steps and their sums, kept across fits.
 
@@ -99,6 +126,10 @@ class AccumulationSteps:
         sums: Per trainable weight, its dense sum (a `tf.Variable` without a
             static shape, empty between fits), or None (a sparse gradient,
             or not made yet).
+        sparse_sums: Per weight with a sparse gradient summed densely (its
+            index), that sum (as `sums`), made when it is first needed.
+        sums_sparse: Whether the optimizer's update of a sparse gradient is
+            its update of the rows' sum (`sums_sparse_exactly`).
         in_use: Whether an accumulator runs on them now.
     """
 
@@ -107,6 +138,8 @@ class AccumulationSteps:
         weights = list(model.trainable_weights)
         self.weights = weights
         self.sums: List[Optional[tf.Variable]] = []
+        self.sparse_sums: Dict[int, tf.Variable] = {}
+        self.sums_sparse = sums_sparse_exactly(model.optimizer)
         self.sparse: Optional[Tuple[bool, ...]] = None  # per weight, known at the first batch
         self.in_use = False
         # Known when the step is traced: which weights get no gradient, which sparse ones.
@@ -138,8 +171,9 @@ class AccumulationSteps:
                 None if missing or s is None else tf.ensure_shape(s.read_value(), w.shape)
                 for missing, s, w in zip(mask, sums, weights)
             ]
-            for i, slices in zip(traced["sparse"], sparse):
-                gradients[i] = slices
+            for i, slices in zip(traced["sparse"], sparse):  # None: summed densely
+                gradients[i] = slices if slices is not None else tf.ensure_shape(
+                    self.sparse_sums[i].read_value(), weights[i].shape)
             apply_gradients(model_ref(), gradients)
 
         def reset_step():
@@ -171,10 +205,22 @@ class AccumulationSteps:
             if total is not None:
                 total.assign(tf.zeros_like(w.value))
 
+    def sparse_sum(self, i: int) -> tf.Variable:
+        """Zeros of weight `i`'s shape in its dense sum of sparse gradients (made the first time)."""
+        weight = self.weights[i].value
+        total = self.sparse_sums.get(i)
+        if total is None:
+            with tf.device(weight.device):
+                total = self.sparse_sums[i] = tf.Variable(
+                    tf.zeros_like(weight), shape=tf.TensorShape(None), trainable=False)
+        else:
+            total.assign(tf.zeros_like(weight))
+        return total
+
     def free(self) -> None:
         """Empty the sums (their memory, the weights' size, goes back) and end the use."""
         with tf.init_scope():  # eagerly, even if the accumulator is collected during a trace
-            for total in self.sums:
+            for total in [*self.sums, *self.sparse_sums.values()]:
                 if total is not None:
                     total.assign(tf.zeros([0], total.dtype))
         self.in_use = False
@@ -202,17 +248,25 @@ class GradientAccumulator:
     A dense gradient is added in place into a non-trainable variable the size
     of its weight (filled at the first micro-batch, only once a batch has had
     to be split, and emptied when the accumulator is freed, at the end of
-    `fit`), so adding a micro-batch allocates
-    nothing beyond its gradients. A sparse gradient (a `tf.IndexedSlices`,
-    e.g. an `Embedding`'s: one row per token occurrence) is not summed: each
-    micro-batch's scaled slices are kept, and `apply` hands the optimizer
-    their concatenation, the slices of Keras's unsplit step (same rows, same
-    order, duplicates kept). Summing them densely would change the update of
-    an optimizer that treats the slices row by row (Adam squares each row
-    into its velocity: `g1**2 + g2**2` for a token met twice, not
-    `(g1 + g2)**2`). The kept slices are together the size of the whole
-    batch's sparse gradient (what Keras's step holds), and no dense sum is
-    made for those weights.
+    `fit`), so adding a micro-batch allocates nothing beyond its gradients.
+
+    A sparse gradient (a `tf.IndexedSlices`, e.g. an `Embedding`'s: one row
+    per lookup) is handed to Keras's optimizer as a `tf.IndexedSlices`, and
+    what the update makes of its rows decides what is kept
+    (`sums_sparse_exactly`):
+
+    - SGD adds the rows up: each micro-batch's scaled slices are kept while
+      they have no more rows than the weight, then added (`scatter_add`,
+      the kept ones too) into a dense sum the size of the weight, which
+      `apply` hands the optimizer: at most the smaller of the two is held,
+      and the update is the unsplit step's within rounding.
+    - Every other optimizer (Adam, RMSprop, ...) treats the rows one by one
+      (Adam squares each: `g1**2 + g2**2` for a token met twice, not
+      `(g1 + g2)**2`), so every micro-batch's slices are kept and `apply`
+      hands it their concatenation: the rows of Keras's unsplit step (same
+      rows, same order, duplicates kept), as many as Keras's step holds. Their
+      size grows with the batch; `held` names them for the message of an OOM
+      in the update.
 
     The compiled steps and the sum variables are the model's, kept across
     fits (`AccumulationSteps`): a second fit compiles nothing new. Under
@@ -228,12 +282,15 @@ class GradientAccumulator:
         self._model = weakref.ref(model)
         self.steps = _accumulation_steps(model)
         self._filled = False
-        self._kept: List[Tuple[tf.IndexedSlices, ...]] = []  # each micro-batch's sparse slices
+        self._kept: List[List[tf.IndexedSlices]] = []  # per sparse gradient, each piece's slices
+        self._summed: Set[int] = set()  # the sparse gradients summed densely in this batch
+        self._held: Optional[str] = None  # the rows the last `apply` held, in words
         weakref.finalize(self, self.steps.free).atexit = False  # not while TF shuts down
 
     def reset(self) -> None:
         """Start a new batch: zero the sums, drop the kept slices."""
         self._kept = []
+        self._summed = set()
         if self._filled:
             self.steps.reset()
 
@@ -245,25 +302,58 @@ class GradientAccumulator:
             self._filled = True
         signature, held = steps.holds.hold(data)
         try:  # the weight is cast to the loss dtype inside
-            self._kept.append(steps.add(data, tf.constant(weight, tf.float64)))
+            slices = steps.add(data, tf.constant(weight, tf.float64))
         finally:
             held.clear()  # before a retry resets the sums
         steps.holds.ran(signature)
+        self._keep(slices)
+
+    def _keep(self, slices: Sequence[tf.IndexedSlices]) -> None:
+        """Keep a micro-batch's sparse slices, or add them to their weight's dense sum."""
+        steps = self.steps
+        if not self._kept:
+            self._kept = [[] for _ in slices]
+        for j, (i, new) in enumerate(zip(steps.traced["sparse"], slices)):
+            kept = self._kept[j]
+            if i not in self._summed:
+                kept.append(new)
+                rows = sum(int(k.values.shape[0]) for k in kept)
+                if not steps.sums_sparse or rows <= steps.weights[i].shape[0]:
+                    continue
+                self._summed.add(i)
+                total = steps.sparse_sum(i)
+                while kept:  # each piece's memory goes back once it is added
+                    total.scatter_add(kept.pop(0))
+            else:
+                steps.sparse_sums[i].scatter_add(new)
 
     def apply(self) -> None:
         """Apply the summed gradients (and the kept slices) as one optimizer step."""
         kept, self._kept = self._kept, []
-        traced = self.steps.traced
-        sparse = tuple(
-            tf.IndexedSlices(
-                tf.concat([k[j].values for k in kept], 0),
-                tf.concat([k[j].indices for k in kept], 0),
-                kept[0][j].dense_shape,
-            )
-            for j in range(len(traced["sparse"]))
+        steps = self.steps
+        sparse = steps.traced["sparse"]
+        rows = [] if steps.sums_sparse else [  # SGD's kept rows: at most its weights' size
+            _rows_text(k, steps.weights[i]) for i, k in zip(sparse, kept)]
+        self._held = None if not rows else (
+            f"{', '.join(rows)}: the sparse gradients' rows, one per lookup, all kept "
+            f"because {type(self._model().optimizer).__name__} updates them row by row"
         )
-        del kept  # the pieces' slices: only their concatenation is needed now
-        self.steps.apply(traced["mask"], sparse)
+        gradients: List[Optional[tf.IndexedSlices]] = []
+        for j in range(len(sparse)):
+            pieces, kept[j] = kept[j], []  # only their concatenation is needed now
+            gradients.append(None if not pieces else tf.IndexedSlices(
+                tf.concat([k.values for k in pieces], 0),
+                tf.concat([k.indices for k in pieces], 0),
+                pieces[0].dense_shape,
+            ))
+            del pieces
+        del kept
+        self._summed = set()
+        steps.apply(steps.traced["mask"], tuple(gradients))
+
+    def held(self) -> Optional[str]:
+        """What the last update held that grows with the batch (kept rows), in words; else None."""
+        return self._held
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:

@@ -357,6 +357,10 @@ class ReplicaAccumulator:
         """
         self._add(data, weight)
 
+    def held(self) -> Optional[str]:
+        """None: the sums, sparse gradients' too, are the size of the weights."""
+        return None
+
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step (one all-reduce)."""
         self._apply(self._traced["mask"])

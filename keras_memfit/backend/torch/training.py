@@ -273,6 +273,10 @@ class GradientAccumulator:
                     self._sums[i].add_(grad)
                 del grad
 
+    def held(self) -> Optional[str]:
+        """None: the gradients are dense, their sums the size of the weights."""
+        return None
+
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step (weights without any are skipped)."""
         model = self._model_ref()
