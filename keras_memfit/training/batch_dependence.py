@@ -29,6 +29,7 @@ from typing import Any, List, Optional
 import keras
 import numpy as np
 
+from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.planning import data as _data
@@ -106,6 +107,7 @@ def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
     if _data.num_rows(x) < 2:
         return None
     try:
+        _backend.get().materialize(model)  # JAX inside Keras's loops: the weights
         first, second = (_numpy(_data.rows(x, i, i + 1)) for i in (0, 1))
         if all(np.array_equal(a, b) for a, b in zip(_leaves(first), _leaves(second))):
             return None
