@@ -95,16 +95,21 @@ def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
     magnitude is a coupling. Three eager forward passes of two rows: cheap
     next to a step.
 
+    Not checked where steps compile per shape (the backend's
+    `compiles_per_shape`: JAX, TensorFlow with `jit_compile`): there each op
+    of an eager pass is one more compilation, and MemFit keeps its
+    compilations within two of Keras's.
+
     Args:
         model: A built model.
         x: The inputs of a batch (a structure of arrays or tensors).
 
     Returns:
-        True or False; None when it cannot tell: fewer than two rows or two
-        equal ones, no floating output of one row per sample, or a forward
+        True or False; None when it cannot tell: steps compiled per shape,
+        fewer than two rows or two equal ones, no floating output of one row per sample, or a forward
         pass that raised (logged at DEBUG).
     """
-    if _data.num_rows(x) < 2:
+    if _data.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
         return None
     try:
         _backend.get().materialize(model)  # JAX inside Keras's loops: the weights
