@@ -6,7 +6,9 @@ BatchNormalization (batch statistics, moving statistics updated per call)
 and layers that draw random numbers (Dropout). The first time a batch of
 such a model is accumulated, MemFit logs one WARNING naming those layers and
 what `mode="shrink"` would do instead; nothing when nothing is split, and
-nothing for a model without such layers. OOMs are injected (`inject_oom`).
+nothing for a model without such layers, nor for an LSTM with `dropout=0`
+(its cell holds a seed generator but draws nothing) or a frozen
+BatchNormalization (it runs in inference mode). OOMs are injected (`inject_oom`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ def _model(middle):
     return model
 
 
+def _lstm(dropout):
+    return [keras.layers.Reshape((4, 2)), keras.layers.LSTM(3, dropout=dropout, name="lstm")]
+
+
 MODELS = {
     "batchnorm": lambda: _model([keras.layers.BatchNormalization(name="bn")]),
     "dropout": lambda: _model([keras.layers.Dropout(0.2, name="drop")]),
+    "lstm_dropout": lambda: _model(_lstm(0.3)),
     "plain": lambda: _model([]),
+    "lstm": lambda: _model(_lstm(0.0)),
+    "frozen_batchnorm": lambda: _model([keras.layers.BatchNormalization(name="bn",
+                                                                        trainable=False)]),
 }
-NAMES = {"batchnorm": "bn (BatchNormalization)", "dropout": "drop (Dropout)"}
+NAMES = {"batchnorm": "bn (BatchNormalization)", "dropout": "drop (Dropout)",
+         "lstm_dropout": "(LSTMCell)"}
 
 
 def _fit(model, caplog):
@@ -44,7 +55,7 @@ def _fit(model, caplog):
     return [r for r in caplog.records if "depend on how a batch is split" in r.getMessage()]
 
 
-@pytest.mark.parametrize("kind", ["batchnorm", "dropout"])
+@pytest.mark.parametrize("kind", ["batchnorm", "dropout", "lstm_dropout"])
 def test_one_warning_names_the_layers_when_a_batch_is_first_accumulated(inject_oom, caplog,
                                                                        kind):
     inject_oom(16, phases=("train",))
@@ -63,7 +74,8 @@ def test_no_warning_when_nothing_is_split(inject_oom, caplog, kind):
     assert _fit(MODELS[kind](), caplog) == []
 
 
-def test_no_warning_for_a_model_without_such_layers(inject_oom, caplog):
+@pytest.mark.parametrize("kind", ["plain", "lstm", "frozen_batchnorm"])
+def test_no_warning_for_a_model_without_such_layers(inject_oom, caplog, kind):
     inject_oom(16, phases=("train",))
-    assert _fit(MODELS["plain"](), caplog) == []
+    assert _fit(MODELS[kind](), caplog) == []
     assert inject_oom.ooms()

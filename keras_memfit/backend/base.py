@@ -321,6 +321,10 @@ class Backend(Protocol):
     def call_keras_function(
         self, model: Any, kind: str, function: Callable, batches: List[Any]
     ) -> Any: ...
+    # Inside Keras's loops, put the state the backend threads through its steps
+    # into the model's variables, so that an eager call of the model reads it
+    # (JAX; elsewhere the variables always hold it: nothing to do).
+    def materialize(self, model: Any) -> None: ...
 
     # devices: naming devices and placing variables and calls (`place`).
     def host_device(self) -> str: ...

@@ -167,13 +167,13 @@ class BatchPlanner:
 
         Args:
             rows: The rows left in the chunk the piece comes from (the
-                runner gives them). Where steps compile per shape, a size
-                just chosen that splits them is first evened out over them
-                (`even_size`), so the chunk runs as pieces of one size and one
-                remainder, and a later chunk of as many rows, or a later call,
-                reuses exactly those shapes.
+                runner gives them). Where steps compile per shape, a size just
+                chosen below the request that splits them is first evened out
+                over them (`even_size`), so the chunk runs as pieces of one size
+                and one remainder, and a later chunk of as many rows, or a later
+                call, reuses those shapes (the requested size is Keras's batches).
         """
-        if self._even and rows and not self._probes and self._size < rows:
+        if self._even and not self._probes and self._size < min(rows or 0, self.requested_or_inf()):
             self._even = False
             self._size = max(self._granular(even_size(rows, self._size)), 1)
         return self._granular(self._probes[0] if self._probes else self._size)

@@ -42,7 +42,6 @@ import keras
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
-from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal.batches import (
     as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
@@ -55,6 +54,7 @@ from keras_memfit.oom import OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 from keras_memfit.planning.runner import SPLIT, Accumulation, Pieces, run_in_pieces, run_whole
+from keras_memfit.training.batch_dependence import SplitWarnings
 from keras_memfit.training.replicas import ReplicaRun, replicas_of
 
 logger = logging.getLogger("keras_memfit")
@@ -143,7 +143,7 @@ class Run:
         self.mode = mode
         self.keras_function = keras_function
         self.fallback = fallback
-        self._warned_batch_statistics = False  # see `_warn_batch_statistics`
+        self._split_warnings = SplitWarnings(model)  # once per run, at the first split
         self.events: List[Event] = []
         self.epoch = 0
         self.step = 0
@@ -220,6 +220,8 @@ class Run:
         )
         self.epoch_split = max(self.epoch_split, pieces.count)
         self.note_pieces("train", pieces.count, n)
+        if pieces.count > 1:
+            self._split_warnings.split(chunk[0])
         return pieces.result
 
     def _step_runner(
@@ -249,9 +251,7 @@ class Run:
         def begin() -> None:
             if parts.accumulator is None:
                 parts.accumulator = _backend.get().make_accumulator(model)
-            if not self._warned_batch_statistics:
-                self._warned_batch_statistics = True
-                _warn_batch_statistics(model)
+            self._split_warnings.accumulated()
             parts.accumulator.reset()
             parts.counted.begin()
             pieces.count = -1  # on_piece counts the chunk once more
@@ -358,6 +358,8 @@ class Run:
                 )
                 planner.finish_batch()
                 self.note_pieces("evaluate", pieces.count, n)
+                if pieces.count > 1:
+                    self._split_warnings.split(chunk[0])
             finally:
                 self.note_events(n)
         return pieces.result if pieces.ran else {}
@@ -395,6 +397,8 @@ class Run:
                 )
                 planner.finish_batch()
                 self.note_pieces("predict", len(outputs) - before, n)
+                if len(outputs) - before > 1:
+                    self._split_warnings.split(x)
             finally:
                 self.note_events(n)
         return concatenate(outputs)
@@ -458,43 +462,6 @@ def _exact_test_step(model: keras.Model, piece: tuple, form: int) -> Callable[[t
     """The test step whose per-output loss trackers weight a piece by its rows, packed as `form`."""
     step = test_step_and_guard(model, piece, exact=True)[0]
     return lambda piece: step(as_batch(piece, form))
-
-
-def batch_dependent_layers(model: keras.Model) -> List[Any]:
-    """The layers whose training computation depends on how the batch is split.
-
-    BatchNormalization (batch statistics, and moving statistics updated per
-    call) and every layer that draws random numbers in training (it holds a
-    `keras.random.SeedGenerator`: Dropout and its kin, GaussianNoise, random
-    augmentation layers): a micro-batch sees its own statistics and masks.
-    """
-    found = []
-    for layer in _keras_compat.all_layers(model):
-        if layer is model:
-            continue
-        if isinstance(layer, keras.layers.BatchNormalization) or any(
-            isinstance(value, keras.random.SeedGenerator) for value in vars(layer).values()
-        ):
-            found.append(layer)
-    return found
-
-
-def _warn_batch_statistics(model: keras.Model) -> None:
-    """One WARNING when a batch is first accumulated in a model with batch-dependent layers."""
-    layers = batch_dependent_layers(model)
-    if not layers:
-        return
-    names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
-    logger.warning(
-        "MemFit: model '%s' has layers that depend on how a batch is split: %s. Its batch "
-        "is now accumulated as micro-batches: each of these layers sees each micro-batch "
-        "on its own (BatchNormalization normalises with the micro-batch's statistics and "
-        "updates its moving statistics once per micro-batch; random layers draw a mask per "
-        "micro-batch), so the update is not exactly the unsplit batch's. "
-        "MemFit(mode=\"shrink\") would instead train each piece as its own step, as Keras "
-        "does with that smaller batch_size (more optimizer steps).",
-        model.name, names,
-    )
 
 
 def _cannot_split_error(model: keras.Model, phase: str, received: Optional[str]) -> Exception:

@@ -155,3 +155,8 @@ def call_keras_function(
 def is_end_of_data(exc: BaseException) -> bool:
     """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, StopIteration)
+
+
+def materialize(model: Any) -> None:
+    """Inside Keras's loops, write the state tuple into the variables (`state.materialize`)."""
+    _state.materialize(model)

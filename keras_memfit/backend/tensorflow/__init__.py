@@ -53,6 +53,7 @@ from keras_memfit.backend.tensorflow.trainer import (
     adapter_batches,
     call_keras_function,
     is_end_of_data,
+    materialize,
     step_function,
 )
 from keras_memfit.backend.tensorflow.accumulation import GradientAccumulator, make_accumulator
@@ -81,7 +82,7 @@ __all__ = [
     "CustomTrainStep", "GradientAccumulator", "TrainStep", "has_default_train_step",
     "make_accumulator", "make_custom_train_step", "make_train_step", "distribution_of",
     # trainer
-    "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
+    "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
     "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",

@@ -58,6 +58,7 @@ from keras_memfit.backend.torch.trainer import (
     adapter_batches,
     call_keras_function,
     is_end_of_data,
+    materialize,
     step_function,
 )
 from keras_memfit.backend.torch.training import (
@@ -90,7 +91,7 @@ __all__ = [
     "distribution_of", "process_count", "combine_process_metrics",
     "process_failed",
     # trainer
-    "adapter_batches", "call_keras_function", "is_end_of_data", "step_function",
+    "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
     "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",

@@ -72,3 +72,7 @@ def call_keras_function(
 def is_end_of_data(exc: BaseException) -> bool:
     """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, StopIteration)
+
+
+def materialize(model: Any) -> None:
+    """Nothing: the model's variables hold its state inside Keras's loops too."""

@@ -1,0 +1,235 @@
+"""What makes a split batch differ from the unsplit one, and MemFit's warnings about it.
+
+Two things make a batch that MemFit splits compute something else than the
+whole batch:
+
+- layers whose *training* computation depends on the batch
+  (`batch_dependent_layers`): BatchNormalization normalises with the batch's
+  statistics, and random layers draw a mask or noise per call. Accumulated
+  micro-batches see their own statistics and draws; `mode="shrink"` is
+  Keras's own behaviour at a smaller batch_size.
+- a model whose outputs *couple the rows* of a batch (`couples_rows`): an op
+  in its `call` reduces over the batch axis, such as `ops.tensordot(a, b, 2)`
+  where a per-row `ops.sum(a * b, axis=-1)` was meant. A row's output then
+  depends on the other rows in its batch, so no split (and no other
+  batch_size, in plain Keras too) gives the unsplit batch's result.
+
+`SplitWarnings` logs each of them once per MemFit run, when a batch is first
+split. A coupled model is still split, warned: the coupling is usually a bug
+in the model (plain Keras already computes it differently on every epoch's
+shorter last batch), the check is a heuristic that can miss a coupling, and
+refusing would turn a recoverable OOM into a failed `fit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import keras
+import numpy as np
+
+from keras_memfit import backend as _backend
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit.planning import data as _data
+
+logger = logging.getLogger("keras_memfit")
+
+# Attributes that set how much a random layer draws in training (Dropout's and
+# GaussianDropout's `rate`, GaussianNoise's `stddev`, RNN cells' `dropout` and
+# `recurrent_dropout`): a layer whose such attributes are all 0 draws nothing.
+RATE_ATTRIBUTES = ("rate", "stddev", "dropout", "recurrent_dropout")
+# How far a row's output beside another row may be from its output beside a
+# copy of itself, relative to the outputs' largest magnitude, and still count
+# as float rounding. Both batches have the same shapes, so the same kernels
+# round alike; the margin is for kernels that do not (GPU reductions in
+# another order), coarser for 16-bit compute.
+RELATIVE_TOLERANCE = 1e-5
+RELATIVE_TOLERANCE_16_BIT = 1e-2
+
+
+def batch_dependent_layers(model: keras.Model) -> List[Any]:
+    """The layers whose training computation depends on how the batch is split.
+
+    BatchNormalization that trains (batch statistics, and moving statistics
+    updated per call; a frozen one, `trainable=False`, runs in inference
+    mode), and every layer that draws random numbers in training: it holds a
+    `keras.random.SeedGenerator` (Dropout and its kin, GaussianNoise, RNN
+    cells, random augmentation layers), unless each of its `RATE_ATTRIBUTES`
+    it has is 0 (an `LSTMCell` with `dropout=0` and `recurrent_dropout=0`).
+    """
+    found = []
+    for layer in _keras_compat.all_layers(model):
+        if layer is model:
+            continue
+        if isinstance(layer, keras.layers.BatchNormalization):
+            if layer.trainable:
+                found.append(layer)
+        elif _seed_generators(layer) and _draws(layer):
+            found.append(layer)
+    return found
+
+
+def _seed_generators(layer: Any) -> List[Any]:
+    return [value for value in vars(layer).values()
+            if isinstance(value, keras.random.SeedGenerator)]
+
+
+def _draws(layer: Any) -> bool:
+    """Whether a layer holding a seed generator draws anything (a rate above 0)."""
+    rates = [getattr(layer, name, None) for name in RATE_ATTRIBUTES]
+    rates = [rate for rate in rates if isinstance(rate, (int, float))]
+    return not rates or any(rate > 0 for rate in rates)
+
+
+def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
+    """Whether the model's output for a row depends on the other rows of its batch.
+
+    Runs the model's forward pass (inference, in a `keras.StatelessScope`: no
+    variable changes, random layers off) on three batches of two rows: the
+    first two rows of `x` together, the first one twice and the second one
+    twice. Each row then has its output beside the other row and beside a
+    copy of itself, from the same shapes, so the same kernels and the same
+    rounding: a difference above `RELATIVE_TOLERANCE` of the outputs'
+    magnitude is a coupling. Three eager forward passes of two rows: cheap
+    next to a step.
+
+    Not checked where steps compile per shape (the backend's
+    `compiles_per_shape`: JAX, TensorFlow with `jit_compile`): there each op
+    of an eager pass is one more compilation, and MemFit keeps its
+    compilations within two of Keras's.
+
+    Args:
+        model: A built model.
+        x: The inputs of a batch (a structure of arrays or tensors).
+
+    Returns:
+        True or False; None when it cannot tell: steps compiled per shape,
+        fewer than two rows or two equal ones, no floating output of one row per sample, or a forward
+        pass that raised (logged at DEBUG).
+    """
+    if _data.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
+        return None
+    try:
+        _backend.get().materialize(model)  # JAX inside Keras's loops: the weights
+        first, second = (_numpy(_data.rows(x, i, i + 1)) for i in (0, 1))
+        if all(np.array_equal(a, b) for a, b in zip(_leaves(first), _leaves(second))):
+            return None
+        together = _forward(model, _stacked(first, second))
+        beside_itself = [_forward(model, _stacked(row, row)) for row in (first, second)]
+    except Exception as exc:  # a diagnostic only: the split goes on without it
+        logger.debug("MemFit: could not check whether model '%s' couples the rows of a "
+                     "batch: %s: %s", model.name, type(exc).__name__, exc)
+        return None
+    tolerance = RELATIVE_TOLERANCE
+    if keras.backend.standardize_dtype(model.dtype_policy.compute_dtype) in (
+            "float16", "bfloat16"):
+        tolerance = RELATIVE_TOLERANCE_16_BIT
+    compared = False
+    for both, one, two in zip(together, *beside_itself):
+        if not both.shape[:1] == one.shape[:1] == two.shape[:1] == (2,):
+            continue  # not one row per sample
+        alone = np.stack([one[0], two[1]])
+        scale = max(np.max(np.abs(both)), np.max(np.abs(alone)))
+        compared = True
+        if np.max(np.abs(both - alone)) > tolerance * scale:
+            return True
+    return False if compared else None
+
+
+def _numpy(x: Any) -> Any:
+    return keras.tree.map_structure(
+        lambda leaf: leaf if isinstance(leaf, np.ndarray) else keras.ops.convert_to_numpy(leaf), x
+    )
+
+
+def _leaves(x: Any) -> List[Any]:
+    return [leaf for leaf in keras.tree.flatten(x) if leaf is not None]
+
+
+def _stacked(first: Any, second: Any) -> Any:
+    """The one-row structures `first` and `second` as one batch of two rows."""
+    return keras.tree.map_structure(lambda a, b: np.concatenate([a, b]), first, second)
+
+
+def _forward(model: keras.Model, x: Any) -> List[np.ndarray]:
+    """The model's floating outputs on `x`, as float64 arrays.
+
+    Runs in a `keras.StatelessScope`: what the call assigns (a seed
+    generator's state, a stateful layer's) stays in the scope, so every call
+    starts from the same state and a random layer that draws even in
+    inference draws the same numbers for batches of the same shape.
+    """
+    with keras.StatelessScope():
+        outputs = model(x, training=False)
+    arrays = []
+    for leaf in keras.tree.flatten(outputs):
+        if keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray):
+            array = keras.ops.convert_to_numpy(leaf)
+            if "float" in keras.backend.standardize_dtype(array.dtype):
+                arrays.append(array.astype(np.float64))
+    return arrays
+
+
+def coupled(model: keras.Model, x: Any) -> bool:
+    """`couples_rows`, checked once per model (later calls reuse the answer)."""
+    return bool(_cache.per_model(model, "couples_rows", lambda: couples_rows(model, x)))
+
+
+class SplitWarnings:
+    """The WARNINGs MemFit logs once per run, when it first splits a batch.
+
+    Args:
+        model: The model being run.
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self.model = model
+        self._batch_statistics = False
+        self._coupling = False
+
+    def accumulated(self) -> None:
+        """A training batch is accumulated as micro-batches: name the batch-dependent layers."""
+        if not self._batch_statistics:
+            self._batch_statistics = True
+            warn_batch_statistics(self.model)
+
+    def split(self, x: Any) -> None:
+        """A batch with inputs `x` is run as pieces: warn if the model couples its rows."""
+        if not self._coupling:
+            self._coupling = True
+            if coupled(self.model, x):
+                warn_coupling(self.model)
+
+
+def warn_batch_statistics(model: keras.Model) -> None:
+    """One WARNING when a batch is first accumulated in a model with batch-dependent layers."""
+    layers = batch_dependent_layers(model)
+    if not layers:
+        return
+    names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
+    logger.warning(
+        "MemFit: model '%s' has layers that depend on how a batch is split: %s. Its batch "
+        "is now accumulated as micro-batches: each of these layers sees each micro-batch "
+        "on its own (BatchNormalization normalises with the micro-batch's statistics and "
+        "updates its moving statistics once per micro-batch; random layers draw a mask per "
+        "micro-batch), so the update is not exactly the unsplit batch's. "
+        "MemFit(mode=\"shrink\") would instead train each piece as its own step, as Keras "
+        "does with that smaller batch_size (more optimizer steps).",
+        model.name, names,
+    )
+
+
+def warn_coupling(model: keras.Model) -> None:
+    """One WARNING that the model's outputs depend on the whole batch."""
+    logger.warning(
+        "MemFit: model '%s' couples the rows of a batch: a row's output changes with the "
+        "other rows in its batch (its call reduces over the batch axis, e.g. "
+        "ops.tensordot(a, b, 2) where a per-row ops.sum(a * b, axis=-1) was meant). A batch "
+        "MemFit splits therefore cannot give the unsplit batch's result, in either mode "
+        "(plain Keras too gives other results at another batch_size). If the coupling is a "
+        "bug, reduce per row in the model's call; if it is meant, the batch is part of the "
+        "model: use a batch_size that fits.",
+        model.name,
+    )
