@@ -9,7 +9,7 @@ MemFit logs one WARNING naming such a model the first time it splits a batch
 independent. With no pressure, `safe_predict`/`safe_evaluate` run Keras's
 batches, so even such a model gets Keras's values (bitwise on JAX and torch;
 on TensorFlow the predict step, traced once for every batch size, may round
-differently, README "What it guarantees").
+differently, docs/inference.md "What they guarantee").
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_with_no_pressure_keras_batches_and_keras_values(batch_size):
     model = _model()
     expected = model.predict(x, batch_size=batch_size, verbose=0)
     result = safe_predict(model, x, batch_size=batch_size, verbose=0)
-    if BACKEND == "tensorflow":  # one trace for every batch size (README)
+    if BACKEND == "tensorflow":  # one trace for every batch size (docs/inference.md)
         np.testing.assert_allclose(result, expected, rtol=1e-6, atol=0)
     else:
         np.testing.assert_array_equal(result, expected)

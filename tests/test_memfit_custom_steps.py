@@ -8,7 +8,7 @@ encoder and a decoder as attributes, no `call()`, its losses computed by its
 `train_step`). The reference is always plain Keras on the same data, from
 the same initial weights: with no memory pressure MemFit must train exactly
 as Keras does; under pressure a custom step trains as Keras would with the
-smaller batch size (README: custom train steps).
+smaller batch size (docs/training.md, "A model's own `train_step`").
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_a_train_step_without_targets_gets_the_batch_keras_gives_it_and_trains_a
 def test_a_train_step_without_targets_trains_as_keras_at_the_smaller_batch_under_pressure(
         inject_oom):
     # Batches of 16 run out of memory, 8 fits: a custom step cannot be
-    # accumulated, so it trains as Keras does with batch_size=8 (the README's
+    # accumulated, so it trains as Keras does with batch_size=8 (docs/training.md's
     # promise for custom steps), and every piece is still a bare `x`.
     reference = _autoencoder()
     ref_history = reference.fit(_x(), batch_size=8, epochs=2, shuffle=False, verbose=0)
