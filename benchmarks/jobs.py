@@ -7,10 +7,10 @@ keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`), which calls
 `function(config, say)` and hands back the returned dict. The parent
 (`run_job`) imports no TensorFlow.
 
-Environment of every child (`child_environment`): oneDNN off and GPUs hidden
-in capped and uncapped runs alike, so that they compare
-(`keras_memfit.app.env.cpu_only_env`), quiet TensorFlow logging; with
-`cap_mb`, the capped allocator (`keras_memfit.app.env.capped_cpu_env`).
+Environment of every child (`child_environment`): the capped allocator's
+recipe (`keras_memfit.app.env.capped_cpu_env`), quiet TensorFlow logging;
+uncapped runs keep the recipe's oneDNN off and GPUs hidden without the cap,
+so that capped and uncapped runs compare.
 
 Child-side helpers live here too: counting the OOMs keras_memfit caught
 (`OomCounter`) and the versions of what ran (`versions_job`).
@@ -46,15 +46,15 @@ def child_environment(cap_mb: Optional[int], backend: str = "tensorflow") -> Dic
 
     Returns:
         This process's environment with this checkout first on `PYTHONPATH`,
-        quiet TensorFlow logging, Keras on TensorFlow, and either
-        `capped_cpu_env(cap_mb)` or, uncapped, `cpu_only_env()` without any
-        cap the caller had set.
+        quiet TensorFlow logging, Keras on TensorFlow, and
+        `capped_cpu_env(cap_mb)`; uncapped, the same without its cap (nor any
+        cap the caller had set).
     """
     env = app_env.worker_environment("cpu", None)
-    for key in app_env.CAP_VARIABLES:
-        env.pop(key, None)
-    env.update(app_env.capped_cpu_env(int(cap_mb)) if cap_mb is not None
-               else app_env.cpu_only_env())
+    env.update(app_env.capped_cpu_env(1 if cap_mb is None else int(cap_mb)))
+    if cap_mb is None:  # the same kernels as a capped run, without the cap
+        for key in app_env.CAP_VARIABLES:
+            del env[key]
     if backend != "tensorflow":
         if cap_mb is not None:
             raise ValueError(f"the capped allocator is TensorFlow's; received cap_mb={cap_mb} "

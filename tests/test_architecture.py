@@ -15,23 +15,27 @@ function) is read with `ast`; nothing is imported. The rules:
   imports modules of its own layer or of the layers below it, so no
   algorithm and no backend module imports a public front end;
 - the package root holds at most 10 modules;
-- no module of the package is over 500 lines, no test file over 600.
+- every module has its place on purpose, by concept: a module at the package
+  root is named in `LAYERS`; a module (or subpackage) of a package is listed
+  in its package's `__init__.py` docstring, once, as a bullet
+  "- `name`: its concept", and every name listed there exists. A new module
+  means a new bullet saying what one concept it holds; a concept that grows
+  a second one gets a second module and a second bullet.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Dict, List, Set
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "keras_memfit"
-MAX_LINES = 500
 TENSORFLOW_ALLOWED = ("keras_memfit/backend/", "keras_memfit/app/env.py")
 KERAS_SRC_ALLOWED = ("keras_memfit/backend/", "keras_memfit/_internal/keras_compat.py")
-MAX_TEST_LINES = 600
 MAX_ROOT_MODULES = 10
 # keras_memfit's layers, lowest first: each module belongs to the first layer
 # whose prefix it has (module names relative to keras_memfit).
@@ -200,12 +204,62 @@ def test_keras_private_api_is_quarantined():
     assert offenders == []
 
 
-def test_no_module_over_the_size_limit():
-    sizes = {}
-    for path in _modules(PACKAGE).values():
-        with open(path, encoding="utf-8") as f:
-            sizes[os.path.relpath(path, ROOT)] = sum(1 for _ in f)
-    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+_BULLET = re.compile(r"^- `(\w+)`: \S", re.MULTILINE)
+
+
+def _unplaced(package: str, root: str = ROOT) -> List[str]:
+    """What a package's docstring and its folder disagree on (`package`: a folder of `root`).
+
+    Its modules and subpackages must each be listed once in its `__init__.py`
+    docstring as "- `name`: concept", and every listed name must exist.
+    """
+    folder = os.path.join(root, package)
+    with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
+        listed = _BULLET.findall(ast.get_docstring(ast.parse(f.read())) or "")
+    present = {
+        name[: -len(".py")] if name.endswith(".py") else name
+        for name in os.listdir(folder)
+        if (name.endswith(".py") and name != "__init__.py")
+        or os.path.isfile(os.path.join(folder, name, "__init__.py"))
+    }
+    init = f"{package}/__init__.py"
+    return sorted(
+        [f"{package}/{m} is not listed in {init}: add \"- `{m}`: its concept\""
+         for m in present - set(listed)]
+        + [f"{init} lists `{m}`, which does not exist" for m in set(listed) - present]
+        + [f"{init} lists `{m}` {listed.count(m)} times"
+           for m in set(listed) if listed.count(m) > 1]
+    )
+
+
+def _packages() -> List[str]:
+    """Every package under keras_memfit's root (whose own modules `LAYERS` names)."""
+    return sorted(
+        os.path.relpath(folder, ROOT).replace(os.sep, "/")
+        for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE))
+        if "__init__.py" in files and folder != os.path.join(ROOT, PACKAGE)
+    )
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_every_module_is_listed_with_its_concept(package):
+    assert _unplaced(package) == []
+
+
+def test_concept_check_finds_unlisted_missing_and_twice_listed_modules(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        '"""A package.\n\n- `a`: one concept;\n- `gone`: a removed one;\n'
+        '- `a`: again.\n"""\n'
+    )
+    for name in ("a.py", "b.py"):
+        (package / name).write_text("")
+    assert _unplaced("pkg", str(tmp_path)) == [
+        'pkg/__init__.py lists `a` 2 times',
+        'pkg/__init__.py lists `gone`, which does not exist',
+        'pkg/b is not listed in pkg/__init__.py: add "- `b`: its concept"',
+    ]
 
 
 def _layer(module: str) -> int:
@@ -223,6 +277,11 @@ def _upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
         f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
         for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)
     )
+
+
+def test_every_module_is_in_a_layer():
+    for module in _modules(PACKAGE):
+        _layer(module)
 
 
 def test_layers_import_only_downwards():
@@ -245,15 +304,6 @@ def test_package_root_holds_at_most_ten_modules():
         if f.endswith(".py") and f != "__init__.py"
     )
     assert len(root) <= MAX_ROOT_MODULES, root
-
-
-def test_no_test_file_over_the_size_limit():
-    sizes = {}
-    for name in os.listdir(os.path.join(ROOT, "tests")):
-        if name.endswith(".py"):
-            with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
-                sizes[name] = sum(1 for _ in f)
-    assert {p: n for p, n in sizes.items() if n > MAX_TEST_LINES} == {}
 
 
 def _private_reads(paths: List[str]) -> List[str]:

@@ -1,7 +1,7 @@
 """The Digit Recognizer demo, its generated data and the command line.
 
 - `keras_memfit.app.digits`: shapes, dtypes, determinism, speed, Kaggle's CSV
-  formats (train.csv, test.csv, submission.csv) round trip.
+  formats (train.csv and test.csv round trip, submission.csv as written).
 - `python -m keras_memfit demo`, end to end in a subprocess: the plain
   `model.predict(x_test, batch_size=28000)` really runs out of memory under
   the demo's capped allocator, `safe_predict` recovers, and submission.csv is
@@ -153,14 +153,11 @@ def test_to_kaggle_csv_rejects_bad_images_and_labels(tmp_path):
         digits.to_kaggle_csv(path, np.zeros((3, 28, 28), np.uint8), np.array([0, 1, 10]))
 
 
-def test_submission_round_trip(tmp_path):
+def test_write_submission(tmp_path):
     path = tmp_path / "submission.csv"
     labels = np.array([3, 0, 9, 9, 1], np.int32)
     digits.write_submission(path, labels)
     assert path.read_text() == "ImageId,Label\n1,3\n2,0\n3,9\n4,9\n5,1\n"
-    ids, loaded = digits.load_submission(path)
-    np.testing.assert_array_equal(ids, [1, 2, 3, 4, 5])
-    np.testing.assert_array_equal(loaded, labels)
     with pytest.raises(ValueError, match="digits 0..9"):
         digits.write_submission(path, np.array([1, -1]))
     with pytest.raises(ValueError, match="one-dimensional"):

@@ -12,7 +12,8 @@ Modules, one concept each (imports point down this list):
 - `peak`: the one peak formula, for the model and per device;
 - `model`: `ModelAnalysis`, the above for one model, row by row (and
   `training_peak`, its training estimate at a number of rows, made lazily);
-- `choice`: which cheap layers `place` pins for a budget.
+- `choice`: which cheap layers `place` pins for a budget;
+- `report_text`: the text table of a `MemoryReport`.
 
 `keras_memfit.report` and `keras_memfit.placement` are the public front ends.
 """

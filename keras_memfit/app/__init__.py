@@ -5,18 +5,22 @@ from here. Modules, each one concept:
 
 - `cli`: the `keras-memfit` command line (also `python -m keras_memfit`):
   the parser, the `demo`, `predict` and `report` subcommands, one-line errors.
-- `predict_file`: `keras-memfit predict`'s work in the child process, over
-  `inputs` (reading `.npy`/`.npz`/Kaggle `.csv` and fitting them to the
-  model's inputs), `outputs` (writing `.npy`/`.csv` atomically) and `models`
-  (checking and loading saved models).
-- `demo`: the Digit Recognizer OOM demo; `digits`: the generated
-  Kaggle-shaped digits it (and the notebooks and benchmarks) use.
+- `predict_file`: `keras-memfit predict`'s work in the child process.
+- `inputs`: reading `.npy`/`.npz`/Kaggle `.csv` and fitting them to the
+  model's inputs.
+- `outputs`: writing `.npy`/`.csv` atomically.
+- `models`: checking and loading saved models.
+- `demo`: the Digit Recognizer OOM demo.
+- `digits`: the generated Kaggle-shaped digits the demo (and the notebooks
+  and benchmarks) use, and Kaggle's CSV formats.
 - `worker`: running work in a child process and turning any failure into one
-  line; `env`: the memory-limited environment it starts with
+  line.
+- `env`: the memory-limited environment a worker starts with
   (`capped_cpu_env(mb)`, the one capped-allocator recipe, shared with the
-  benchmarks and the tests); `records`: what the work reports (the
-  `keras_memfit` logger's records, the batch sizes run); `errors`: the
-  applications' one-line errors.
+  notebooks, the benchmarks and the tests; `host_tensor` for inputs under it).
+- `records`: what the work reports (the `keras_memfit` logger's records, the
+  batch sizes run).
+- `errors`: the applications' one-line errors.
 
 Importing this package (or `cli`, `worker`, `env`) imports no TensorFlow: the
 work that needs it runs in the child.

@@ -16,8 +16,8 @@ on the number of training samples asked for.
 
 Kaggle's CSV formats are covered too: `to_kaggle_csv` / `load_kaggle_csv` for
 `train.csv` (`label,pixel0,...,pixel783`) and `test.csv` (`pixel0,...,pixel783`),
-and `write_submission` / `load_submission` for `submission.csv`
-(`ImageId,Label`, ImageId counting from 1).
+and `write_submission` for `submission.csv` (`ImageId,Label`, ImageId
+counting from 1).
 
 Example:
     >>> from keras_memfit.app import digits
@@ -40,7 +40,6 @@ __all__ = [
     "generate_digits",
     "load_digits",
     "load_kaggle_csv",
-    "load_submission",
     "to_kaggle_csv",
     "write_submission",
 ]
@@ -374,40 +373,6 @@ def write_submission(path: PathLike, labels: Sequence[int], start_id: int = 1) -
     with open(path, "w", newline="") as f:
         f.write("ImageId,Label\n")
         f.write("".join(f"{i},{int(d)}\n" for i, d in zip(ids.tolist(), labels.tolist())))
-
-
-def load_submission(path: PathLike) -> Tuple[np.ndarray, np.ndarray]:
-    """Read a `submission.csv` (`ImageId,Label`).
-
-    Args:
-        path: The submission file.
-
-    Returns:
-        `(image_ids, labels)`, both `int64` arrays.
-
-    Raises:
-        ValueError: If the header is not `ImageId,Label` or a row is malformed.
-        OSError: If the file cannot be read.
-
-    Example:
-        >>> ids, labels = load_submission("submission.csv")
-    """
-    with open(path, "r") as f:
-        header = f.readline().strip()
-        rows = [line.strip() for line in f if line.strip()]
-    if header != "ImageId,Label":
-        raise ValueError(
-            f"{os.fspath(path)}: header must be 'ImageId,Label'; received {header!r}"
-        )
-    try:
-        pairs = np.array([[int(v) for v in row.split(",")] for row in rows], np.int64)
-    except ValueError as err:
-        raise ValueError(f"{os.fspath(path)}: every row must be 'ImageId,Label' integers") from err
-    if pairs.size == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    if pairs.ndim != 2 or pairs.shape[1] != 2:
-        raise ValueError(f"{os.fspath(path)}: every row must have two columns")
-    return pairs[:, 0], pairs[:, 1]
 
 
 def _as_pixels(images: np.ndarray) -> np.ndarray:

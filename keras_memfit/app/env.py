@@ -44,7 +44,6 @@ __all__ = [
     "CAP_VARIABLES",
     "capped_cpu_env",
     "configure_gpu",
-    "cpu_only_env",
     "gpu_visible",
     "host_tensor",
     "worker_environment",
@@ -88,24 +87,9 @@ def capped_cpu_env(mb: int) -> Dict[str, str]:
     return {
         "TF_CPU_ALLOCATOR_USE_BFC": "true",
         "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(mb),
-        **cpu_only_env(),
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        "CUDA_VISIBLE_DEVICES": "-1",
     }
-
-
-def cpu_only_env() -> Dict[str, str]:
-    """The part of `capped_cpu_env` that is not the cap: oneDNN off, GPUs hidden.
-
-    For an uncapped run that must compare with capped ones (the same kernels,
-    on the CPU), as the benchmarks' references are.
-
-    Returns:
-        A new dict: `TF_ENABLE_ONEDNN_OPTS="0"`, `CUDA_VISIBLE_DEVICES="-1"`.
-
-    Example:
-        >>> cpu_only_env()["CUDA_VISIBLE_DEVICES"]
-        '-1'
-    """
-    return {"TF_ENABLE_ONEDNN_OPTS": "0", "CUDA_VISIBLE_DEVICES": "-1"}
 
 
 def worker_environment(

@@ -225,11 +225,11 @@ def check_writable(path: str, error: type = WorkerError) -> None:
 # --------------------------------------------------------------------------
 # Child side
 # --------------------------------------------------------------------------
-def worker_main(target: "str | Work", config_json: str, result_path: str) -> int:
+def worker_main(target: str, config_json: str, result_path: str) -> int:
     """The child's entry point: run the work, write its result (or error) as JSON.
 
     Args:
-        target: "module:function", or the function itself.
+        target: "module:function".
         config_json: The JSON config; with "device" "gpu" and a
             "memory_limit_mb", the GPU is limited first
             (`keras_memfit.app.env.configure_gpu`).
@@ -247,8 +247,7 @@ def worker_main(target: "str | Work", config_json: str, result_path: str) -> int
         config = json.loads(config_json)
         if config.get("device") == "gpu" and config.get("memory_limit_mb") is not None:
             _env.configure_gpu(int(config["memory_limit_mb"]))  # before any op touches the GPU
-        work = resolve_target(target) if isinstance(target, str) else target
-        result = work(config, stdout_reporter)
+        result = resolve_target(target)(config, stdout_reporter)
         code = 0
     except WorkerError as err:
         result, code = {"error": " ".join(str(err).split())}, 1

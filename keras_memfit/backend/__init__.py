@@ -9,6 +9,16 @@ exporting the names of the `Backend` protocol in `keras_memfit.backend.base`,
 which also types the values that cross the seam (`Spec`, `NO_SPEC`,
 `StepOutcome`, `TrainStep`, `Accumulator`, `Guard`).
 
+- `base`: the seam's contract, typed;
+- `kinds`: what kind of tensor a value is, by class, importing no framework;
+- `_layer_calls`: recording every layer and operation call of one symbolic
+  forward pass (the backends' `tracing`);
+- `_placement_refused`: `place`'s functions on a backend that cannot keep
+  layers on another device;
+- `tensorflow`: the TensorFlow backend;
+- `jax`: the JAX backend;
+- `torch`: the PyTorch backend.
+
 `get()` returns the active backend's package; it is the only way the rest of
 keras_memfit reaches a backend, and it imports nothing until it is called.
 TensorFlow, JAX and PyTorch ("torch") are implemented; `get()` names the

@@ -5,5 +5,7 @@
 - `steps`: the compiled predict and test steps, cached per model (MemFit's
   `predict` and validation run them too);
 - `outputs`: where each piece's outputs go, in order, on the host;
-- `output_losses`: exact per-output losses over pieces.
+- `output_losses`: exact per-output losses over pieces;
+- `generation`: `safe_generate`'s pieces (prompts as rows, few batch shapes,
+  outputs in order).
 """

@@ -3,9 +3,10 @@
 - `data`: the input as Keras takes it, as chunks of rows (arrays, datasets,
   generators, sparse batches);
 - `planner`: the next piece size, learned from OOMs and the device's memory;
-  `records` (what is known about a model's pieces, kept between calls),
-  `shape_plan` (sizes from the analytic estimate where each shape compiles),
-  `replica_memory` (the memory of several replicas);
+- `records`: what the planner knows about a model's pieces, kept between
+  calls, and its `Event`s;
+- `shape_plan`: sizes from the analytic estimate where each shape compiles;
+- `replica_memory`: the memory of the devices a piece runs on;
 - `runner`: `run_in_pieces`, the one retry loop, with accumulation as its
   all-or-nothing mode.
 """

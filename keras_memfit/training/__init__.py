@@ -3,5 +3,7 @@
 - `run`: one `fit` call's training, validation and predict batches, in
   pieces (`Run`);
 - `replicas`: the same under a `tf.distribute` strategy (`ReplicaRun`);
-- `summary`: what MemFit reports at the end of `fit`.
+- `summary`: what MemFit reports at the end of `fit`;
+- `batch_dependence`: what makes a split batch differ from the whole one,
+  and MemFit's warning about it.
 """

@@ -1,9 +1,23 @@
 """JAX implementation of the backend seam (see `keras_memfit.backend.base`).
 
-One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`, plus
-`distribution` (`keras.distribution.DataParallel`: pieces laid out over the
-devices). This module exports the names of the `Backend` protocol.
+One module per concern; the first seven are the modules every backend
+package has. This module exports the names of the `Backend` protocol.
+
+- `oom`: JAX's OOM forms, the bases of `OutOfMemoryError`;
+- `memory`: memory statistics and limits of JAX's devices (the address-space
+  limit on the CPU);
+- `steps`: compiled predict and test steps, also started without waiting;
+- `training`: train steps that never lose the model's state to an OOM, and
+  gradient accumulation;
+- `trainer`: Keras's step functions in JAX's calling convention;
+- `devices`: naming devices (`place` is not implemented);
+- `tracing`: the model's layer calls, traced with `jax.eval_shape`;
+- `state`: Keras's JAX state tuple threaded through MemFit's steps;
+- `distribution`: `keras.distribution.DataParallel`: pieces laid out over
+  the devices;
+- `processes`: several JAX processes: their agreement, local copies, sums;
+- `process_training`: MemFit's train step and accumulator under several
+  processes.
 
 Keras's JAX trainer donates the model's state to its compiled steps, so an
 out-of-memory error loses the model. Here what can run out of memory donates

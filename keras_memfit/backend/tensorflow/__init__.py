@@ -1,10 +1,23 @@
 """TensorFlow implementation of the backend seam (see `keras_memfit.backend.base`).
 
-One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`; and
-`replicas` (the inference steps on every replica of a
-`tf.distribute.MirroredStrategy`, used by `steps` and `memory`). This module
-exports the names of the `Backend` protocol.
+One module per concern; the first seven are the modules every backend
+package has. This module exports the names of the `Backend` protocol.
+
+- `oom`: TensorFlow's OOM forms, the bases of `OutOfMemoryError`;
+- `memory`: memory statistics and limits of TensorFlow's devices;
+- `steps`: compiled predict and test steps, their traced outputs, guards;
+- `training`: train steps that say how far a failed call got (under XLA
+  split as JAX's are);
+- `trainer`: Keras's step functions in TensorFlow's calling convention;
+- `devices`: naming devices, moving variables, pinning calls (`place`);
+- `tracing`: the model's layer calls, traced symbolically;
+- `replicas`: the inference steps on every replica of a
+  `tf.distribute.MirroredStrategy` (used by `steps` and `memory`);
+- `distribute`: MemFit's train, test and predict steps under a
+  `tf.distribute` strategy;
+- `accumulation`: gradient accumulation on one device;
+- `holds`: what a compiled step that updates variables holds while it runs
+  under XLA.
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
 """PyTorch implementation of the backend seam (see `keras_memfit.backend.base`).
 
-One module per concern, the same names in every backend package: `oom`,
-`memory`, `steps`, `training`, `trainer`, `devices`, `tracing`. This module
+One module per concern, the seven every backend package has. This module
 exports the names of the `Backend` protocol.
+
+- `oom`: PyTorch's OOM forms, the bases of `OutOfMemoryError`;
+- `memory`: CUDA's caching allocator (nothing on the CPU);
+- `steps`: predict and test steps under `torch.no_grad()`, guards;
+- `training`: train steps that say how far a failed call got, and gradient
+  accumulation;
+- `trainer`: Keras's step functions in torch's calling convention;
+- `devices`: naming devices (`place` is not implemented);
+- `tracing`: the model's layer calls, traced on the "meta" device.
 
 Keras's torch trainer runs its steps eagerly and updates the weights in
 place; nothing is donated, so an OOM in a forward or backward pass leaves the
