@@ -10,6 +10,7 @@ exports the names of the `Backend` protocol.
 from __future__ import annotations
 
 from keras_memfit.backend.tensorflow.devices import (
+    PLACES_LAYERS,
     call_on_device,
     canonical_device,
     creating_on,
@@ -84,7 +85,7 @@ __all__ = [
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
-    "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
+    "PLACES_LAYERS", "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",
     "variable_device",
     # tracing
