@@ -169,7 +169,7 @@ def test_update_began_on_this_backend_says_what_is_left_of_the_weights():
     message = str(make(oom_module.UPDATE_BEGAN, rows=12))
     assert "once the optimizer update of a step on 12 rows had begun" in message
     expected = {"jax": "may be lost", "tensorflow": "may be partly updated (or lost under "
-                "jit_compile"}.get(BACKEND, "may be partly updated:")
+                "jit_compile"}.get(BACKEND, "may be partly updated, so")
     assert expected in message
 
 
