@@ -6,7 +6,7 @@ Public API:
     safe_generate: KerasHub's `causal_lm.generate` in batches that fit.
     MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
-    OutOfMemoryError: Raised when even a single sample does not fit.
+    OutOfMemoryError: Raised when running smaller cannot avoid an OOM (its `cause` says why).
     ProcessFailed: Raised in every process of a multi-process JAX run when
         one of them failed or did not answer in time.
     memory_report: Per-layer memory (weights, optimizer slots, activations),

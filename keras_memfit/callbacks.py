@@ -140,7 +140,9 @@ class MemFit(keras.callbacks.Callback):
             other than a single-process `DataParallel` (`ModelParallel`,
             multi-process `jax.distributed`), the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
-            not fit; the training state is as it was before that step.
+            not fit (the training state is as it was before that step), when
+            an optimizer update ran out of memory (the weights may be partly
+            updated), or when a batch MemFit cannot split ran out of memory.
 
     Example:
         >>> memfit = MemFit()

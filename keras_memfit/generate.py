@@ -148,7 +148,7 @@ def safe_generate(
         done += run_in_pieces(
             causal_lm, _PHASE, [chunk], step, on_piece, requested=batch_size,
             planner=planner,
-            detail=" A single prompt does not fit: use a shorter max_length.",
+            detail="Each prompt runs to max_length tokens: use a shorter max_length.",
         )
     logger.debug("safe_generate: %d prompts generated", done)
     return outputs.result(scalar)

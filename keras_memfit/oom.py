@@ -1,4 +1,4 @@
-"""Out-of-memory detection and the error raised when even one sample does not fit.
+"""Out-of-memory detection, and the error raised when running smaller cannot avoid one.
 
 Detection is a handful of small named predicates, in the manner of toma: each
 recognises one way a backend or a library reports running out of memory, and
@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 from keras_memfit import backend as _backend
 
 __all__ = [
+    "CANNOT_SPLIT",
+    "CAUSES",
+    "ONE_SAMPLE",
     "OutOfMemoryError",
+    "UPDATE",
+    "UPDATE_BEGAN",
+    "can_place",
     "is_cuda_alloc_failure",
     "is_host_oom",
     "is_oom_error",
@@ -141,8 +147,8 @@ def is_retryable_oom(exc: BaseException) -> bool:
     """Whether `exc` is an OOM that running smaller pieces may avoid.
 
     `is_oom_error`, less keras_memfit's own `OutOfMemoryError`, which it
-    raises once it judged an OOM final (one sample does not fit, or an
-    optimizer update ran out of memory): the retry loops pass that one on.
+    raises once it judged an OOM final (see its `cause`): the retry loops
+    pass that one on.
 
     Example:
         >>> is_retryable_oom(MemoryError())
@@ -156,46 +162,90 @@ def _message(exc: BaseException) -> str:
     return message if isinstance(message, str) else str(exc)
 
 
-_ADVICE = (
-    "What to do next: look at which layers hold the memory "
-    "(`keras_memfit.memory_report(model, batch_size)`, or model.summary()); keep "
-    "oversized embedding/input layers on the CPU (`keras_memfit.place(model)`, "
-    "or `with keras.device('cpu:0')` around those layers); use mixed precision "
-    "(keras.mixed_precision.set_global_policy('mixed_float16')); free other "
-    "models or tensors held on the device; or use a smaller model."
-)
+# What ran out of memory (`OutOfMemoryError.cause`).
+ONE_SAMPLE = "one_sample"  # a piece of a single sample
+UPDATE = "update"  # the one optimizer update of a batch MemFit accumulated
+UPDATE_BEGAN = "update_began"  # a step whose optimizer update had begun
+CANNOT_SPLIT = "cannot_split"  # a batch MemFit cannot split, run by Keras's own step
+CAUSES = (ONE_SAMPLE, UPDATE, UPDATE_BEGAN, CANNOT_SPLIT)
+
+# What an OOM in an optimizer update leaves of the weights, per backend.
+_UPDATE_STATE = {
+    "tensorflow": "partly updated (or lost under jit_compile, whose update works in "
+                  "place on the state it was given)",
+    "jax": "lost (JAX's update works in place on the state it was given)",
+}
+
+
+def can_place(model: Any) -> bool:
+    """Whether `keras_memfit.place` can keep layers of `model` on the host.
+
+    Only where the backend places layers (TensorFlow) and `model` runs under
+    no distribution strategy (each replica holds its own weights).
+
+    Example:
+        >>> can_place(model)  # on TensorFlow, outside any strategy
+        True
+    """
+    backend = _backend.get()
+    return backend.PLACES_LAYERS and backend.distribution_of(model) is None
 
 
 class _OutOfMemoryErrorBody:
-    """Raised when even a single sample does not fit in device memory.
+    """Raised when running smaller cannot avoid an out-of-memory error; `cause` says why.
+
+    Its first sentence states what ran out and on what, then whether the
+    model is intact, then what to do (advice valid on the active backend:
+    `keras_memfit.place` only where it can place layers). The causes:
+
+    - "one_sample" (`ONE_SAMPLE`): even a batch of a single sample does not
+      fit (`batch_shape` is its input shape);
+    - "update" (`UPDATE`): the one optimizer update of a batch of `rows`
+      rows MemFit ran as micro-batches ran out of memory; the update cannot
+      be split, and the weights may be partly updated;
+    - "update_began" (`UPDATE_BEGAN`): a step on `rows` rows ran out of
+      memory once its optimizer update had begun, so it is not run again;
+    - "cannot_split" (`CANNOT_SPLIT`): a batch MemFit cannot split
+      (`received` names what it holds) ran out of memory in Keras's own step.
 
     It subclasses the active backend's own out-of-memory error (with
     TensorFlow, `tf.errors.ResourceExhaustedError`; with JAX,
-    `jax.errors.JaxRuntimeError`, a `RuntimeError`), so existing
-    `except tf.errors.ResourceExhaustedError:` (or `except
-    jax.errors.JaxRuntimeError:`) code keeps catching it. The
-    class is made on first use (`from keras_memfit.oom import
-    OutOfMemoryError`), so importing this module needs no backend. The
-    backend error that caused it is chained as `__cause__`.
+    `jax.errors.JaxRuntimeError`; with torch, `torch.OutOfMemoryError`), so
+    existing `except tf.errors.ResourceExhaustedError:` (or the other
+    backends') code keeps catching it. The class is made on first use
+    (`from keras_memfit.oom import OutOfMemoryError`), so importing this
+    module needs no backend. The backend error that caused it is chained as
+    `__cause__`.
 
     Args:
         model_name: Name of the model that ran out of memory.
-        phase: What was running: "predict", "evaluate" or "train".
-        batch_shape: Shapes of the inputs of the one-sample batch that failed.
+        phase: What was running: "predict", "evaluate", "train" or "generate".
+        batch_shape: Shapes of the inputs of one sample of the batch that failed.
         device: The device whose memory ran out, when known.
         detail: Extra sentence about this failure, placed before the advice.
+        cause: What ran out of memory, one of `CAUSES`.
+        rows: The rows of the batch (or step) that failed, for the update causes.
+        held: What the update held that grows with the batch, in words
+            (cause "update"); None: memory that does not depend on the batch size.
+        received: What the batch held that cannot be split (cause "cannot_split").
+        can_place: Whether `keras_memfit.place` may be advised (see
+            `can_place`); None: whether the active backend places layers.
 
     Attributes:
         model_name: Name of the model that ran out of memory.
-        phase: What was running: "predict", "evaluate" or "train".
-        batch_shape: Shapes of the one-sample batch that failed.
+        phase: What was running.
+        batch_shape: Shapes of one sample of the batch that failed.
         device: The device whose memory ran out, when known.
+        cause: What ran out of memory, one of `CAUSES`.
+        rows: The rows of the batch that failed, when known.
+        held: What the failed update held that grows with the batch, or None.
+        received: What the batch held that MemFit cannot split, or None.
 
     Example:
         >>> try:
         ...     safe_predict(huge_model, x)
         ... except OutOfMemoryError as err:
-        ...     print(err.phase, err.batch_shape)
+        ...     print(err.cause, err.phase, err.batch_shape)
     """
 
     def __init__(
@@ -205,28 +255,107 @@ class _OutOfMemoryErrorBody:
         batch_shape: Sequence[Any] = (),
         device: Optional[str] = None,
         detail: str = "",
+        cause: str = ONE_SAMPLE,
+        rows: Optional[int] = None,
+        held: Optional[str] = None,
+        received: Optional[str] = None,
+        can_place: Optional[bool] = None,
     ) -> None:
+        if cause not in CAUSES:
+            raise ValueError(f"cause must be one of {CAUSES}; received {cause!r}")
         self.model_name = model_name
         self.phase = phase
         self.batch_shape = tuple(batch_shape)
         self.device = device
         self.detail = detail
-        where = f" on {device}" if device else ""
+        self.cause = cause
+        self.rows = rows
+        self.held = held
+        self.received = received
+        self.can_place = _backend.get().PLACES_LAYERS if can_place is None else can_place
+        parts = [self._what(), self._held(), self._state(), detail.strip(), self._advice()]
+        _backend.get().init_oom_error(self, " ".join(p for p in parts if p))
+
+    def _what(self) -> str:
+        """The first sentence: what ran out of memory, on what, with its figures."""
+        where = f" on {self.device}" if self.device else ""
+        head = f"Model '{self.model_name}' ran out of memory in {self.phase}{where}"
         shapes = ", ".join(str(tuple(s)) for s in self.batch_shape) or "unknown"
-        message = (
-            f"Model '{model_name}' ran out of memory in {phase}{where} even with "
-            f"a batch of a single sample (input shape {shapes}): one sample "
-            "does not fit in the memory left on the device."
+        rows = "unknown" if self.rows is None else self.rows
+        if self.cause == ONE_SAMPLE:
+            return (f"{head} even with a batch of a single sample (input shape {shapes}): "
+                    "one sample does not fit in the memory left on the device.")
+        if self.cause == UPDATE:
+            return (f"{head} in the optimizer update of a batch of {rows} rows (one sample's "
+                    f"input shape {shapes}): MemFit had summed the gradients of its "
+                    "micro-batches, and their one update cannot be split.")
+        if self.cause == UPDATE_BEGAN:
+            return (f"{head} once the optimizer update of a step on {rows} rows had begun "
+                    f"(one sample's input shape {shapes}): in the update, or in the backward "
+                    "pass while later layers' updates ran, as in Keras's own step.")
+        return (f"{head} on a batch that MemFit cannot split to retry it smaller, so it ran "
+                "through Keras's own step, without MemFit: MemFit splits numpy arrays and "
+                f"dense tensors (and None inputs). Received: {self.received}.")
+
+    def _held(self) -> str:
+        """For an update: whether its memory grows with the batch size."""
+        if self.cause != UPDATE:
+            return ""
+        if self.held is None:
+            return ("The update holds the weights, their gradients and the optimizer "
+                    "slots, whose size does not depend on the batch size, so a smaller "
+                    "batch_size does not help.")
+        return (f"The update held {self.held}; these grow with the batch size (Keras's own "
+                "step on that batch holds them too).")
+
+    def _state(self) -> str:
+        """Whether the model is intact."""
+        backend = _backend.name()
+        if self.cause in (UPDATE, UPDATE_BEGAN):
+            lost = _UPDATE_STATE.get(backend, "partly updated")
+            again = ", so MemFit does not run the batch again" if self.cause == UPDATE_BEGAN else ""
+            return (f"The weights and optimizer slots may be {lost}{again}: restore them "
+                    "(e.g. from a checkpoint) before training on.")
+        if self.cause == CANNOT_SPLIT and backend == "jax":
+            return ("Keras's JAX step donates the model's state to the step, so the OOM may "
+                    "have lost it: restore the weights (e.g. from a checkpoint) before going on.")
+        if self.phase == "train":
+            if self.cause == CANNOT_SPLIT:
+                return ("If Keras's step had begun its optimizer update, the weights and "
+                        "optimizer slots may be partly updated.")
+            return ("The training state is as it was before this step: save it, then resume "
+                    "with `initial_epoch`.")
+        return "The model's weights are unchanged."
+
+    def _advice(self) -> str:
+        """What to do next, valid on the active backend."""
+        if self.cause == CANNOT_SPLIT:
+            return ("What to do next: use a smaller batch_size, or make the input dense "
+                    "before it reaches the model (e.g. tf.sparse.to_dense, "
+                    "RaggedTensor.to_tensor, a SciPy matrix's toarray()), so that MemFit can "
+                    "split it.")
+        place = (
+            "keep oversized embedding/input layers (and their optimizer slots) on the CPU "
+            "(`keras_memfit.place(model)`); " if self.can_place else ""
         )
-        if detail:
-            message += f" {detail}"
-        message += f" {_ADVICE}"
-        _backend.get().init_oom_error(self, message)
+        if self.cause in (UPDATE, UPDATE_BEGAN):
+            grows = self.cause == UPDATE_BEGAN or self.held is not None
+            first = "use a smaller batch_size; " if grows else ""
+            rest = ("use an optimizer that keeps fewer slots per weight (SGD without momentum "
+                    "keeps none, Adam two)")
+        else:
+            first = ("look at which layers hold the memory (`keras_memfit.memory_report("
+                     "model, batch_size)`, or model.summary()); ")
+            rest = ("use mixed precision (keras.mixed_precision.set_global_policy("
+                    "'mixed_float16'))")
+        return (f"What to do next: {first}{place}{rest}; free other models or tensors held "
+                "on the device; or use a smaller model.")
 
     def __reduce__(self) -> Tuple[Any, ...]:  # picklable despite the backend base's __init__
         return (
             type(self),
-            (self.model_name, self.phase, self.batch_shape, self.device, self.detail),
+            (self.model_name, self.phase, self.batch_shape, self.device, self.detail,
+             self.cause, self.rows, self.held, self.received, self.can_place),
         )
 
 

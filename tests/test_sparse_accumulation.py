@@ -116,11 +116,12 @@ def test_an_oom_in_the_update_of_kept_rows_says_what_it_held(inject_oom, monkeyp
     inject_oom(None)
     message = str(caught.value)
     rows = BATCH * LENGTH  # one per lookup, as Keras's unsplit step's gradient
-    assert f"holding {rows} rows of 'emb/embeddings' ({rows * DIM * 4 / 1024:.1f} KiB)" in message
-    assert f"for a batch of {BATCH} rows" in message
+    assert f"held {rows} rows of 'emb/embeddings' ({rows * DIM * 4 / 1024:.1f} KiB)" in message
+    assert f"in the optimizer update of a batch of {BATCH} rows" in message
     assert "RMSprop updates them row by row" in message
     assert "grow with the batch size" in message
     assert "does not depend on the batch size" not in message
+    assert caught.value.cause == "update" and caught.value.rows == BATCH
 
 
 def _fit_big(batch):

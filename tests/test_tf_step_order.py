@@ -337,7 +337,7 @@ def test_an_oom_after_a_free_update_began_is_update_began_and_not_retried(monkey
     x, y = _data()
     monkeypatch.setattr(_training, "training_peak", FREE)
     model = _heavy_model("backward")
-    with pytest.raises(keras_memfit.OutOfMemoryError, match="after its optimizer update began"):
+    with pytest.raises(keras_memfit.OutOfMemoryError, match="once the optimizer update of a step on"):
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[MemFit()])
     step = _step(model)
     assert step.last_outcome is StepOutcome.UPDATE_BEGAN

@@ -37,7 +37,7 @@ import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
 
 from keras_memfit.backend.base import Guard, StartedPiece
-from keras_memfit.oom import OutOfMemoryError, is_retryable_oom
+from keras_memfit.oom import OutOfMemoryError, can_place, is_retryable_oom
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 
@@ -420,4 +420,5 @@ def _final_error(
         _data.shapes(_data.rows(chunk[0], 0, 1)),
         planner.device,
         detail=detail,
+        can_place=can_place(model),
     )

@@ -46,7 +46,7 @@ from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal.batches import as_batch, concatenate, first_unsplittable, form_of
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.oom import UPDATE, UPDATE_BEGAN, OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.runner import Accumulation, Pieces, run_in_pieces
 
@@ -126,15 +126,11 @@ class ReplicaRun:
     Args:
         run: The `Run` (its planners, events, mode and Keras's own functions).
         replicas: The backend's `Replicas`.
-        state_kept: The detail of the `OutOfMemoryError` when no size fits.
-        update_oom: Its detail when the optimizer update ran out of memory.
     """
 
-    def __init__(self, run: RunView, replicas: Any, state_kept: str, update_oom: str) -> None:
+    def __init__(self, run: RunView, replicas: Any) -> None:
         self.run = run
         self.replicas = replicas
-        self.state_kept = state_kept
-        self.update_oom = update_oom
         self._train: Optional[Dict[str, Any]] = None
         self._test: Optional[Tuple[Callable, Any]] = None
         self._predict: Optional[Callable] = None
@@ -197,7 +193,8 @@ class ReplicaRun:
                 return step(batch.distributed(piece))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
-                    raise self._oom_error(batch, planner, self.update_oom) from exc
+                    rows = sum(_data.num_rows(chunk) for chunk in batch.parts(piece)[0])
+                    raise self._oom_error(batch, planner, UPDATE_BEGAN, rows) from exc
                 raise
 
         accumulation = None
@@ -207,7 +204,6 @@ class ReplicaRun:
             run_in_pieces(
                 model, "train", [batch.chunk], run_step, pieces, requested=None,
                 planner=planner, guard=parts["guard"], accumulation=accumulation,
-                detail=self.state_kept,
             )
             planner.finish_batch()
             run.epoch_split = max(run.epoch_split, pieces.count)
@@ -241,15 +237,19 @@ class ReplicaRun:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                raise self._oom_error(batch, planner, self.update_oom) from exc
+                raise self._oom_error(
+                    batch, planner, UPDATE, batch.rows, parts["accumulator"].held()) from exc
             return model.get_metrics_result()
 
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts["guard"])
 
-    def _oom_error(self, batch: _Batch, planner: Any, detail: str) -> OutOfMemoryError:
+    def _oom_error(
+        self, batch: _Batch, planner: Any, cause: str, rows: int, held: Optional[str] = None
+    ) -> OutOfMemoryError:
+        """The error for an OOM once the optimizer update of `rows` of `batch` began (`cause`)."""
         return OutOfMemoryError(
             self.run.model.name, "train", _data.shapes(_data.rows(batch.chunk[0], 0, 1)),
-            planner.device, detail=detail,
+            planner.device, cause=cause, rows=rows, held=held,
         )
 
     # ------------------------------------------------------------- evaluate

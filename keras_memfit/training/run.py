@@ -50,7 +50,7 @@ from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
-from keras_memfit.oom import OutOfMemoryError, is_oom_error
+from keras_memfit.oom import CANNOT_SPLIT, UPDATE, UPDATE_BEGAN, OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 from keras_memfit.planning.runner import SPLIT, Accumulation, Pieces, run_in_pieces, run_whole
@@ -60,35 +60,7 @@ from keras_memfit.training.replicas import ReplicaRun, replicas_of
 logger = logging.getLogger("keras_memfit")
 
 MODES = ("accumulate", "shrink")
-_PHASE_OF_KIND = {"train": "fit", "test": "evaluate"}  # Keras's function kinds, in words
-# Details for the `OutOfMemoryError` MemFit raises: no size fits, or an update began.
-STATE_KEPT = (
-    "The training state is as it was before this step: save it, then resume with "
-    "`initial_epoch`."
-)
-UPDATE_OOM = (
-    "The optimizer update itself ran out of memory; its memory does not depend on the "
-    "batch size, so splitting the batch cannot help, and the weights and optimizer "
-    "slots may be partly updated (TensorFlow, torch) or lost (JAX, and TensorFlow under "
-    "jit_compile, whose update works in place on the state it was given)."
-)
-UPDATE_OOM_HELD = (
-    "The optimizer update ran out of memory holding {held}, for a batch of {rows} rows: "
-    "Keras's own step on that batch holds these rows too, and they grow with the batch "
-    "size, so use a smaller batch_size. The weights and optimizer slots may be partly "
-    "updated (or lost under jit_compile, whose update works in place on the state it was "
-    "given)."
-)
-UPDATE_BEGAN_OOM = (
-    "The step ran out of memory after its optimizer update began (in the update, or in "
-    "the backward pass while later layers' updates ran, as in Keras's own step): the "
-    "weights and optimizer slots may be partly updated (TensorFlow, torch) or lost (JAX, and "
-    "TensorFlow under jit_compile, whose update works in place on the state it was given), "
-    "so MemFit cannot run the batch "
-    "again. Restore the weights (e.g. from a checkpoint) and use a smaller batch_size."
-)
-
-
+_PHASE_OF_KIND = {"test": "evaluate"}  # Keras's function kinds, as OutOfMemoryError.phase
 @dataclasses.dataclass
 class TrainParts:
     """What training one model needs, built once and cached per model.
@@ -159,7 +131,7 @@ class Run:
         # Under a tf.distribute strategy, batches are split per replica.
         replicas = replicas_of(model)
         self._replicas = (
-            None if replicas is None else ReplicaRun(self, replicas, STATE_KEPT, UPDATE_OOM)
+            None if replicas is None else ReplicaRun(self, replicas)
         )
 
     def start_epoch(self, epoch: int) -> None:
@@ -197,7 +169,7 @@ class Run:
         try:
             # The whole batch first, without the loop's bookkeeping (once per Keras step).
             logs = run_whole(self.model, "train", chunk, run, planner, guard=guard,
-                             detail=STATE_KEPT, rows=n)
+                             rows=n)
             if logs is SPLIT:
                 logs = self._train_pieces(parts, chunk, n, form, planner, run, guard)
             planner.finish_batch()
@@ -216,7 +188,7 @@ class Run:
             accumulation = self._accumulation(parts, chunk, form, planner, pieces)
         run_in_pieces(
             self.model, "train", [chunk], run, pieces, requested=None, planner=planner,
-            guard=guard, accumulation=accumulation, detail=STATE_KEPT,
+            guard=guard, accumulation=accumulation,
         )
         self.epoch_split = max(self.epoch_split, pieces.count)
         self.note_pieces("train", pieces.count, n)
@@ -234,7 +206,7 @@ class Run:
                 return step(as_batch(piece, form))
             except Exception as exc:
                 if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
-                    raise self._oom_error(piece, planner, UPDATE_BEGAN_OOM) from exc
+                    raise self._oom_error(piece, planner, UPDATE_BEGAN) from exc
                 raise
 
         return run
@@ -266,10 +238,8 @@ class Run:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                held = parts.accumulator.held()
-                detail = UPDATE_OOM if held is None else UPDATE_OOM_HELD.format(
-                    held=held, rows=_data.num_rows(chunk))
-                raise self._oom_error(chunk, planner, detail) from exc
+                raise self._oom_error(
+                    chunk, planner, UPDATE, held=parts.accumulator.held()) from exc
             parts.counted.settle()
             return model.get_metrics_result()
 
@@ -315,10 +285,13 @@ class Run:
             self._train_parts = _cache.per_model(model, key, build)
         return self._train_parts
 
-    def _oom_error(self, chunk: tuple, planner: BatchPlanner, detail: str) -> OutOfMemoryError:
+    def _oom_error(
+        self, chunk: tuple, planner: BatchPlanner, cause: str, held: Optional[str] = None
+    ) -> OutOfMemoryError:
+        """The error for an OOM once the optimizer update of `chunk`'s rows began (`cause`)."""
         return OutOfMemoryError(
             self.model.name, "train", _data.shapes(_data.rows(chunk[0], 0, 1)),
-            planner.device, detail=detail,
+            planner.device, cause=cause, rows=_data.num_rows(chunk), held=held,
         )
 
     # ------------------------------------------------------------- evaluate
@@ -464,18 +437,9 @@ def _exact_test_step(model: keras.Model, piece: tuple, form: int) -> Callable[[t
     return lambda piece: step(as_batch(piece, form))
 
 
-def _cannot_split_error(model: keras.Model, phase: str, received: Optional[str]) -> Exception:
-    """The backend's OOM error, saying that MemFit could not split what it received."""
-    message = (
-        f"Model '{model.name}' ran out of memory in {_PHASE_OF_KIND.get(phase, phase)} "
-        f"on a batch that MemFit cannot split to retry it smaller. Received: {received}. "
-        "MemFit splits numpy arrays and dense tensors (and None inputs); this batch "
-        "ran as Keras runs it, "
-        "without MemFit. Use a smaller batch_size, or make the input dense (e.g. "
-        "tf.sparse.to_dense, RaggedTensor.to_tensor) before it reaches the model."
-    )
-    backend = _backend.get()
-    cls = backend.oom_error_bases()[0]
-    error = cls.__new__(cls)
-    backend.init_oom_error(error, message)
-    return error
+def _cannot_split_error(
+    model: keras.Model, kind: str, received: Optional[str]
+) -> OutOfMemoryError:
+    """The error for an OOM in Keras's own `kind` function on a batch MemFit cannot split."""
+    return OutOfMemoryError(
+        model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT, received=received)

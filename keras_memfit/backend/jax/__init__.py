@@ -33,6 +33,7 @@ implemented yet: `place` (`devices`) raises `NotImplementedError`.
 from __future__ import annotations
 
 from keras_memfit.backend.jax.devices import (
+    PLACES_LAYERS,
     call_on_device,
     canonical_device,
     creating_on,
@@ -102,7 +103,7 @@ __all__ = [
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
-    "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
+    "PLACES_LAYERS", "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",
     "variable_device",
     # tracing

@@ -19,6 +19,8 @@ _NOT_YET = (
     "keras_memfit.place is not implemented for the JAX backend yet ({what}); "
     "run the model without placement, or use KERAS_BACKEND=tensorflow for place()."
 )
+# `keras_memfit.place` cannot keep layers on another device here (its functions refuse).
+PLACES_LAYERS = False
 
 
 def _name(device: Any) -> str:

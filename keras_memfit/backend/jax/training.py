@@ -422,7 +422,7 @@ class GradientAccumulator:
     variables in place as `TrainStep`'s update program does. A micro-batch
     that runs out of memory may lose the sums (the attempt restarts from
     `reset()`), never the model's state; an `apply` that fails loses the
-    donated state (`UPDATE_OOM`). `add` computes
+    donated state (`OutOfMemoryError`, cause "update"). `add` computes
     the gradient of `weight` times the scaled loss of a micro-batch, as
     Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
     metrics as it does, and writes the metric and non-trainable state only

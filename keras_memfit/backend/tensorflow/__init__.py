@@ -23,6 +23,7 @@ package has. This module exports the names of the `Backend` protocol.
 from __future__ import annotations
 
 from keras_memfit.backend.tensorflow.devices import (
+    PLACES_LAYERS,
     call_on_device,
     canonical_device,
     creating_on,
@@ -97,7 +98,7 @@ __all__ = [
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
-    "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
+    "PLACES_LAYERS", "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",
     "variable_device",
     # tracing

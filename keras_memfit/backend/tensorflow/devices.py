@@ -10,6 +10,8 @@ import keras
 import tensorflow as tf
 
 _HOST = "/CPU:0"
+# `keras_memfit.place` can keep layers on another device here.
+PLACES_LAYERS = True
 
 
 def host_device() -> str:

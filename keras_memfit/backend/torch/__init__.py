@@ -30,6 +30,7 @@ compiled with `jit_compile=True` run keras_memfit's steps eagerly (no
 from __future__ import annotations
 
 from keras_memfit.backend.torch.devices import (
+    PLACES_LAYERS,
     call_on_device,
     canonical_device,
     creating_on,
@@ -101,7 +102,7 @@ __all__ = [
     # trainer
     "adapter_batches", "call_keras_function", "is_end_of_data", "materialize", "step_function",
     # devices
-    "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
+    "PLACES_LAYERS", "call_on_device", "canonical_device", "creating_on", "device_exists", "device_scope",
     "follow_variable_devices", "host_device", "list_accelerators", "move_variable",
     "variable_device",
     # tracing
