@@ -61,6 +61,8 @@ logger = logging.getLogger("keras_memfit")
 
 MODES = ("accumulate", "shrink")
 _PHASE_OF_KIND = {"test": "evaluate"}  # Keras's function kinds, as OutOfMemoryError.phase
+
+
 @dataclasses.dataclass
 class TrainParts:
     """What training one model needs, built once and cached per model.
