@@ -43,9 +43,16 @@ class CountedOnce:
     rows, or for a model run eagerly (static shapes: Keras weights by rows).
     """
 
-    def __init__(self, model: keras.Model) -> None:
-        counts_once = _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE and not getattr(
-            model, "run_eagerly", False
+    def __init__(self, model: keras.Model, exact: bool = False) -> None:
+        """Args:
+            model: The compiled model being run.
+            exact: Per-output losses are wanted as means over samples
+                (`safe_evaluate(exact_output_losses=True)`): nothing to settle.
+        """
+        counts_once = (
+            not exact
+            and _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE
+            and not getattr(model, "run_eagerly", False)
         )
         self.trackers = _keras_compat.per_output_loss_trackers(model) if counts_once else []
         self.before: Optional[List[Tuple[Any, Any]]] = None
@@ -82,9 +89,7 @@ class SplitBatches:
                 (nothing to settle then).
         """
         self.model = model
-        self.counted = CountedOnce(model)
-        if exact:
-            self.counted.trackers = []
+        self.counted = CountedOnce(model, exact)
         self.rows = 0
         self.done = 0
 
