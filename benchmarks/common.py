@@ -47,11 +47,8 @@ HOSTMEM_TARGET_SHARE = 0.10
 
 FILE_HEADER = """# keras_memfit benchmarks
 
-Each `benchmark: KEY` section below is produced by one benchmark script and
-regenerated independently: a script rewrites only the text between its own
-`<!-- BEGIN benchmark: KEY -->` and `<!-- END benchmark: KEY -->` markers and
-leaves the rest of this file alone (`notes: KEY` sections are written by hand
-and never touched by a script). Timings come from shared, noisy machines; read
+Each `benchmark: KEY` section is rewritten by its own script; `notes: KEY`
+sections are written by hand. Timings come from shared, noisy machines: read
 the ratios (measured side by side, interleaved), not the absolute times.
 """
 
@@ -265,6 +262,16 @@ def load_average() -> str:
         return " / ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def machine_line(info: Dict[str, str]) -> str:
+    """The machine and versions a section was measured on, as one Markdown line.
+
+    Example:
+        >>> machine_line({"CPU": "AMD EPYC", "Python": "3.11.7"})
+        'Machine: CPU: AMD EPYC; Python: 3.11.7.'
+    """
+    return "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()) + "."
 
 
 def now_utc() -> str:

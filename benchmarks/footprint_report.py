@@ -164,9 +164,7 @@ def section(data: Dict[str, Any]) -> str:
              f"stops when the widest W that ran and the narrowest that failed are within "
              f"{settings['resolution']:.0%} of W (widths are multiples of 8). A try "
              "\"trains\" when `fit` (two steps: 2 x batch_size rows) returns; MemFit may "
-             "adapt. See `benchmarks/footprint.py`.", "",
-             "| Machine | |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+             "adapt. See `benchmarks/footprint.py`.", "", common.machine_line(machine)]
     for part, title in (("fit", "### Widest model that trains: fit"),
                         ("predict", "### Widest model that predicts: predict "
                                     "(2 x batch_size rows)"),

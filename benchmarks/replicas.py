@@ -56,19 +56,11 @@ FULL = dict(samples=8192, batch_size=1024, repeats=7)
 QUICK = dict(samples=512, batch_size=256, repeats=2)
 
 ESTIMATE = """\
-**On two GPUs (a reasoned estimate, not a measurement).** Each replica runs
-half of every piece on its own GPU, at the same time, so the device time per
-piece halves; what does not shrink is the host's share: cutting the piece in
-two, copying each half to its GPU (the same bytes in total as one device
-receives), `strategy.run`'s dispatch, and copying the outputs back to the
-host and concatenating them there. For a compute-bound model such as this
-CNN at batches of hundreds, where the device time dominates each step, two
-GPUs should take about 0.5-0.6x the one-GPU time (Keras's own
-`model.predict` under the strategy scales the same way: keras_memfit runs
-the same `strategy.run` step per piece). Memory doubles too: the planner
-budgets each GPU's free memory for its half, so the pieces it plans on two
-T4s are about twice as large as on one, with half as many steps. Small,
-fast models, where the per-step host overhead dominates, gain less."""
+**On two GPUs (a reasoned estimate, not a measurement).** The device time
+per piece halves, the host's share (splitting, copying, `strategy.run`'s
+dispatch, concatenating) does not: a compute-bound model such as this CNN
+should take about 0.5-0.6x the one-GPU time, with pieces twice as large (the
+planner budgets each GPU's memory for its half); small, fast models gain less."""
 
 
 # --------------------------------------------------------------------------

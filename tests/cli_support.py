@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+
 from keras_memfit.app import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +40,16 @@ def assert_one_line_error(capsys, argv, code: int, pattern: str) -> str:
     assert lines[0].startswith("keras-memfit: error: ")
     assert re.search(pattern, lines[0]), lines[0]
     return lines[0]
+
+
+def to_kaggle_csv(path, images, labels=None) -> None:
+    """Writes images [n, 28, 28] (and labels [n]) as Kaggle's Digit Recognizer
+    `train.csv` (`label,pixel0,...,pixel783`), or without labels `test.csv`."""
+    table = np.asarray(images).reshape(len(images), -1)
+    header = [f"pixel{i}" for i in range(table.shape[1])]
+    if labels is not None:
+        table, header = np.column_stack([labels, table]), ["label"] + header
+    np.savetxt(path, table, fmt="%d", delimiter=",", header=",".join(header), comments="")
 
 
 # Work for `keras_memfit.app.worker.run_worker` tests (run with cwd=tests/).

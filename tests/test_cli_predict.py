@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from cli_support import assert_one_line_error, run_cli
+from cli_support import assert_one_line_error, run_cli, to_kaggle_csv
 from keras_memfit.app import cli, digits
 
 pytestmark = pytest.mark.tensorflow(
@@ -63,8 +63,8 @@ def files(tmp_path_factory):
 
     images, labels = digits.generate_digits(N, seed=1)
     x = (images[..., None].astype("float32") / np.float32(255))
-    digits.to_kaggle_csv(folder / "train.csv", images, labels)
-    digits.to_kaggle_csv(folder / "test.csv", images)
+    to_kaggle_csv(folder / "train.csv", images, labels)
+    to_kaggle_csv(folder / "test.csv", images)
     np.save(folder / "pixels.npy", images)  # uint8 [N, 28, 28]: needs --scale 255
     np.savez(folder / "flat.npz", whatever=x.reshape(N, 784))  # one array, any name
     m = np.random.default_rng(2).normal(size=(N, 5)).astype("float32")

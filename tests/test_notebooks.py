@@ -2,7 +2,7 @@
 
 Each runs as a user runs it: in a fresh Jupyter kernel (ipykernel's
 "python3", the interpreter running the tests) in a temporary working folder, on
-the offline data (`keras_memfit.app.digits` writes Kaggle-format CSVs there),
+the offline data (`keras_memfit.app.digits` draws it),
 with the sizes the notebook chooses without a GPU (a few minutes on two CPU
 cores). The Digit Recognizer caps TensorFlow's CPU allocator itself (its
 `DEVICE_MEMORY_MB`), so its run meets real out-of-memory errors.

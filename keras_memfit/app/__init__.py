@@ -12,7 +12,7 @@ from here. Modules, each one concept:
 - `models`: checking and loading saved models.
 - `demo`: the Digit Recognizer OOM demo.
 - `digits`: the generated Kaggle-shaped digits the demo (and the notebooks
-  and benchmarks) use, and Kaggle's CSV formats.
+  and benchmarks) use; reading Kaggle's CSVs, writing its submission.
 - `worker`: running work in a child process and turning any failure into one
   line.
 - `env`: the memory-limited environment a worker starts with

@@ -20,17 +20,10 @@ machine, with no download:
 The memory limit must be in place before TensorFlow is imported, and
 `import keras_memfit` imports TensorFlow, so the work runs in a child process
 (`keras_memfit.app.worker`, shared with `keras-memfit predict`) started with
-the limit in its environment (`keras_memfit.app.env`):
-
-- **CPU** (no GPU visible): TensorFlow's BFC allocator capped at N MiB
-  (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=N`), oneDNN
-  off (`TF_ENABLE_ONEDNN_OPTS=0`: its kernels crash instead of raising when
-  the capped allocator refuses them) and GPUs hidden. Default N:
-  `DEFAULT_CPU_MEMORY_LIMIT_MB`.
-- **GPU**: the first GPU gets a logical device with `memory_limit=N` MiB
-  (`tf.config.set_logical_device_configuration`) before any op runs, and the
-  other GPUs are hidden. Default N: `DEFAULT_GPU_MEMORY_LIMIT_MB`. (This path
-  is written for, but was not run on, a GPU machine.)
+the limit in its environment (`keras_memfit.app.env`): on the CPU a capped
+allocator (default `DEFAULT_CPU_MEMORY_LIMIT_MB`), on a GPU a logical device
+with a memory limit (default `DEFAULT_GPU_MEMORY_LIMIT_MB`; written for, but
+not run on, a GPU machine).
 
 Every real OOM costs about 10 s: TensorFlow's allocator waits for memory to be
 freed before it gives up. The whole demo takes about a minute on two CPU cores.
@@ -356,17 +349,12 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     )
     logged = records.LogRecords(step if verbose else None)
     sizes: List[int] = []
-
-    class _BatchSizes(keras.callbacks.Callback):
-        def on_predict_batch_end(self, batch, logs=None):
-            sizes.append(len(logs["outputs"]))
-
     t = time.perf_counter()
     with logged.capture():
         labels = keras_memfit.safe_predict(
             model, x_test, batch_size=n,
             postprocess=lambda y: keras.ops.argmax(y, axis=-1),
-            verbose=0, callbacks=[_BatchSizes()],
+            verbose=0, callbacks=[records.batch_sizes(sizes)],
         )
     safe_seconds = time.perf_counter() - t
     step(f"      OK in {safe_seconds:.1f} s: {len(labels)} labels")

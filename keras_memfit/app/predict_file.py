@@ -72,14 +72,6 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         )
 
     sizes: List[int] = []
-
-    class _BatchSizes(keras.callbacks.Callback):
-        def on_predict_batch_end(self, batch, logs=None):
-            # Keras flattens nested logs ({"outputs": {"probs": a}} -> {"probs": a})
-            # and turns one-element arrays into floats: a scalar is one row.
-            value = next(iter((logs or {}).values()), None)
-            sizes.append(int(value.shape[0]) if getattr(value, "ndim", 0) else 1)
-
     logged = records.LogRecords(None)
     batch_size = config["batch_size"] or data.DEFAULT_BATCH_SIZE
     with writing(out_path):
@@ -93,7 +85,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
             )
         kwargs = dict(
             postprocess=postprocess, out=keras.tree.pack_sequence_as(sample, [target]),
-            verbose=0, callbacks=[_BatchSizes()],
+            verbose=0, callbacks=[records.batch_sizes(sizes)],
         )
         t = time.perf_counter()
         with logged.capture():

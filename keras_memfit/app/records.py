@@ -3,16 +3,17 @@
 Shared by the demo and `keras-memfit predict` (and the benchmarks): the
 `keras_memfit` logger's records caught while `safe_predict` runs
 (`LogRecords`: the adaptations, and a WARNING per OOM paid), and the batch
-sizes run, summarised (`usual_size`) and run-length encoded (`describe_sizes`).
-Standard library only.
+sizes run (`batch_sizes`), summarised (`usual_size`) and run-length encoded
+(`describe_sizes`). Standard library only, but `batch_sizes` imports Keras.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
-__all__ = ["LogRecords", "describe_sizes", "usual_size"]
+__all__ = ["LogRecords", "batch_sizes", "describe_sizes", "usual_size"]
 
 Reporter = Callable[[str], None]
 
@@ -90,27 +91,46 @@ class LogRecords(logging.Handler):
         if self.show is not None:
             self.show(f"      [{record.levelname}] {message}")
 
-    def capture(self) -> "_Capture":
-        """A context manager attaching this handler to the `keras_memfit` logger at INFO.
+    @contextlib.contextmanager
+    def capture(self) -> Iterator["LogRecords"]:
+        """Attach this handler to the `keras_memfit` logger, at INFO, while the block runs.
 
-        Returns:
-            The context manager.
+        Yields:
+            This handler.
         """
-        return _Capture(self)
+        logger = logging.getLogger("keras_memfit")
+        old_level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(old_level)
 
 
-class _Capture:
-    def __init__(self, handler: logging.Handler) -> None:
-        self.handler = handler
-        self.logger = logging.getLogger("keras_memfit")
-        self.old_level = self.logger.level
+def batch_sizes(sizes: List[int]) -> Any:
+    """A Keras callback that appends the rows of every predicted batch to `sizes`.
 
-    def __enter__(self) -> logging.Handler:
-        self.old_level = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self.handler)
-        return self.handler
+    Args:
+        sizes: The list to append to.
 
-    def __exit__(self, *exc: Any) -> None:
-        self.logger.removeHandler(self.handler)
-        self.logger.setLevel(self.old_level)
+    Returns:
+        The callback, for `safe_predict(..., callbacks=[...])`.
+
+    Example:
+        >>> sizes = []
+        >>> safe_predict(model, x, batch_size=28000, callbacks=[batch_sizes(sizes)])
+        >>> describe_sizes(sizes)
+        '16, 64, 575 x 48, 288'
+    """
+    import keras
+
+    class BatchSizes(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+            # Keras flattens nested logs ({"outputs": {"probs": a}} -> {"probs": a})
+            # and turns one-element arrays into floats: a scalar is one row.
+            value = next(iter((logs or {}).values()), None)
+            sizes.append(int(value.shape[0]) if getattr(value, "ndim", 0) else 1)
+
+    return BatchSizes()

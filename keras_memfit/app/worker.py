@@ -47,7 +47,6 @@ __all__ = [
     "Reporter",
     "WorkerError",
     "check_writable",
-    "crash_message",
     "main",
     "resolve_target",
     "run_worker",
@@ -160,11 +159,11 @@ def run_worker(
     if result is not None and "error" in result:
         raise WorkerError(result["error"], errors)
     if code != 0 or result is None:
-        raise WorkerError(crash_message(code, errors, what, segv_hint), errors)
+        raise WorkerError(_crash_message(code, errors, what, segv_hint), errors)
     return result
 
 
-def crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = None) -> str:
+def _crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = None) -> str:
     """One line saying how a child process ended without a result.
 
     Args:
@@ -177,7 +176,7 @@ def crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = 
         "WHAT crashed (SIGNAL)[; HINT]" or "WHAT failed (exit code N): LAST LINE".
 
     Example:
-        >>> crash_message(-11, "", "the worker process")
+        >>> _crash_message(-11, "", "the worker process")
         'the worker process crashed (SIGSEGV)'
     """
     if code < 0:
