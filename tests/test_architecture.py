@@ -349,6 +349,6 @@ def test_private_read_check_finds_one(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
         "class Run:\n    def __init__(self):\n        self._planner = None\n"
-        "class ReplicaRun:\n    def train(self, run):\n        return run._planner\n"
+        "class Other:\n    def train(self, run):\n        return run._planner\n"
     )
     assert [line.split(": ", 1)[1] for line in _private_reads([str(source)])] == ["run._planner"]

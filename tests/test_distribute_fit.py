@@ -265,6 +265,33 @@ def test_one_device_strategy_accumulates_as_keras(monkeypatch):
 
 
 @pytest.mark.two_devices
+def test_a_batch_split_across_replicas_warns_as_on_one_device(monkeypatch, caplog):
+    """The warning of a split batch (`batch_dependence.SplitWarnings`), as on one device:
+    a model with Dropout names it once, when its first batch is accumulated on the replicas."""
+    import logging
+
+    import keras
+
+    from keras_memfit import MemFit
+
+    strategy = _strategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(16), keras.layers.Dropout(0.3),
+            keras.layers.Dense(2),
+        ])
+        model.compile(optimizer="adam", loss="mse")
+    inject = OneReplicaInjector(monkeypatch, strategy, threshold=4)
+    x, y = _data(48)
+    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[MemFit()])
+    warned = [r.getMessage() for r in caplog.records
+              if "depend on how a batch is split" in r.getMessage()]
+    assert len(warned) == 1 and "dropout (Dropout)" in warned[0], warned
+    assert len([r for r, raised in inject.of("add") if not raised]) == 3 * 2  # 3 batches, 2 pieces
+
+
+@pytest.mark.two_devices
 def test_no_oom_changes_nothing(monkeypatch):
     """With MemFit and nothing running out of memory: Keras's fit, with validation."""
     from keras_memfit import MemFit

@@ -2,7 +2,8 @@
 
 - `run`: one `fit` call's training, validation and predict batches, in
   pieces (`Run`);
-- `replicas`: the same under a `tf.distribute` strategy (`ReplicaRun`);
+- `layout`: how a batch is cut into pieces and what runs them: one device,
+  or the replicas of a `tf.distribute` strategy;
 - `summary`: what MemFit reports at the end of `fit`;
 - `batch_dependence`: what makes a split batch differ from the whole one,
   and MemFit's warning about it.

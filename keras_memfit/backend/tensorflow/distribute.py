@@ -4,7 +4,7 @@ Under `tf.distribute.MirroredStrategy` Keras's step functions receive each
 batch as a distributed value (`PerReplica` leaves: each replica's rows on its
 own device), run the step on every replica with `strategy.run`, and the
 optimizer all-reduces the replicas' gradients into one update. `Replicas`
-gives MemFit (`keras_memfit.training.replicas`) what it needs to split such a
+gives MemFit (`keras_memfit.training.layout`) what it needs to split such a
 batch so that every replica runs the same number of pieces (the all-reduce
 must line up):
 

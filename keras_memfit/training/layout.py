@@ -1,0 +1,314 @@
+"""How a Keras batch is laid out for MemFit: what its pieces are, and what runs them.
+
+MemFit's `Run` (`keras_memfit.training.run`) runs every batch one way: the
+whole batch first, then, after an OOM, pieces through the one retry loop
+(`runner.run_in_pieces`). The layout says what a batch and a piece are, and
+makes the steps that run them:
+
+- `OneDevice`, the identity layout: a batch is its rows, a piece a run of
+  consecutive rows (`Rows`), run by the backend's own steps;
+- `Replicated`, under a `tf.distribute.MirroredStrategy` (or
+  `OneDeviceStrategy`): each Keras batch arrives already split, every
+  replica holding its own rows on its own device, the step runs on all
+  replicas at once, and the optimizer all-reduces their gradients into one
+  update. One replica that runs out of memory aborts the whole step, so a
+  batch is split *per replica*: piece `i` runs on every replica at once,
+  each replica taking its own part of its own rows, and every replica runs
+  the same number of pieces (the all-reduce must line up).
+
+Under replicas the pieces go through the loop as *slots* (`Slots`): a batch
+whose largest replica holds `m` rows is a chunk of `m` slots, and slots
+`a:b` are, on a replica holding `n` rows, its rows `a*n//m : b*n//m` (all of
+them for the largest replica, proportionally for a smaller one: the last
+batch can divide unevenly). So the planner plans the rows of the largest
+replica, and the split is agreed before any replica runs it; the sizes in
+MemFit's events are rows per replica (the largest replica's). In
+`mode="accumulate"` each replica's micro-batch gradient is weighted by its
+share of that replica's rows, summed per replica and applied once (one
+all-reduce, one optimizer step): the same update as Keras's step on the
+whole batch, whose loss on each replica is the mean of its rows. Every
+replica's copy of the small state is snapshotted before an attempt and
+restored after a failed one. The backend's `training_replicas(model)` gives
+the replicas (see `keras_memfit.backend.tensorflow.distribute`).
+
+Every step a layout makes takes the Keras batch of a piece (`Cut.batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Iterable, List, Optional, Protocol, Tuple, Union
+
+import keras
+import numpy as np
+
+from keras_memfit import backend as _backend
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal.batches import (
+    as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
+)
+from keras_memfit.backend.base import Accumulator, Guard, TrainStep
+from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
+from keras_memfit.inference.steps import predict_step, test_step_and_guard
+from keras_memfit.planning import data as _data
+
+
+class Cut(Protocol):
+    """One Keras batch as a layout cuts it.
+
+    Attributes:
+        chunk: What `run_in_pieces` cuts: an `(x, y, sample_weight)` chunk
+            whose rows are the batch's slots (on one device, its rows).
+        slots: The chunk's rows: what the planner sizes.
+        rows: The batch's rows, on every device.
+        signature: The planner's key for the batch's shapes.
+        x: The inputs of one device's rows (MemFit's warnings check them).
+    """
+
+    chunk: tuple
+    slots: int
+    rows: int
+    signature: Hashable
+    x: Any
+
+    def batch(self, piece: tuple) -> Any:
+        """The Keras batch of `piece`'s rows, as the layout's steps take it."""
+
+    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
+        """`piece`'s batch and its weight, for `Accumulator.add` (`share`: its share of the slots)."""
+
+    def rows_in(self, piece: tuple) -> int:
+        """The rows `piece` runs, on every device."""
+
+    def join(self, outputs: List[Any]) -> Any:
+        """The predict step's outputs on consecutive pieces, as one, in the input's order."""
+
+
+class Rows:
+    """A batch on one device: its rows; a piece is a run of them (see `Cut`)."""
+
+    __slots__ = ("chunk", "form", "slots", "rows", "signature", "x")
+
+    def __init__(self, chunk: tuple, form: int, rows: int) -> None:
+        self.chunk = chunk
+        self.form = form  # how Keras packed the batch: every piece alike
+        self.slots = self.rows = rows
+        self.x = chunk[0]
+        self.signature = _data.signature(chunk[0])
+
+    def batch(self, piece: tuple) -> Any:
+        return as_batch(piece, self.form)
+
+    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
+        return as_batch(piece, self.form), share
+
+    def rows_in(self, piece: tuple) -> int:
+        return _data.num_rows(piece)
+
+    def join(self, outputs: List[Any]) -> Any:
+        return concatenate(outputs)
+
+
+class OneDevice:
+    """The identity layout: a batch is its rows, run by the backend's own steps.
+
+    Attributes:
+        key: Part of the cache keys of the steps it makes.
+    """
+
+    key: Hashable = "one device"
+
+    def cut(self, batch: Any) -> Optional[Rows]:
+        """`batch` as `Rows`, or None when it cannot be split (see `unsplittable`)."""
+        chunk = as_chunk(batch)
+        n = splittable_rows(chunk)
+        return None if n is None else Rows(chunk, form_of(batch), n)
+
+    def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
+        """What cannot be split in `batches`, in words (see `batches.unsplittable`)."""
+        return first_unsplittable(as_chunk(batch) for batch in batches)
+
+    def prepare(self, model: keras.Model, cut: Rows) -> None:
+        """Build the model, its metrics and loss (and optimizer) before a train step is made."""
+        _backend.get().prepare_test(model, _data.rows(cut.chunk, 0, 1))
+
+    def train_step(self, model: keras.Model, custom: bool, cut: Rows) -> TrainStep:
+        """The train step (the model's own `train_step` when `custom`, built on `cut`'s batch)."""
+        backend = _backend.get()
+        if custom:  # built as Keras builds it: by the step itself, on Keras's batch
+            return backend.make_custom_train_step(model, cut.batch(cut.chunk))
+        return backend.make_train_step(model)
+
+    def guard(self, variables: List[Any]) -> Guard:
+        """A guard over `variables`."""
+        return _backend.get().guard_variables(variables)
+
+    def accumulator(self, model: keras.Model) -> Accumulator:
+        """A gradient accumulator (sums the size of the weights)."""
+        return _backend.get().make_accumulator(model)
+
+    def counted(self, model: keras.Model) -> Optional[CountedOnce]:
+        """What counts an accumulated batch once for the per-output losses, as Keras's step does."""
+        return CountedOnce(model)
+
+    def test_parts(
+        self, model: keras.Model, cut: Rows
+    ) -> Tuple[Callable[[Any], Any], Guard, Optional[SplitBatches]]:
+        """The test step, traced as Keras's `evaluate` traces its own, a guard over the metric
+        state, and what counts a split batch once for the per-output losses."""
+        step, guard = test_step_and_guard(model, cut.chunk, exact=False)
+        return step, guard, SplitBatches(model, False)
+
+    def exact_test_step(self, model: keras.Model, cut: Rows) -> Callable[[Any], Any]:
+        """The test step whose per-output loss trackers weight a piece by its rows."""
+        return test_step_and_guard(model, cut.chunk, exact=True)[0]
+
+    def predict_step(self, model: keras.Model) -> Callable[[Any], Any]:
+        """The predict step on a Keras batch (its inputs)."""
+        step = predict_step(model)
+        return lambda batch: step(as_chunk(batch)[0])
+
+
+class Slots:
+    """A batch split across replicas, as slots (see the module's docstring and `Cut`).
+
+    Args:
+        replicas: The backend's `Replicas`.
+        batch: The distributed Keras batch (`distributed`).
+        local: Each replica's rows, as `(x, y, sample_weight)` chunks.
+        counts: Each replica's number of rows.
+    """
+
+    def __init__(self, replicas: Any, batch: Any, local: List[tuple], counts: List[int]) -> None:
+        self.replicas = replicas
+        self.distributed = batch
+        self.form = form_of(batch)  # how Keras packed it: each replica's pieces alike
+        self.local = local
+        self.counts = counts
+        self.slots = max(counts)
+        self.rows = sum(counts)
+        largest = local[counts.index(self.slots)]
+        self.x = largest[0]
+        # The chunk run_in_pieces splits: x with the largest replica's shapes
+        # (stride-0 views, for the OutOfMemoryError's message), y the slots.
+        shapes = keras.tree.map_structure(
+            lambda leaf: None if leaf is None
+            else np.broadcast_to(np.zeros((), np.bool_), (self.slots,) + tuple(leaf.shape[1:])),
+            largest[0],
+        )
+        self.chunk = (shapes, np.arange(self.slots), None)
+        self.signature = (_data.signature(largest[0]), "replicas", replicas.count)
+
+    def _parts(self, piece: tuple) -> Tuple[List[tuple], List[float]]:
+        """Each replica's rows for the slots of `piece`, and their share of its rows."""
+        slots = piece[1]
+        a, b = (int(slots[0]), int(slots[-1]) + 1) if len(slots) else (0, 0)
+        chunks, shares = [], []
+        for chunk, n in zip(self.local, self.counts):
+            lo, hi = a * n // self.slots, b * n // self.slots
+            chunks.append(_data.rows(chunk, lo, hi))
+            shares.append((hi - lo) / n if n else 0.0)
+        return chunks, shares
+
+    def batch(self, piece: tuple) -> Any:
+        if len(piece[1]) == self.slots:
+            return self.distributed  # the whole batch, as Keras distributed it
+        chunks, _ = self._parts(piece)
+        return self.replicas.distribute([as_batch(c, self.form) for c in chunks])
+
+    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
+        chunks, shares = self._parts(piece)  # each replica weighted by its own share
+        return (self.replicas.distribute([as_batch(c, self.form) for c in chunks]),
+                self.replicas.scalars(shares))
+
+    def rows_in(self, piece: tuple) -> int:
+        return sum(_data.num_rows(chunk) for chunk in self._parts(piece)[0])
+
+    def join(self, outputs: List[Any]) -> Any:
+        """Each replica's pieces joined in order, then the replicas in order, as Keras joins them."""
+        return concatenate([
+            concatenate([per_replica[r] for per_replica in outputs])
+            for r in range(self.replicas.count)
+        ])
+
+
+class Replicated:
+    """The replicas of a `tf.distribute` strategy, each batch split alike on all of them.
+
+    Args:
+        replicas: The backend's `Replicas` (`training_replicas(model)`).
+
+    Attributes:
+        key: Part of the cache keys of the steps it makes.
+    """
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas
+        self.key: Hashable = ("replicas", id(replicas.strategy))
+
+    def cut(self, batch: Any) -> Optional[Slots]:
+        """`batch` as `Slots`, or None when some replica's rows cannot be split."""
+        local = self.replicas.local(batch)
+        counts = [splittable_rows(chunk) for chunk in local]
+        return None if None in counts else Slots(self.replicas, batch, local, counts)
+
+    def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
+        """What cannot be split in some replica's rows of `batches`, in words."""
+        return first_unsplittable(
+            chunk for batch in batches for chunk in self.replicas.local(batch))
+
+    def prepare(self, model: keras.Model, cut: Slots) -> None:
+        """Build the model, its metrics and loss, under the strategy's scope."""
+        with self.replicas.strategy.scope():
+            _backend.get().prepare_test(model, _data.rows(cut.local[0], 0, 1))
+
+    def train_step(self, model: keras.Model, custom: bool, cut: Slots) -> TrainStep:
+        """The train step on a distributed batch (`model.train_step` when `custom`)."""
+        return self.replicas.train_step(model, custom)
+
+    def guard(self, variables: List[Any]) -> Guard:
+        """A guard over every replica's copy of `variables`."""
+        return self.replicas.guard(variables)
+
+    def accumulator(self, model: keras.Model) -> Accumulator:
+        """A gradient accumulator over the replicas (one all-reduce when applied)."""
+        return self.replicas.accumulator(model)
+
+    def counted(self, model: keras.Model) -> Optional[CountedOnce]:
+        """None: each replica's per-output loss trackers count every piece as Keras counts a batch."""
+        return None
+
+    def test_parts(
+        self, model: keras.Model, cut: Slots
+    ) -> Tuple[Callable[[Any], Any], Guard, Optional[SplitBatches]]:
+        """Keras's test step on a distributed batch and a guard over the metric state, cached.
+
+        No `SplitBatches`: each replica's per-output loss trackers count every
+        piece as Keras counts a batch.
+        """
+        self.prepare(model, cut)
+        key = ("evaluate", self.key, tuple(id(v) for v in model.metrics_variables),
+               bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+        step, guard = _cache.per_model(
+            model, key,
+            lambda: (self.replicas.test_step(model), self.replicas.guard(model.metrics_variables)),
+        )
+        return step, guard, None
+
+    def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
+        """`model.predict_step` on a distributed batch: each replica's outputs, cached."""
+        key = ("predict", self.key, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+        return _cache.per_model(model, key, lambda: self.replicas.predict_step(model))
+
+
+Layout = Union[OneDevice, Replicated]
+
+
+def layout_of(model: keras.Model) -> Layout:
+    """The layout of `model`'s batches: `Replicated` under a strategy's replicas, else `OneDevice`.
+
+    Raises:
+        NotImplementedError: For a distribution MemFit cannot train under
+            (the backend's `training_replicas`).
+    """
+    replicas = _backend.get().training_replicas(model)
+    return OneDevice() if replicas is None else Replicated(replicas)
