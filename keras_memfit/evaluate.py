@@ -120,23 +120,21 @@ def safe_evaluate(
     loop.begin()
     model.reset_metrics()
     last_logs: Any = {}
-
-    def on_result(size, logs):
-        nonlocal last_logs
-        if batches.finished(size):  # a split batch was counted as one: current values
-            logs = _metrics_result(model, logs)
-        if loop.shows_logs:
-            logs = _pythonify(logs)
-        last_logs = logs
-        return logs, _bar_values(logs)
-
     run = batches.step(step, lambda piece: _steps.test_step_and_guard(model, piece, exact=True)[0])
     try:
-        loop.run(
+        for piece in loop.pieces(
             batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
-            run, on_result, requested=requested, guard=guard,
+            run, requested=requested, guard=guard,
             start=run.start if isinstance(run, _backend.StartableStep) else None,
-        )
+        ):
+            logs = piece.result
+            if batches.finished(piece.rows):  # a split batch was counted as one: current values
+                logs = _metrics_result(model, logs)
+            if loop.shows_logs:
+                logs = _pythonify(logs)
+            last_logs = logs
+            if loop.batch_ended(piece.rows, logs, _bar_values(logs)):
+                break  # a callback stopped the run
     except Exception as exc:
         _backend.get().process_failed(exc)  # several processes: the others stop at once
         raise

@@ -141,14 +141,11 @@ def safe_generate(
             keeper.ran(rows)
             return _generation.take_rows(result, own)
 
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            outputs.add(result)
-            return False
-
-        done += run_in_pieces(
-            causal_lm, _PHASE, [chunk], step, on_piece, requested=batch_size,
-            planner=planner,
+        for piece in run_in_pieces(
+            causal_lm, _PHASE, [chunk], step, requested=batch_size, planner=planner,
             detail="Each prompt runs to max_length tokens: use a shorter max_length.",
-        )
+        ):
+            outputs.add(piece.result)
+            done += piece.rows
     logger.debug("safe_generate: %d prompts generated", done)
     return outputs.result(scalar)

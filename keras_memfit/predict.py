@@ -137,12 +137,6 @@ def safe_predict(
     else:
         chunks = iter(())
 
-    loop = _loop.BatchLoop(
-        model, "predict", callbacks=callbacks, verbose=verbose,
-        num_samples=source.num_samples,
-    )
-    loop.begin()
-
     def run(piece):
         return to_host(step(piece[0]))
 
@@ -158,18 +152,22 @@ def safe_predict(
                 )
         return keras.tree.map_structure(_outputs.to_host, outputs)
 
-    def on_result(size, result):
-        writer.write(result, size, postprocess)
-        return {"outputs": result}, None
-
     def start(piece):  # the backend's steps can start without waiting (JAX)
         return Then(step.start(piece[0]), to_host)
 
-    loop.run(
-        chunks, run, on_result, requested=requested,
+    loop = _loop.BatchLoop(
+        model, "predict", callbacks=callbacks, verbose=verbose,
+        num_samples=source.num_samples,
         merge_logs=_outputs.merge_outputs if callbacks else None,
-        start=start if isinstance(step, _backend.StartableStep) else None,
     )
+    loop.begin()
+    for piece in loop.pieces(
+        chunks, run, requested=requested,
+        start=start if isinstance(step, _backend.StartableStep) else None,
+    ):
+        writer.write(piece.result, piece.rows, postprocess)
+        if loop.batch_ended(piece.rows, {"outputs": piece.result}):
+            break  # a callback stopped the run
     loop.data_ended(source, steps)
     loop.end()
     if first is None or loop.done == 0:

@@ -60,6 +60,19 @@ class FakeStep:
         return False
 
 
+def _consume(pieces, on_piece=None):
+    """Read `run_in_pieces`'s pieces as the front ends do; the rows run.
+
+    `on_piece(rows, data, result)` returning True leaves the loop.
+    """
+    done = 0
+    for piece in pieces:
+        done += piece.rows
+        if on_piece is not None and on_piece(piece.rows, piece.data, piece.result):
+            break
+    return done
+
+
 @pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("requested", [1000, 37, None])
 def test_run_in_pieces_processes_every_row_once_in_order(device, model, stats, requested):
@@ -68,10 +81,9 @@ def test_run_in_pieces_processes_every_row_once_in_order(device, model, stats, r
     chunks = [(x[:700],), (x[700:710],), (x[710:1999],), (x[1999:],)]
     step = FakeStep(threshold=90, spikes={5, 11, 40, 41})
     events = []
-    done = runner.run_in_pieces(
-        model, "predict", chunks, step, step.on_piece, requested=requested,
-        guard=step, events=events,
-    )
+    done = _consume(runner.run_in_pieces(
+        model, "predict", chunks, step, requested=requested, guard=step, events=events,
+    ), step.on_piece)
     assert done == 2000
     np.testing.assert_array_equal(np.concatenate(step.seen), x)
     ooms = [e for e in events if e.kind == "oom"]
@@ -87,8 +99,8 @@ def test_run_in_pieces_splits_each_dataset_batch(device, model):
     device(stats=False)
     batches = [(np.arange(i * 50, (i + 1) * 50),) for i in range(6)]
     step = FakeStep(threshold=20)
-    done = runner.run_in_pieces(model, "evaluate", batches, step, step.on_piece,
-                                requested=None, guard=step)
+    done = _consume(runner.run_in_pieces(model, "evaluate", batches, step,
+                                         requested=None, guard=step), step.on_piece)
     assert done == 300
     np.testing.assert_array_equal(np.concatenate(step.seen), np.arange(300))
     # 50 -> 25 -> 12 on the first batch; later batches start small.
@@ -102,28 +114,27 @@ def test_run_in_pieces_second_call_pays_no_oom(device, model):
     device(stats=False)
     x = np.arange(500)
     first = FakeStep(threshold=60)
-    runner.run_in_pieces(model, "predict", [(x,)], first, first.on_piece, requested=256)
+    _consume(runner.run_in_pieces(model, "predict", [(x,)], first, requested=256),
+             first.on_piece)
     assert first.rollbacks == 0 and len(first.calls) > len(first.seen)
     second = FakeStep(threshold=60)
-    runner.run_in_pieces(model, "predict", [(x,)], second, second.on_piece,
-                         requested=256, guard=second)
+    _consume(runner.run_in_pieces(model, "predict", [(x,)], second,
+                                  requested=256, guard=second), second.on_piece)
     assert len(second.calls) == len(second.seen)
     assert second.rollbacks == 0
     np.testing.assert_array_equal(np.concatenate(second.seen), x)
 
 
-def test_run_in_pieces_stops_when_on_piece_says_so(device, model):
+def test_run_in_pieces_stops_when_the_loop_is_left(device, model):
     device(stats=False)
     step = FakeStep()
     pieces = []
-
-    def on_piece(size, piece, result):
-        pieces.append(size)
-        return len(pieces) == 3
-
-    done = runner.run_in_pieces(model, "predict", [(np.arange(100),)], step, on_piece,
-                                requested=10)
-    assert done == 30
+    for piece in runner.run_in_pieces(model, "predict", [(np.arange(100),)], step,
+                                      requested=10):
+        pieces.append(piece.rows)
+        if len(pieces) == 3:
+            break
+    assert sum(pieces) == 30
     assert step.calls == [10, 10, 10]
 
 
@@ -136,9 +147,8 @@ def test_run_in_pieces_propagates_other_errors_untouched(device, model):
         raise error
 
     with pytest.raises(type(error)) as info:
-        runner.run_in_pieces(model, "predict", [(np.arange(10),)], step,
-                             lambda *a: False, requested=4,
-                             guard=guard)
+        _consume(runner.run_in_pieces(model, "predict", [(np.arange(10),)], step,
+                                      requested=4, guard=guard))
     assert info.value is error
     assert guard.rollbacks == 0
 
@@ -147,8 +157,8 @@ def test_run_in_pieces_single_sample_oom_raises_out_of_memory_error(device, mode
     device(stats=False)
     step = FakeStep(threshold=0)
     with pytest.raises(OutOfMemoryError) as info:
-        runner.run_in_pieces(model, "evaluate", [(np.arange(10.0).reshape(5, 2),)], step,
-                             step.on_piece, requested=4, guard=step)
+        _consume(runner.run_in_pieces(model, "evaluate", [(np.arange(10.0).reshape(5, 2),)],
+                                      step, requested=4, guard=step), step.on_piece)
     err = info.value
     assert isinstance(err, oom_error_class())
     assert isinstance(err.__cause__, oom_error_class())
@@ -174,8 +184,8 @@ def test_run_in_pieces_uses_one_planner_per_signature(device, model):
             raise _oom(len(x))
         return x
 
-    runner.run_in_pieces(model, "predict", [wide[0], narrow[0], wide[1], narrow[1]], step,
-                         lambda *a: False, requested=40)
+    _consume(runner.run_in_pieces(model, "predict", [wide[0], narrow[0], wide[1], narrow[1]],
+                                  step, requested=40))
     narrow_calls = [s[0] for s in calls if s[1] == 2]
     assert narrow_calls == [40, 40]
     wide_calls = [s[0] for s in calls if s[1] == 8]
@@ -201,8 +211,8 @@ def test_run_whole_then_run_in_pieces_runs_as_run_in_pieces_alone(device, model,
             if use_whole:
                 result = runner.run_whole(on_model, "train", (x,), step, planner, guard=step)
             if result is runner.SPLIT:
-                runner.run_in_pieces(on_model, "train", [(x,)], step, step.on_piece,
-                                     requested=None, planner=planner, guard=step)
+                _consume(runner.run_in_pieces(on_model, "train", [(x,)], step, requested=None,
+                                              planner=planner, guard=step), step.on_piece)
             else:
                 step.on_piece(len(x), (x,), result)
         except OutOfMemoryError as err:

@@ -5,7 +5,7 @@ metrics): starting it on a piece adds the piece's rows at once, waiting for
 it may fail (as a computation that ran out of memory after it was
 dispatched), and a failed wait or an `undo` puts the sum back. The reference
 is the sum and the order of the rows themselves: every row is handed to
-`on_piece` exactly once, in input order, and the state counts exactly the
+yielded exactly once, in input order, and the state counts exactly the
 rows handed over.
 """
 
@@ -81,14 +81,14 @@ class _FakeStep:
 def _run(step, rows=40, requested=8, stop_after=None):
     x = np.arange(rows, dtype=np.float64)
     seen = []
-
-    def on_piece(size, piece, result):
-        np.testing.assert_array_equal(result, piece[0] * 2)
-        seen.extend(piece[0].astype(int).tolist())
-        return stop_after is not None and len(seen) >= stop_after
-
-    done = run_in_pieces(_Model(), "predict", [(x,)], step, on_piece,
-                         requested=requested, start=step.start)
+    done = 0
+    for piece in run_in_pieces(_Model(), "predict", [(x,)], step,
+                               requested=requested, start=step.start):
+        np.testing.assert_array_equal(piece.result, piece.data[0] * 2)
+        seen.extend(piece.data[0].astype(int).tolist())
+        done += piece.rows
+        if stop_after is not None and len(seen) >= stop_after:
+            break  # leaving the loop undoes the pieces started ahead
     return done, seen
 
 
@@ -170,5 +170,6 @@ def test_an_interrupt_while_waiting_leaves_the_state_of_the_pieces_handed_over()
 def test_without_start_pieces_run_one_at_a_time():
     step = _FakeStep()
     x = np.arange(24, dtype=np.float64)
-    run_in_pieces(_Model(), "predict", [(x,)], step, lambda *a: False, requested=8)
+    for _ in run_in_pieces(_Model(), "predict", [(x,)], step, requested=8):
+        pass
     assert [kind for kind, *_ in step.calls] == ["call"] * 3

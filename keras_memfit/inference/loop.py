@@ -27,14 +27,14 @@ ended (`run_in_pieces`'s `start`), as Keras's loops overlap their steps; the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import keras
 
 from keras_memfit import backend as _backend
 from keras_memfit.backend.base import StartedPiece
 from keras_memfit.planning import data as _data
-from keras_memfit.planning.runner import run_in_pieces
+from keras_memfit.planning.runner import Piece, run_in_pieces
 
 # phase (as the planner names it) -> (Keras's callback hook prefix, the model's stop flag)
 _HOOKS = {"predict": ("predict", "stop_predicting"), "evaluate": ("test", "stop_evaluating")}
@@ -64,7 +64,16 @@ def requested_size(
 class BatchLoop:
     """Callbacks, progress bar and stop flag around one `run_in_pieces` run.
 
-    Use: `begin()`, then `run(...)` once, then `end(...)`.
+    Use: `begin()`; one loop over `pieces(...)`, calling `batch_ended` after
+    each piece and leaving when it returns True; `data_ended(...)`; `end(...)`.
+
+    Example:
+        >>> loop.begin()
+        >>> for piece in loop.pieces(chunks, step, requested=32):
+        ...     if loop.batch_ended(piece.rows, logs_of(piece.result)):
+        ...         break
+        >>> loop.data_ended(source, steps)
+        >>> loop.end()
 
     Attributes:
         batch: Number of batches (pieces) finished so far.
@@ -82,6 +91,7 @@ class BatchLoop:
         callbacks: Optional[Sequence[keras.callbacks.Callback]],
         verbose: int,
         num_samples: Optional[int],
+        merge_logs: Optional[Callable[[list], Any]] = None,
     ) -> None:
         """Create the callback list and the progress bar (nothing is called yet).
 
@@ -91,6 +101,9 @@ class BatchLoop:
             callbacks: The user's Keras callbacks, or None.
             verbose: 0, 1 or 2 (already validated).
             num_samples: Total number of samples when known (the bar's target).
+            merge_logs: With `steps_per_execution` > 1, makes one execution's
+                logs from the list of its batches' logs; the last batch's by
+                default.
         """
         self.model = model
         self.phase = phase
@@ -113,6 +126,7 @@ class BatchLoop:
         self.done = 0
         self._begun = -1
         self._per_execution = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        self._merge_logs = merge_logs
         self._execution_logs: list = []  # logs of the open execution's batches
 
     def begin(self) -> None:
@@ -120,74 +134,79 @@ class BatchLoop:
         setattr(self.model, self._stop_flag, False)
         self._on_begin()
 
-    def run(
+    def pieces(
         self,
         chunks: Iterable[Any],
         step: Callable[[Any], Any],
-        on_result: Callable[[int, Any], Tuple[Any, Optional[list]]],
         *,
         requested: Optional[int],
         guard: Any = None,
-        merge_logs: Optional[Callable[[list], Any]] = None,
         start: Optional[Callable[[Any], Any]] = None,
-    ) -> None:
-        """Run `step` over `chunks` with `run_in_pieces`, one callback batch per piece.
+    ) -> Iterator[Piece]:
+        """`run_in_pieces` over `chunks`: its successful pieces, one callback batch each.
+
+        Call `batch_ended` after each piece; leave the loop when it says the
+        run stopped.
 
         Args:
             chunks: The input's chunks (see `keras_memfit.planning.data`).
-            step: Runs one piece and returns its result.
-            on_result: Called as `on_result(size, result)` after each
-                successful piece, before its `on_*_batch_end`; returns the
-                logs for `on_*_batch_end` and the values for the progress
-                bar (a list of (name, value), or None).
+            step: Runs one piece and returns its result; the piece's
+                `on_*_batch_begin` is sent before its first attempt.
             requested: Largest piece size (see `requested_size`).
             guard: State guard passed to `run_in_pieces`.
-            merge_logs: With `steps_per_execution` > 1, makes one execution's
-                logs from the list of its batches' logs; the last batch's by
-                default.
             start: Starts `step` without waiting (see `run_in_pieces`). It is
                 used only when no callback has a batch-level hook for this
                 phase: a piece starts before the one before it ended, and
                 Keras's order of batch calls (begin, step, end, next begin)
                 cannot hold then; nothing sees that with no such hook.
-        """
-        spe = self._per_execution
 
-        def begin() -> None:
-            if self._begun != self.batch:  # once per batch, not per retry
-                if self.batch % spe == 0:
-                    self._on_batch_begin(self.batch)
-                self._begun = self.batch
+        Returns:
+            The pieces (`keras_memfit.planning.runner.Piece`), in input order.
+        """
 
         def attempt(piece: Any) -> Any:
-            begin()
+            self._begin_batch()
             return step(piece)
 
-        def on_piece(size: int, piece: Any, result: Any) -> bool:
-            begin()  # a piece started ahead (`start`) began here for the hooks
-            logs, values = on_result(size, result)
-            self.batch += 1
-            self.done += size
-            if self.progbar is not None:
-                self.progbar.update(
-                    self.done, values=values, finalize=self.done == self.num_samples
-                )
-            if spe == 1:
-                self._on_batch_end(self.batch - 1, logs)
-                return self._stopped()
-            self._execution_logs.append(logs)
-            if self.batch % spe:
-                return False
-            self._end_execution(merge_logs)
-            return self._stopped()
-
-        run_in_pieces(
-            self.model, self.phase, chunks, attempt, on_piece,
+        return run_in_pieces(
+            self.model, self.phase, chunks, attempt,
             requested=requested, guard=guard,
             start=start if start is not None and not self._batch_hooks() else None,
         )
-        if self._execution_logs:  # a last, shorter execution
-            self._end_execution(merge_logs)
+
+    def batch_ended(self, rows: int, logs: Any, values: Optional[list] = None) -> bool:
+        """Count a finished piece of `rows` and send its `on_*_batch_end`; True when stopped.
+
+        Args:
+            rows: The piece's rows.
+            logs: The logs for `on_*_batch_end`.
+            values: The progress bar's values (a list of (name, value), or None).
+
+        Returns:
+            Whether a callback stopped the run (the model's stop flag, read
+            after each execution).
+        """
+        self._begin_batch()  # a piece started ahead (`start`) began here for the hooks
+        self.batch += 1
+        self.done += rows
+        if self.progbar is not None:
+            self.progbar.update(self.done, values=values, finalize=self.done == self.num_samples)
+        spe = self._per_execution
+        if spe == 1:
+            self._on_batch_end(self.batch - 1, logs)
+            return self._stopped()
+        self._execution_logs.append(logs)
+        if self.batch % spe:
+            return False
+        self._end_execution()
+        return self._stopped()
+
+    def _begin_batch(self) -> None:
+        """Send the current batch's `on_*_batch_begin` once (not again for a retry)."""
+        if self._begun != self.batch:
+            if self.batch % self._per_execution == 0:
+                self._on_batch_begin(self.batch)
+            self._begun = self.batch
 
     def _batch_hooks(self) -> bool:
         """Whether any callback has its own `on_{predict,test}_batch_{begin,end}`."""
@@ -200,14 +219,17 @@ class BatchLoop:
         )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
-        """Send the `on_*_batch_begin` Keras sends when batched input ends early.
+        """End a last, shorter execution; send the `on_*_batch_begin` Keras sends when input ends early.
 
-        Keras calls `on_*_batch_begin` before it fetches a batch, so when the
+        With `steps_per_execution` above 1, an execution the pieces left open
+        ends now (`on_*_batch_end`, as Keras ends a last, shorter one). Keras calls `on_*_batch_begin` before it fetches a batch, so when the
         input runs out before the number of batches it expected (`steps`, or
         the input's announced length; always for a generator, whose length
         is unknown) it has called it once more, for a batch that never came.
-        Call after `run`, unless the run was stopped.
+        Call after the loop over `pieces`, also when the run was stopped.
         """
+        if self._execution_logs:  # a last, shorter execution
+            self._end_execution()
         if self._stopped() or source.from_arrays:
             return
         if not getattr(_backend.get(), "KERAS_BEGINS_BATCH_BEFORE_FETCH", True):
@@ -218,10 +240,11 @@ class BatchLoop:
         spe = self._per_execution
         self._on_batch_begin(-(-self.batch // spe) * spe)
 
-    def _end_execution(self, merge_logs: Optional[Callable[[list], Any]]) -> None:
+    def _end_execution(self) -> None:
         spe = self._per_execution
         begin = (self.batch - 1) // spe * spe
-        logs = merge_logs(self._execution_logs) if merge_logs else self._execution_logs[-1]
+        merge = self._merge_logs
+        logs = merge(self._execution_logs) if merge else self._execution_logs[-1]
         self._execution_logs = []
         self._on_batch_end(begin + spe - 1, logs)  # Keras's end index, also when short
 
@@ -233,7 +256,7 @@ class BatchLoop:
 
         Args:
             logs: The logs for `on_{predict,test}_end`.
-            values: The progress bar's final values, as in `run`'s `on_result`.
+            values: The progress bar's final values, as in `batch_ended`.
         """
         if self.progbar is not None and self.done != self.num_samples:
             self.progbar.update(self.done, values=values, finalize=True)

@@ -10,6 +10,11 @@ in exactly one successful piece, in input order. Errors that are not OOMs
 propagate untouched; a piece of one sample that runs out of memory raises
 `OutOfMemoryError`.
 
+`run_in_pieces` is a generator: it yields each successful piece (`Piece`:
+its rows, its data, the step's result) in input order, and the caller reads
+the run as one loop over it. Leaving that loop early (`break`, or an error in
+its body) closes the generator, which undoes the pieces started ahead.
+
 With `accumulation`, a chunk that does not fit in one piece is run all or
 nothing instead (MemFit's gradient accumulation: the chunk is one training
 batch, its pieces are micro-batches whose gradients make one update): see
@@ -20,8 +25,8 @@ pieces are started before the oldest of them is waited for, as Keras's own
 loops overlap their steps. A started piece's new state is the model's at
 once, so the next piece runs on it; when waiting shows that a piece ran out
 of memory, its step put the state back, the pieces started after it are
-dropped, and they all run again, one piece at a time from then on. `on_piece`
-sees the same pieces, in the same order, as without `start`.
+dropped, and they all run again, one piece at a time from then on. The loop
+yields the same pieces, in the same order, as without `start`.
 
 `run_whole` is the loop's first try of one chunk, alone: MemFit runs each
 Keras batch through it (once per training step, where the host's
@@ -34,12 +39,31 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from keras_memfit.backend.base import Guard, StartedPiece
 from keras_memfit.oom import OutOfMemoryError, can_place, is_retryable_oom
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece `run_in_pieces` ran successfully.
+
+    Attributes:
+        rows: Its number of rows.
+        data: The piece itself (a chunk structure, see `keras_memfit.planning.data`).
+        result: What the step returned for it (for a chunk run by
+            `Accumulation`, `finish()`'s result).
+        parts: The steps it ran as: 1, or the micro-batches of a chunk run
+            by `Accumulation`.
+    """
+
+    rows: int
+    data: Any
+    result: Any
+    parts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +77,13 @@ class Accumulation:
     `guard.restore()` undoes the attempt, the planner chooses a smaller size
     and the chunk starts over; any other exception from a piece (a
     `KeyboardInterrupt` too) also restores the guard, then propagates. An
-    error from `begin()` or `finish()` propagates as it is.
+    error from `begin()` or `finish()` propagates as it is. The chunk is
+    yielded once, as one `Piece` of `parts` micro-batches.
+
+    It is passed in rather than yielded piece by piece because the loop
+    itself must start the whole chunk over after an OOM in any of its
+    micro-batches (restore, shrink, `begin()` again): a caller reading
+    micro-batches from the loop would have to repeat that retry.
 
     Attributes:
         begin: Starts an attempt (zeroes the gradient sums).
@@ -69,38 +99,11 @@ class Accumulation:
     guard: Guard
 
 
-class Pieces:
-    """An `on_piece` for `run_in_pieces` that keeps the last result and counts pieces.
-
-    Attributes:
-        result: The last successful piece's result (None before any).
-        count: Pieces so far (callers may reset or adjust it, e.g. per batch).
-        ran: Whether any piece succeeded.
-
-    Example:
-        >>> pieces = Pieces()
-        >>> run_in_pieces(model, "evaluate", chunks, step, pieces, requested=None)
-        >>> logs = pieces.result
-    """
-
-    def __init__(self) -> None:
-        self.result: Any = None
-        self.count = 0
-        self.ran = False
-
-    def __call__(self, size: int, piece: Any, result: Any) -> bool:
-        self.result = result
-        self.count += 1
-        self.ran = True
-        return False
-
-
 def run_in_pieces(
     model: Any,
     phase: str,
     chunks: Iterable[Any],
     step: Callable[[Any], Any],
-    on_piece: Callable[[int, Any, Any], bool],
     *,
     requested: Optional[int],
     guard: Optional[Guard] = None,
@@ -109,17 +112,14 @@ def run_in_pieces(
     accumulation: Optional[Accumulation] = None,
     detail: str = "",
     start: Optional[Callable[[Any], StartedPiece]] = None,
-) -> int:
-    """Run `step` over every chunk in adaptive pieces.
+) -> Iterator[Piece]:
+    """Run `step` over every chunk in adaptive pieces, yielding each successful one.
 
     Args:
         model: The model (key for the planner's memory).
         phase: "predict", "evaluate" or "train".
         chunks: Iterable of chunk structures (see `keras_memfit.planning.data`).
         step: Runs one piece; its first leaf of `x` decides the signature.
-        on_piece: Called as `on_piece(num_rows, piece, result)` after each
-            successful piece; returning True stops early. A chunk run by
-            `accumulation` counts as one piece, whose result is `finish()`'s.
         requested: Largest piece size, or None to be bounded by the chunks.
         guard: Object with `snapshot()` and `restore()`, called before every
             attempt of `step` and after a failed one, for state it may touch.
@@ -134,17 +134,23 @@ def run_in_pieces(
             `StartableStep.start`; its `StartedPiece` puts back the state of
             a failed step itself). Given, up to `AHEAD` pieces are started
             before the oldest is waited for, as Keras's loops overlap their
-            steps; `on_piece` still sees the pieces one by one, in order.
+            steps; the pieces are still yielded one by one, in order.
             After the first OOM, and while the planner measures memory,
             pieces run one at a time with `step`.
 
-    Returns:
-        The number of samples processed.
+    Yields:
+        Each successful `Piece`, in input order; every row is in exactly
+        one. A chunk run by `accumulation` is one piece. To stop early, leave
+        the loop: the pieces started ahead are undone.
 
     Raises:
         OutOfMemoryError: If a piece of a single sample runs out of memory.
+
+    Example:
+        >>> for piece in run_in_pieces(model, "predict", chunks, step, requested=32):
+        ...     outputs.append(piece.result)
     """
-    run = _PieceLoop(model, phase, step, on_piece, guard, detail, start)
+    run = _PieceLoop(model, phase, step, guard, detail, start)
     planners: Dict[Hashable, BatchPlanner] = {}
     try:
         for chunk in chunks:
@@ -154,13 +160,10 @@ def run_in_pieces(
                 current = planners.get(sig)
                 if current is None:
                     current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
-            if run.rows(chunk, current, accumulation):
-                break
-        else:
-            run.wait_all()
+            yield from run.rows(chunk, current, accumulation)
+        yield from run.wait_all()
     finally:
         run.drop()
-    return run.done
 
 
 SPLIT = object()
@@ -181,7 +184,7 @@ def run_whole(
     """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
 
     What `run_in_pieces(model, phase, [chunk], step, ..., planner=planner,
-    guard=guard, detail=detail)` does while the planner's next size is at
+    guard=guard, detail=detail)` does (and yields) while the planner's next size is at
     least the chunk's rows, without its loop: for MemFit's batches, which
     run whole (once per Keras step) unless memory is short. `rows`: the
     chunk's rows, where the caller knows them.
@@ -199,8 +202,9 @@ def run_whole(
     Example:
         >>> logs = run_whole(model, "train", chunk, step, planner)
         >>> if logs is SPLIT:
-        ...     run_in_pieces(model, "train", [chunk], step, pieces, requested=None,
-        ...                   planner=planner)
+        ...     for piece in run_in_pieces(model, "train", [chunk], step, requested=None,
+        ...                                planner=planner):
+        ...         logs = piece.result
     """
     n = _data.num_rows(chunk) if rows is None else rows
     if not n:
@@ -258,20 +262,17 @@ class _Ahead:
 
 
 class _PieceLoop:
-    """One `run_in_pieces` call: its pieces, retries, and the pieces started ahead."""
+    """One `run_in_pieces` call: its pieces, retries, and the pieces started ahead.
+
+    Its methods are generators of the successful pieces, in order.
+    """
 
     def __init__(self, model: Any, phase: str, step: Callable[[Any], Any],
-                 on_piece: Callable[[int, Any, Any], bool], guard: Optional[Guard],
-                 detail: str, start: Optional[Callable[[Any], StartedPiece]]) -> None:
+                 guard: Optional[Guard], detail: str,
+                 start: Optional[Callable[[Any], StartedPiece]]) -> None:
         self.model, self.phase, self.detail = model, phase, detail
-        self.step, self.on_piece, self.guard, self.start = step, on_piece, guard, start
-        self.done = 0
+        self.step, self.guard, self.start = step, guard, start
         self.ahead: List[_Ahead] = []  # started, not waited for yet, oldest first
-
-    def finished(self, size: int, piece: Any, result: Any) -> bool:
-        """Count a successful piece and hand it to `on_piece`; True to stop."""
-        self.done += size
-        return bool(self.on_piece(size, piece, result))
 
     def failed(self, planner: BatchPlanner, piece: Any, size: int, exc: BaseException) -> None:
         """After an OOM of `piece`: shrink, or raise if a single sample did not fit."""
@@ -279,8 +280,8 @@ class _PieceLoop:
             raise _final_error(self.model, self.phase, piece, planner, self.detail) from exc
 
     def rows(self, chunk: Any, planner: BatchPlanner,
-             accumulation: Optional[Accumulation] = None) -> bool:
-        """Run all of `chunk`'s rows in pieces, in order; True when `on_piece` stopped.
+             accumulation: Optional[Accumulation] = None) -> Iterator[Piece]:
+        """Run all of `chunk`'s rows in pieces, in order, yielding the successful ones.
 
         With `accumulation`, a chunk whose first piece would be smaller than
         the chunk (also after its first try ran out of memory) runs all or
@@ -291,38 +292,33 @@ class _PieceLoop:
         while offset < n:
             planned = planner.next_size(n - offset)
             if accumulation is not None and offset == 0 and planned < n:
-                if self.wait_all():
-                    return True
-                result = _all_or_nothing(
+                yield from self.wait_all()
+                result, parts = _all_or_nothing(
                     self.model, self.phase, chunk, planner, accumulation, self.detail
                 )
-                return self.finished(n, chunk, result)
+                yield Piece(n, chunk, result, parts)
+                return
             size = int(min(planned, n - offset))
             piece = _data.rows(chunk, offset, offset + size)
             if self.start is not None and not planner.measuring:
-                outcome = self._start(planner, piece, size, planned)
-                if outcome is not None:  # None: it did not start (an OOM), try smaller
+                started = yield from self._start(planner, piece, size, planned)
+                if started:  # else it did not start (an OOM): try smaller
                     offset += size
-                    if outcome:
-                        return True
                 continue
-            if self.wait_all():
-                return True
+            yield from self.wait_all()
             result = _attempt(self.model, self.phase, self.step, piece, size, planned, planner,
                               self.guard, self.detail)
             if result is SPLIT:
                 continue  # it ran out of memory: the planner chose a smaller size
             offset += size
-            if self.finished(size, piece, result):
-                return True
-        return False
+            yield Piece(size, piece, result)
 
     def _start(self, planner: BatchPlanner, piece: Any, size: int,
-               planned: float) -> Optional[bool]:
+               planned: float) -> Iterator[Piece]:
         """Start `piece`; then, if more than `AHEAD` pieces are started, wait for the oldest.
 
-        Returns None if `piece` did not start (an OOM at once: the planner
-        shrank), else whether `on_piece` stopped.
+        Yields the pieces waited for; returns whether `piece` started (False
+        after an OOM at once: the planner shrank).
         """
         planner.started(size)
         try:
@@ -331,23 +327,22 @@ class _PieceLoop:
             if not is_retryable_oom(exc):
                 raise
             self.start = None  # one piece at a time from now on
-            if self.wait_all():  # the earlier rows first
-                return True
+            yield from self.wait_all()  # the earlier rows first
             self.failed(planner, piece, size, exc)
             del exc
             gc.collect()
-            return None
+            return False
         self.ahead.append(_Ahead(planner, piece, size, planned, started))
-        return len(self.ahead) > AHEAD and self._wait_oldest()
+        if len(self.ahead) > AHEAD:
+            yield from self._wait_oldest()
+        return True
 
-    def wait_all(self) -> bool:
-        """Wait for every piece started ahead, in order; True when `on_piece` stopped."""
+    def wait_all(self) -> Iterator[Piece]:
+        """Wait for every piece started ahead, in order, yielding them."""
         while self.ahead:
-            if self._wait_oldest():
-                return True
-        return False
+            yield from self._wait_oldest()
 
-    def _wait_oldest(self) -> bool:
+    def _wait_oldest(self) -> Iterator[Piece]:
         oldest = self.ahead.pop(0)
         try:
             result = oldest.started.wait()
@@ -360,9 +355,11 @@ class _PieceLoop:
             self.failed(oldest.planner, oldest.piece, oldest.size, exc)
             del exc
             gc.collect()
-            return any(self.rows(p.piece, p.planner) for p in [oldest] + newer)
+            for again in [oldest] + newer:
+                yield from self.rows(again.piece, again.planner)
+            return
         oldest.planner.succeeded(oldest.size, full=oldest.size >= oldest.planned)
-        return self.finished(oldest.size, oldest.piece, result)
+        yield Piece(oldest.size, oldest.piece, result)
 
     def drop(self) -> None:
         """Undo the pieces started ahead, if any (stopped early, or an error)."""
@@ -378,14 +375,18 @@ def _all_or_nothing(
     planner: BatchPlanner,
     accumulation: Accumulation,
     detail: str,
-) -> Any:
-    """Run `chunk` by `accumulation`, starting over smaller after an OOM."""
+) -> Tuple[Any, int]:
+    """Run `chunk` by `accumulation`, starting over smaller after an OOM.
+
+    Returns:
+        `finish()`'s result and the micro-batches of the attempt that succeeded.
+    """
     n = _data.num_rows(chunk)
     guard = accumulation.guard
     while True:
         accumulation.begin()
         guard.snapshot()
-        offset = size = 0
+        offset = size = parts = 0
         try:
             while offset < n:
                 planned = planner.next_size(n - offset)
@@ -395,6 +396,7 @@ def _all_or_nothing(
                 accumulation.add(piece, size / n)
                 planner.succeeded(size, full=size >= planned)
                 offset += size
+                parts += 1
         except Exception as exc:
             guard.restore()
             if not is_retryable_oom(exc):
@@ -407,7 +409,7 @@ def _all_or_nothing(
         except BaseException:  # KeyboardInterrupt: leave the chunk undone
             guard.restore()
             raise
-        return accumulation.finish()
+        return accumulation.finish(), parts
 
 
 def _final_error(

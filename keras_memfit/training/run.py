@@ -54,7 +54,7 @@ from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import CANNOT_SPLIT, UPDATE, UPDATE_BEGAN, OutOfMemoryError, is_oom_error
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
-from keras_memfit.planning.runner import SPLIT, Accumulation, Pieces, run_in_pieces, run_whole
+from keras_memfit.planning.runner import SPLIT, Accumulation, run_in_pieces, run_whole
 from keras_memfit.training.batch_dependence import SplitWarnings
 from keras_memfit.training.layout import Cut, layout_of
 
@@ -184,19 +184,21 @@ class Run:
     def _train_pieces(self, parts: TrainParts, cut: Cut, planner: BatchPlanner,
                       run: Callable[[tuple], Any], guard: Optional[Guard]) -> Any:
         """The batch as pieces (train steps, or accumulated micro-batches); the last logs."""
-        pieces = Pieces()
         accumulation = None
         if self.mode == "accumulate":
-            accumulation = self._accumulation(parts, cut, planner, pieces)
-        run_in_pieces(
-            self.model, "train", [cut.chunk], run, pieces, requested=None, planner=planner,
+            accumulation = self._accumulation(parts, cut, planner)
+        logs, count = None, 0
+        for piece in run_in_pieces(
+            self.model, "train", [cut.chunk], run, requested=None, planner=planner,
             guard=guard, accumulation=accumulation,
-        )
-        self.epoch_split = max(self.epoch_split, pieces.count)
-        self._note_pieces("train", pieces.count, cut.rows)
-        if pieces.count > 1:
+        ):
+            logs = piece.result
+            count += piece.parts
+        self.epoch_split = max(self.epoch_split, count)
+        self._note_pieces("train", count, cut.rows)
+        if count > 1:
             self._split_warnings.split(cut.x)
-        return pieces.result
+        return logs
 
     def _step_runner(
         self, step: TrainStep, cut: Cut, planner: BatchPlanner
@@ -214,13 +216,8 @@ class Run:
 
         return run
 
-    def _accumulation(
-        self, parts: TrainParts, cut: Cut, planner: BatchPlanner, pieces: Pieces
-    ) -> Accumulation:
-        """`cut`'s batch as micro-batches whose summed gradients make one update.
-
-        `pieces.count` ends as the micro-batches (`on_piece` adds the apply).
-        """
+    def _accumulation(self, parts: TrainParts, cut: Cut, planner: BatchPlanner) -> Accumulation:
+        """`cut`'s batch as micro-batches whose summed gradients make one update."""
         model = self.model
 
         def begin() -> None:
@@ -230,11 +227,9 @@ class Run:
             parts.accumulator.reset()
             if parts.counted is not None:
                 parts.counted.begin()
-            pieces.count = -1  # on_piece counts the chunk once more
 
         def add(piece: tuple, share: float) -> None:
             parts.accumulator.add(*cut.micro_batch(piece, share))
-            pieces.count += 1
 
         def finish() -> Any:
             try:
@@ -301,29 +296,30 @@ class Run:
         cuts = self._cuts(batches)
         if cuts is None:
             return self.keras_call("test", batches)
-        pieces = Pieces()
+        logs: Any = {}
         for cut in cuts:
             if self._test_parts is None:
                 self._test_parts = self.layout.test_parts(self.model, cut)
             step, guard, split = self._test_parts
             run = self._test_runner(step, split, cut)
-            on_piece = pieces
-            if split is not None:
-                on_piece = _noting(split, pieces)
             planner = self._planner("evaluate", cut)
-            pieces.count = 0
+            count = 0
             try:
-                run_in_pieces(
-                    self.model, "evaluate", [cut.chunk], run, on_piece,
+                for piece in run_in_pieces(
+                    self.model, "evaluate", [cut.chunk], run,
                     requested=None, guard=guard, planner=planner,
-                )
+                ):
+                    if split is not None:  # a split batch counts once for the per-output losses
+                        split.finished(piece.rows)
+                    logs = piece.result
+                    count += 1
                 planner.finish_batch()
-                self._note_pieces("evaluate", pieces.count, cut.rows)
-                if pieces.count > 1:
+                self._note_pieces("evaluate", count, cut.rows)
+                if count > 1:
                     self._split_warnings.split(cut.x)
             finally:
                 self._note_events(cut.slots)
-        return pieces.result if pieces.ran else {}
+        return logs
 
     def _test_runner(
         self, step: Callable[[Any], Any], split: Optional[SplitBatches], cut: Cut
@@ -359,19 +355,15 @@ class Run:
         step = self._predict_step
         outputs: List[Any] = []
         for cut in cuts:
-            results: List[Any] = []
-
-            def on_piece(size: int, piece: Any, result: Any, results=results) -> bool:
-                results.append(result)
-                return False
-
             planner = self._planner("predict", cut)
             try:
-                run_in_pieces(
-                    self.model, "predict", [cut.chunk],
-                    lambda piece, cut=cut: step(cut.batch(piece)),
-                    on_piece, requested=None, planner=planner,
-                )
+                results = [
+                    piece.result for piece in run_in_pieces(
+                        self.model, "predict", [cut.chunk],
+                        lambda piece, cut=cut: step(cut.batch(piece)),
+                        requested=None, planner=planner,
+                    )
+                ]
                 planner.finish_batch()
                 self._note_pieces("predict", len(results), cut.rows)
                 if len(results) > 1:
@@ -435,16 +427,6 @@ class Run:
                     self.fallback = None
             self.events.append(event.located(self.epoch, self.step, batch_rows))
         self._unlocated.clear()
-
-
-def _noting(split: SplitBatches, pieces: Pieces) -> Callable[[int, Any, Any], bool]:
-    """`pieces` as `on_piece`, telling `split` each successful piece first."""
-
-    def on_piece(size: int, piece: Any, result: Any) -> bool:
-        split.finished(size)
-        return pieces(size, piece, result)
-
-    return on_piece
 
 
 def _cannot_split_error(
