@@ -7,6 +7,6 @@
   calls, and its `Event`s;
 - `shape_plan`: sizes from the analytic estimate where each shape compiles;
 - `replica_memory`: the memory of the devices a piece runs on;
-- `runner`: `run_in_pieces`, the one retry loop, with accumulation as its
-  all-or-nothing mode.
+- `runner`: `run_in_pieces`, the one retry loop, yielding the pieces it ran
+  in input order, with accumulation as its all-or-nothing mode.
 """
