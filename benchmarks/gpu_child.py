@@ -16,10 +16,11 @@ standard library at its top:
   runs torch's native CPU kernels: oneDNN's sometimes fail first in an
   allocation of their own, with a message that is not an OOM form.
 
-Matrix products and convolutions run at float32's full precision (no
-TF32 on a GPU: `full_precision`). The child prints one line `RESULT <json>`. The scenarios every backend runs
-are here; the JAX and torch questions are in `benchmarks.gpu_jax` and
-`benchmarks.gpu_torch`.
+Matrix products and convolutions run at float32's full precision (no TF32
+on a GPU: `full_precision`). The child prints one line `RESULT <json>`.
+The scenarios every backend runs are here; the JAX and torch questions are
+in `benchmarks.gpu_jax` and `benchmarks.gpu_torch`, what they share in
+`benchmarks.gpu_common`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
-from benchmarks.gpu_common import backend, data, error_form, free, model, outcome, surface
+from benchmarks.gpu_common import (
+    backend, data, error_form, forward_pass, free, model, outcome, surface,
+)
 
 GIB = 2**30
 
@@ -39,20 +42,23 @@ GIB = 2**30
 # ------------------------------------------------------------------ limits
 def limit_memory(config: Dict[str, Any]) -> None:
     """Shrink the memory this process may use, before (JAX) or as (torch) the framework starts."""
-    backend, gib = os.environ["KERAS_BACKEND"], config.get("memory_gb", 0)
-    if gib and config["platform"] == "cpu":
+    gib = config.get("memory_gb", 0)
+    if not gib:
+        return
+    if config["platform"] == "cpu":
         cap = config["baseline_bytes"] + int(gib * GIB)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    elif gib and backend == "jax":
+        if backend() == "torch":
+            import torch
+
+            torch.backends.mkldnn.enabled = False  # see this module's docstring
+    elif backend() == "jax":
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{gib * GIB / config['device_bytes']:.4f}"
-    if backend == "torch":
+    else:
         import torch
 
-        if gib and config["platform"] == "gpu":
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(gib * GIB / total)
-        elif gib:
-            torch.backends.mkldnn.enabled = False
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(gib * GIB / total)
 
 
 def _timed(call: Callable[[], Any]):
@@ -192,33 +198,40 @@ def overhead(kind: str, rows: int, batch: int, repeats: int) -> Dict[str, Any]:
 
 
 def oom_cost(kind: str, fails: int, fits: int, tries: int) -> Dict[str, Any]:
-    """What one OOM costs plain Keras's predict: the time to the error, and the next call's extra.
+    """What one OOM costs: the time to the error, and the next call's extra time.
 
-    A predict at `fits` rows is timed warm; then, `tries` times, a predict at
-    `fails` rows (to its OOM: the allocator's own retries and waits are in
-    it) and at once the predict at `fits` rows again (what the failure left
-    to clean up is in it). The first failing try also compiles the shape.
+    Timed on the model's forward pass (`forward_pass`), which holds no Keras
+    state: at `fits` rows warm; then, `tries` times, at `fails` rows to its
+    OOM (the allocator's own retries and waits are in it; the first try also
+    compiles the shape on JAX) and at once at `fits` rows again (what the
+    failure left to clean up is in it). Then plain Keras's `predict` at
+    `fails` rows and at `fits` rows: whether the model still predicts after
+    its OOM (on JAX Keras writes the failed call's state back into it).
     """
     import statistics
 
     net = model(kind)
     x, _ = data(kind, fails)
-    small = x[:fits]
+    forward = forward_pass(net)
 
     def step():
-        net.predict(small, batch_size=fits, verbose=0)
-        surface(net)
+        forward(x[:fits])
 
     step()
     steady = statistics.median(_timed(step)[0] for _ in range(3))
     rows = []
     for _ in range(tries):
         start = time.perf_counter()
-        result = outcome(lambda: (net.predict(x, batch_size=fails, verbose=0), surface(net)))
+        result = outcome(lambda: forward(x))
         to_error = time.perf_counter() - start
-        after, _ = _timed(step)
-        rows.append({"outcome": result, "to_error_s": to_error, "next_s": after})
-    return {"steady_s": steady, "tries": rows}
+        start = time.perf_counter()
+        after = outcome(step)
+        rows.append({"outcome": result, "to_error_s": to_error, "next": after,
+                     "next_s": time.perf_counter() - start})
+    keras_oom = outcome(lambda: (net.predict(x, batch_size=fails, verbose=0), surface(net)))
+    keras_next = outcome(lambda: (net.predict(x[:fits], batch_size=fits, verbose=0),
+                                  surface(net)))
+    return {"steady_s": steady, "tries": rows, "keras": [keras_oom, keras_next]}
 
 
 def probe() -> Dict[str, Any]:

@@ -29,6 +29,35 @@ def surface(model) -> None:
             torch.cuda.synchronize()
 
 
+def forward_pass(net) -> Callable[[Any], None]:
+    """`net`'s forward pass on numpy rows, waited for, holding no Keras state.
+
+    On JAX a jitted `stateless_call` on the variables' values; on torch the
+    model called under `torch.no_grad()` on the device.
+    """
+    if backend() == "jax":
+        import jax
+
+        run = jax.jit(lambda trainable, other, x: net.stateless_call(trainable, other, x)[0])
+
+        def call(x):
+            jax.block_until_ready(run([v.value for v in net.trainable_variables],
+                                      [v.value for v in net.non_trainable_variables], x))
+
+        return call
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def call(x):
+        with torch.no_grad():
+            net(torch.as_tensor(x, device=device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return call
+
+
 def free() -> None:
     """Drop what earlier calls left (Keras's global state, garbage, torch's cached blocks)."""
     import keras
