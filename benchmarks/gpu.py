@@ -155,9 +155,14 @@ class Backend:
         return self._run(config)
 
     def run_probe(self) -> None:
-        config = {"scenario": "probe", "memory_gb": 0, "platform": "cpu"}
-        env_fraction = {} if self.name != "jax" else {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-        self.probe = self._run(config, env_fraction)
+        """The platform, versions, device size and import baseline (`gpu_child.probe`).
+
+        Run with no limit; JAX takes half the device (its `bytes_limit` then
+        tells the device's size).
+        """
+        config = {"scenario": "probe", "memory_gb": 0}
+        half = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"} if self.name == "jax" else {}
+        self.probe = self._run(config, half)
 
     def _run(self, config: Dict[str, Any], extra_env: Optional[Dict[str, str]] = None,
              ) -> Dict[str, Any]:
@@ -247,8 +252,12 @@ def check_footprint(b: Backend) -> Check:
 
     summary = (f"Dense(1024 > W > 1024), Adam, batch {sizes['batch']}, {gib:g} GiB, widths "
                f"{sizes['widths'][0]:,} to {sizes['widths'][-1]:,}: widest that trains, plain "
-               f"{_widest(plain)}; MemFit {_widest(memfit)}")
-    ok = widest(memfit) >= widest(plain) > 0
+               f"{_widest(plain)}; MemFit {_widest(memfit)}; MemFit trains as wide as plain "
+               f"Keras: {'yes' if widest(memfit) >= widest(plain) else 'NO'}")
+    # Checked: each search met a width that trains and one that fails with an OOM
+    # (the comparison is the measurement, in the line).
+    ok = all(widest(tries) > 0 and not tries[-1]["ok"] and tries[-1]["error"]["oom"]
+             for tries in (plain, memfit))
     return Check("footprint", summary, ok)
 
 
