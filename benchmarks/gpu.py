@@ -16,7 +16,9 @@ ignored `wheels/` folder with what Keras needs and that machine lacks
 of benchmarks/RESULTS.md (`$OUT/RESULTS.md` brings it back) and prints them.
 
 Without a GPU (CI, before any GPU run): every scenario of both backends at
-toy sizes on the CPU, under an address-space limit, in a few minutes:
+toy sizes on the CPU, under an address-space limit (about 5 minutes on 2
+cores; tests/test_gpu_cpu_check.py runs it where jax and torch are both
+installed):
 
     python -m benchmarks.gpu --cpu-check [--backends jax torch] [--results PATH]
 
@@ -38,17 +40,24 @@ at 1e-4. The scenarios, for each backend:
   against the fit without the limit (weights, optimizer variables,
   iterations, History).
 - footprint: the widest `Dense(W)` model whose fit completes, plain against
-  MemFit (widths tried in increasing order, in one child each).
+  MemFit (widths tried in increasing order, one child for each; the longest
+  sequence at batch 1 waits for MemFit's one-sample rung).
 - overhead: fit and predict with no memory pressure, MemFit/safe_predict
   against plain Keras, interleaved, with `common`'s bootstrap interval and
   verdict.
-- oom_cost: plain `predict`'s time to its OOM (the allocator's own retries
-  and waits), and the next call's time against its steady time.
+- oom_cost: the forward pass's time to its OOM (the allocator's own retries
+  and waits), and the next pass's time against its steady time; whether
+  plain `predict` still runs after its own OOM.
 - JAX (`benchmarks.gpu_jax`): dispatch (does an OOM raise at the call or at
   the wait), donation (does a failed program delete its donated inputs),
   remat (does `keras.RematScope` lower the compiled train step's memory).
 - torch (`benchmarks.gpu_torch`): oom_forms (the OOM errors met), empty_cache
   (`torch.cuda.empty_cache()` between the OOM and the retry).
+
+Each line ends "ok" or "MISS" on what its scenario must show (plain Keras
+met a real OOM, keras_memfit's results equal the reference, the OOMs were
+recognised); the rest of the line is measured and reported, never checked.
+A scenario whose child fails is a MISS line, and the run goes on.
 """
 
 from __future__ import annotations
