@@ -32,19 +32,6 @@ def compute_device() -> str:
     return f"{device.platform}:{device.id}"
 
 
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """Always (): every piece is planned for `compute_device()` alone.
-
-    (TensorFlow's backend returns a `MirroredStrategy`'s replica devices, so
-    that the planner sizes pieces for all of them.)
-
-    Example:
-        >>> replica_devices(model)
-        ()
-    """
-    return ()
-
-
 def _device(name: str) -> Optional[Any]:
     for device in jax.devices():
         if f"{device.platform}:{device.id}" == name.lower().lstrip("/"):

@@ -205,32 +205,29 @@ class TestStep(_Step):
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Union[PredictStep, distribution.ShardedStep]:
-    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
-
-    Example:
-        >>> step = make_predict_step(model)
-        >>> outputs = step(x[:64])
-    """
-    return distribution.sharded_predict_step(PredictStep(model, postprocess))
+    """A `PredictStep`; under `DataParallel` its pieces laid out over the devices."""
+    step = PredictStep(model, postprocess)
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedStep(step, distribution.concatenate_outputs)
+    return step
 
 
 # Keras's JAX trainer compiles with static shapes: its per-output loss trackers
 # weight each batch by its rows, so there is no batch-count rule to follow.
 KERAS_COUNTS_EACH_BATCH_ONCE = False
+# Keras's JAX loops call `on_*_batch_begin`, then fetch the batch.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(
     model: keras.Model, exact: bool = False
 ) -> Union[TestStep, distribution.ShardedStep]:
-    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
-
-    `exact` is accepted for the seam's sake: with static shapes every step
-    already counts per-output losses per sample.
-
-    Example:
-        >>> logs = make_test_step(model)((x[:64], y[:64], None))
-    """
-    return distribution.sharded_test_step(TestStep(model))
+    """A `TestStep` (static shapes: `exact` changes nothing); under `DataParallel`
+    its pieces laid out over the devices."""
+    step = TestStep(model)
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedStep(step, distribution.last_logs)
+    return step
 
 
 class VariableGuard:

@@ -7,26 +7,12 @@ from typing import Any, Optional, Tuple
 
 import tensorflow as tf
 
-from keras_memfit.backend.tensorflow import replicas
 
 
 def compute_device() -> str:
     """The device the model's computation runs on: the first GPU, else the CPU."""
     gpus = tf.config.list_logical_devices("GPU")
     return "GPU:0" if gpus else "CPU:0"
-
-
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """The devices `model`'s replicas run on under a `MirroredStrategy`; () otherwise.
-
-    The planner then sizes each piece for all of them: the budget is the
-    smallest free memory among them, the measured peak the largest.
-
-    Example:
-        >>> replica_devices(model)  # built under MirroredStrategy on two GPUs
-        ('GPU:0', 'GPU:1')
-    """
-    return replicas.replica_devices(model)
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
@@ -213,11 +199,6 @@ def reset_peak(device: str) -> None:
         tf.config.experimental.reset_memory_stats(device)
     except (ValueError, tf.errors.OpError):
         pass
-
-
-def piece_multiple() -> int:
-    """1: any piece size runs (tf.distribute splits uneven batches itself)."""
-    return 1
 
 
 def compiles_per_shape(model: Any) -> bool:

@@ -67,6 +67,8 @@ def make_predict_step(
 # iterator whose batch dimension is unknown, so each per-output loss tracker
 # counts every batch once, whatever its size (`safe_evaluate` matches it).
 KERAS_COUNTS_EACH_BATCH_ONCE = True
+# Keras's TensorFlow loops call `on_*_batch_begin`, then fetch the batch.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> Callable:

@@ -25,16 +25,6 @@ def compute_device() -> str:
     return f"{device.type}:{device.index or 0}"
 
 
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """Always (): every piece is planned for `compute_device()` alone.
-
-    Example:
-        >>> replica_devices(model)
-        ()
-    """
-    return ()
-
-
 def _cuda_index(device: str) -> Optional[int]:
     """The CUDA ordinal of "cuda:N" ("/GPU:N" too) when CUDA is usable, else None."""
     text = device.strip().lstrip("/").lower()
@@ -91,11 +81,6 @@ def release_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def piece_multiple() -> int:
-    """1: any piece size runs."""
-    return 1
-
-
 def compiles_per_shape(model: Any) -> bool:
     """False: keras_memfit's steps on torch run eagerly (no `torch.compile`).
 
@@ -109,8 +94,3 @@ def compiles_per_shape(model: Any) -> bool:
     """
     return False
 
-
-__all__ = [
-    "compiles_per_shape", "compute_device", "memory_limit", "memory_stats",
-    "piece_multiple", "release_cached", "replica_devices", "reset_peak",
-]
