@@ -2,18 +2,21 @@
 
 keras_memfit's core (planning batch sizes, splitting batches, retrying,
 MemFit's strategies, the model analysis) is backend-neutral. Everything that
-depends on Keras's backend is a function of one package,
-`keras_memfit.backend.<name>`, whose `__init__` exports the names of the
-`Backend` protocol below; `keras_memfit.backend.get()` returns the active
-one. A new backend is a new package with the same module names
-(`oom`, `memory`, `steps`, `training`, `trainer`, `devices`, `tracing`) that
-satisfies this protocol; nothing outside `keras_memfit/backend/` changes.
+depends on Keras's backend is a member of one package,
+`keras_memfit.backend.<name>`; `keras_memfit.backend.get()` returns the
+active one. The seam is split by concern, one protocol each (`OutOfMemory`,
+`Memory`, `Steps`, `Training`, `Trainer`, `Devices`, `Tracing`,
+`Distribution`), whose members are documented here once; `CONCERNS` names
+the module of every backend package that provides each (`oom`, `memory`,
+`steps`, `training`, `trainer`, `devices`, `tracing`, `distribution`), and
+`Backend` is all of them. A new backend is a new package with those modules;
+nothing outside `keras_memfit/backend/` changes.
 
 The values that cross the seam are typed here too: a traced output's `Spec`
 (or `NO_SPEC`), a model's symbolic `Trace` (`TracedCall`, `TracedTensor`), a
 train step's `StepOutcome`, and the `TrainStep` (with the optional
-`StartableTrainStep` and `OrderedTrainStep`), `Accumulator` and `Guard`
-objects the step factories return.
+`OrderedTrainStep`), `StartableStep`/`StartedPiece`, `Accumulator` and
+`Guard` objects the step factories return.
 """
 
 from __future__ import annotations
@@ -603,6 +606,19 @@ def members(protocol: type) -> Tuple[str, ...]:
         name for name, value in own.items() if callable(value) and not name.startswith("_")
     )
     return tuple(own.get("__annotations__", {})) + methods
+
+
+# ------------------------------------------- shared by the backends' modules
+def model_of(model_ref: Callable[[], Any]) -> Any:
+    """The model a step holds weakly (`model_ref`, a `weakref.ref`).
+
+    Raises:
+        RuntimeError: If the model was deleted.
+    """
+    model = model_ref()
+    if model is None:
+        raise RuntimeError("the model of this step was deleted")
+    return model
 
 
 # What `Trainer.step_function` accepts as its `kind`.

@@ -87,11 +87,6 @@ class GradientAccumulator:
     `stateless_apply` once on the sums (one step: `iterations` + 1), then
     leaves the state in the model's variables (`state.materialize`), where
     Keras's `get_metrics_result` reads the batch's metrics.
-
-    Example:
-        >>> acc = make_accumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
-        >>> acc.apply()
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -100,13 +95,11 @@ class GradientAccumulator:
         self._add, self._apply = accumulation_programs(model)
 
     def reset(self) -> None:
-        """Start a new batch: zero the sums."""
         model = self._model_ref()
         self._sums = None  # before the new ones are made: never two sets at once
         self._sums = [jnp.zeros(v.shape, v.dtype) for v in model.trainable_variables]
 
     def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
         model = self._model_ref()
         sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
             self._sums, *_state.get(model, TRAIN_STATE), data,
@@ -120,7 +113,6 @@ class GradientAccumulator:
         return None
 
     def apply(self) -> None:
-        """Apply the summed gradients as one optimizer step."""
         model = self._model_ref()
         trainable, optimizer = _state.get(model, ("trainable", "optimizer"))
         sums, self._sums = self._sums, None

@@ -49,7 +49,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import keras
@@ -376,21 +376,28 @@ def check_training_mode(model: keras.Model, mode: str) -> None:
         )
 
 
-def make_train_step(model: keras.Model) -> Any:
-    """The variant of `distribution.variant()`: a `TrainStep`, laid out over a
-    `DataParallel`'s devices (`distribution.ShardedTrainStep`), or under
-    several processes a `process_training.ProcessTrainStep`."""
+def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
+                several: Callable) -> Any:
+    """`model`'s step or accumulator as the variant of `distribution.variant()` runs it.
+
+    One device: `one_device(model)`; a single-process `DataParallel`: that,
+    laid out over the devices (`laid_out`, a `distribution.Sharded*`);
+    several processes: `several(model)` (`process_training`).
+    """
     chosen = distribution.variant()
     if chosen is distribution.Variant.PROCESSES:
-        return process_training.ProcessTrainStep(model)
-    step = TrainStep(model)
-    if chosen is distribution.Variant.DATA_PARALLEL:
-        return distribution.ShardedTrainStep(step)
-    return step
+        return several(model)
+    made = one_device(model)
+    return laid_out(made) if chosen is distribution.Variant.DATA_PARALLEL else made
+
+
+def make_train_step(model: keras.Model) -> Any:
+    return _as_variant(model, TrainStep, distribution.ShardedTrainStep,
+                       process_training.ProcessTrainStep)
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> Any:
-    """The model's own `train_step` run whole (`TrainStep(custom=True)`), as `make_train_step` lays it out.
+    """The model's own `train_step` run whole (`TrainStep(custom=True)`).
 
     Keras's `fit` built the model before its first batch (its symbolic
     build), so `data` is not needed; the variable lists are taken anew.
@@ -405,13 +412,5 @@ def make_custom_train_step(model: keras.Model, data: Any) -> Any:
 
 
 def make_accumulator(model: keras.Model) -> Any:
-    """The variant of `distribution.variant()`: a `GradientAccumulator`, laid out
-    over a `DataParallel`'s devices (`distribution.ShardedAccumulator`), or
-    under several processes a `process_training.ProcessAccumulator`."""
-    chosen = distribution.variant()
-    if chosen is distribution.Variant.PROCESSES:
-        return process_training.ProcessAccumulator(model)
-    accumulator = GradientAccumulator(model)
-    if chosen is distribution.Variant.DATA_PARALLEL:
-        return distribution.ShardedAccumulator(accumulator)
-    return accumulator
+    return _as_variant(model, GradientAccumulator, distribution.ShardedAccumulator,
+                       process_training.ProcessAccumulator)

@@ -291,7 +291,6 @@ class GradientAccumulator:
             self.steps.reset()
 
     def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
         steps = self.steps
         if not self._filled:
             steps.fill(self._model(), data)

@@ -16,7 +16,6 @@ def compute_device() -> str:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """(current, peak) bytes allocated by TensorFlow on `device`, or None."""
     try:
         info = tf.config.experimental.get_memory_info(device)
     except (ValueError, tf.errors.OpError):
@@ -25,9 +24,7 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """(bytes, exact) the allocator on `device` may use, or None when unknown.
-
-    Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
+    """Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
     TF_CPU_BFC_MEM_LIMIT_IN_MB) and for a GPU given a logical-device memory
     limit. For a whole GPU (no logical limit) it is read from NVML
     (`nvidia-ml-py`, a dependency) and computed the way TensorFlow sizes its
@@ -194,7 +191,6 @@ def _other_processes_bytes(processes: Any) -> Optional[int]:
 
 
 def reset_peak(device: str) -> None:
-    """Start a new peak measurement on `device` (no-op where unsupported)."""
     try:
         tf.config.experimental.reset_memory_stats(device)
     except (ValueError, tf.errors.OpError):
@@ -202,7 +198,7 @@ def reset_peak(device: str) -> None:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """Whether `model`'s steps are XLA-compiled once per piece shape (`jit_compile=True`).
+    """With `jit_compile=True`: XLA compiles every new piece size.
 
     Without `jit_compile`, TensorFlow's steps are traced with relaxed shapes
     and run any piece size without compiling again; with it, XLA compiles

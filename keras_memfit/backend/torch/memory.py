@@ -36,7 +36,7 @@ def _cuda_index(device: str) -> Optional[int]:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """(current, peak) bytes held by tensors on `device` since `reset_peak`; None off CUDA."""
+    """Bytes held by tensors (CUDA's caching allocator); None off CUDA."""
     index = _cuda_index(device)
     if index is None:
         return None
@@ -44,11 +44,9 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """(bytes, exact) PyTorch's allocator may hold on `device`; None off CUDA.
-
-    The device's free memory plus what PyTorch already reserved (its cache),
+    """The device's free memory plus what PyTorch already reserved (its cache),
     at most the per-process memory fraction of the device's total where one
-    is set.
+    is set; None off CUDA.
 
     Example:
         >>> memory_limit("cuda:0")  # an idle 16 GB card
@@ -69,7 +67,6 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
 
 def reset_peak(device: str) -> None:
-    """Start a new peak measurement on `device` (no-op off CUDA)."""
     index = _cuda_index(device)
     if index is not None:
         torch.cuda.reset_peak_memory_stats(index)
@@ -82,15 +79,7 @@ def release_cached() -> None:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """False: keras_memfit's steps on torch run eagerly (no `torch.compile`).
-
-    A model compiled with `jit_compile=True` has Keras wrap its own steps in
-    `torch.compile`; keras_memfit's run the same computation eagerly (see
-    `steps`), so no piece size costs a compilation.
-
-    Example:
-        >>> compiles_per_shape(model)
-        False
-    """
+    """False: keras_memfit's steps on torch run eagerly, also where Keras wraps
+    its own in `torch.compile` (`jit_compile=True`; see `steps`)."""
     return False
 

@@ -178,11 +178,6 @@ class GradientAccumulator:
     `weight` times the gradient of the scaled loss to the sums, frees the
     micro-batch's gradients and updates the metrics; `apply` runs
     `optimizer.apply` once on the sums (one step: `iterations` + 1).
-
-    Example:
-        >>> acc = make_accumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
-        >>> acc.apply()
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -196,7 +191,6 @@ class GradientAccumulator:
         self._after_oom.before_call()
 
     def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
         model = self._model_ref()
         weights = model.trainable_weights
         self._after_oom.before_call()
