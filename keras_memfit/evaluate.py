@@ -131,17 +131,13 @@ def safe_evaluate(
         return logs, _bar_values(logs)
 
     run = batches.step(step, lambda piece: _steps.test_step_and_guard(model, piece, exact=True)[0])
-    try:
+    with _backend.get().evaluation(model):  # several processes: one failure, one sum for all
         loop.run(
             batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
             run, on_result, requested=requested, guard=guard,
             start=run.start if isinstance(run, _backend.StartableStep) else None,
         )
-    except Exception as exc:
-        _backend.get().process_failed(exc)  # several processes: the others stop at once
-        raise
-    loop.data_ended(source, steps)
-    _backend.get().combine_process_metrics(model)  # several processes: the global metrics
+        loop.data_ended(source, steps)
     logs = _pythonify(_metrics_result(model, last_logs))
     loop.end(logs, values=_bar_values(logs))
     if return_dict:
