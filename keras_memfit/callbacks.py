@@ -136,9 +136,11 @@ class MemFit(keras.callbacks.Callback):
             `predict`), for an unsupported backend, for a model under a
             `tf.distribute` strategy other than `MirroredStrategy` and
             `OneDeviceStrategy` (`MultiWorkerMirroredStrategy`, `TPUStrategy`,
-            `ParameterServerStrategy`), or on JAX under a `keras.distribution`
-            other than a single-process `DataParallel` (`ModelParallel`,
-            multi-process `jax.distributed`), the message naming why.
+            `ParameterServerStrategy`), on JAX under a `keras.distribution`
+            other than `DataParallel` (`ModelParallel`), or across several
+            JAX processes in any mode but "accumulate", with a custom
+            `train_step` or a loss reduction other than
+            `sum_over_batch_size`, the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit (the training state is as it was before that step), when
             an optimizer update ran out of memory (the weights may be partly

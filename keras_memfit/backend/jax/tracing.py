@@ -20,7 +20,6 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend._layer_calls import CallRecorder, Info, trace_at_two_batches
 from keras_memfit.backend.base import Trace
 
-# Two batch sizes unlikely to equal a model's other dimensions.
 
 def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
     """One traced forward pass at `batch` rows: the calls, inputs and outputs."""

@@ -27,8 +27,6 @@ from keras_memfit.backend.base import Trace
 
 logger = logging.getLogger("keras_memfit")
 
-# Two batch sizes unlikely to equal a model's other dimensions.
-
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
     from keras.src.backend.torch.core import to_torch_dtype
