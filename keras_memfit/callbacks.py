@@ -136,9 +136,11 @@ class MemFit(keras.callbacks.Callback):
             `predict`), for an unsupported backend, for a model under a
             `tf.distribute` strategy other than `MirroredStrategy` and
             `OneDeviceStrategy` (`MultiWorkerMirroredStrategy`, `TPUStrategy`,
-            `ParameterServerStrategy`), or on JAX under a `keras.distribution`
-            other than a single-process `DataParallel` (`ModelParallel`,
-            multi-process `jax.distributed`), the message naming why.
+            `ParameterServerStrategy`), on JAX under a `keras.distribution`
+            other than `DataParallel` (`ModelParallel`), or across several
+            JAX processes in any mode but "accumulate", with a custom
+            `train_step` or a loss reduction other than
+            `sum_over_batch_size`, the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit (the training state is as it was before that step), when
             an optimizer update ran out of memory (the weights may be partly
@@ -305,8 +307,7 @@ class MemFit(keras.callbacks.Callback):
         model = self.model
         _keras_compat.warn_if_untested_keras()
         backend.training_replicas(model)  # raises for a distribution MemFit refuses
-        if backend.process_count() > 1:
-            return self._check_processes(backend.process_count()), None
+        backend.check_training_mode(model, self.mode)  # raises for a mode it refuses there
         if self.mode != "accumulate":
             return self.mode, None
         if not backend.has_default_train_step(model):
@@ -326,29 +327,6 @@ class MemFit(keras.callbacks.Callback):
                 "each. Pass MemFit(mode='shrink') to say so, or use the default reduction."
             )
         return self.mode, None
-
-    def _check_processes(self, count: int) -> str:
-        """The mode under several processes: accumulate, each batch one update of all."""
-        model = self.model
-        why = fix = None
-        if self.mode != "accumulate":
-            why, fix = f"received MemFit(mode={self.mode!r})", "Pass MemFit()"
-        elif not _backend.get().has_default_train_step(model):
-            why = f"model '{model.name}' ({type(model).__name__}) has its own train_step"
-            fix = "Train it without MemFit"
-        else:
-            reductions = sorted(
-                set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
-            if reductions:
-                why = f"model '{model.name}' has losses reduced with {reductions}"
-                fix = "Use the default reduction"
-        if why is not None:
-            raise NotImplementedError(
-                f"MemFit across {count} processes trains each batch as one update of every "
-                "process (mode='accumulate', Keras's default train_step, losses reduced "
-                f"with 'sum_over_batch_size'); {why}. {fix}, or train in one process."
-            )
-        return "accumulate"
 
     def _place_model(self) -> None:
         model = self.model

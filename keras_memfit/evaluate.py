@@ -121,7 +121,7 @@ def safe_evaluate(
     model.reset_metrics()
     last_logs: Any = {}
     run = batches.step(step, lambda piece: _steps.test_step_and_guard(model, piece, exact=True)[0])
-    try:
+    with _backend.get().evaluation(model):  # several processes: one failure, one sum for all
         for piece in loop.pieces(
             batches.tag(prepend(first, source.chunks), requested if source.from_arrays else None),
             run, requested=requested, guard=guard,
@@ -135,11 +135,7 @@ def safe_evaluate(
             last_logs = logs
             if loop.batch_ended(piece.rows, logs, _bar_values(logs)):
                 break  # a callback stopped the run
-    except Exception as exc:
-        _backend.get().process_failed(exc)  # several processes: the others stop at once
-        raise
-    loop.data_ended(source, steps)
-    _backend.get().combine_process_metrics(model)  # several processes: the global metrics
+        loop.data_ended(source, steps)
     logs = _pythonify(_metrics_result(model, last_logs))
     loop.end(logs, values=_bar_values(logs))
     if return_dict:

@@ -453,12 +453,12 @@ def inject_oom(monkeypatch):
         wrap_factory(
             monkeypatch, factory, lambda step: _InjectedTrainStep(injector, step, late_runs_step)
         )
-    add = backend.GradientAccumulator.add
+    add = backend.training.GradientAccumulator.add
 
     def add_micro_batch(self, data, weight):
         injector.wrap("train", lambda d: add(self, d, weight), late_runs_step)(data)
 
-    monkeypatch.setattr(backend.GradientAccumulator, "add", add_micro_batch)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_micro_batch)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()

@@ -204,7 +204,7 @@ def test_overhead_section_is_replaced_in_place(tmp_path):
 
 BENCHMARK_MODULES = (
     "common", "jobs", "hostmem", "seed", "training", "report", "plot", "overhead", "run",
-    "replicas", "gpu",
+    "replicas", "gpu", "gpu_child", "gpu_common", "gpu_jax", "gpu_torch",
 )
 
 

@@ -78,16 +78,16 @@ def test_functions_restored_after_non_oom_error_in_fit(inject_oom, monkeypatch):
     model = _classifier()
     keras_functions = _keras_functions(model)
     memfit = MemFit()
-    add = backend.GradientAccumulator.add
+    add = backend.training.GradientAccumulator.add
 
     def failing_add(self, data, weight):
         raise runtime_error("not an OOM")
 
-    monkeypatch.setattr(backend.GradientAccumulator, "add", failing_add)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", failing_add)
     inject_oom(THRESHOLD)
     with pytest.raises(type(runtime_error(""))):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[memfit])
-    monkeypatch.setattr(backend.GradientAccumulator, "add", add)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", add)
     _assert_keras_functions(model, keras_functions, memfit)
 
 
@@ -172,7 +172,7 @@ def test_plain_fit_after_memfit_fit_does_not_use_memfit(inject_oom):
 def test_non_oom_error_in_retry_propagates_unchanged(inject_oom, monkeypatch, error):
     x, y, _ = _data()
     model = _classifier()
-    add = backend.GradientAccumulator.add  # the injector's
+    add = backend.training.GradientAccumulator.add  # the injector's
     calls = []
 
     def add_then_fail(self, data, weight):
@@ -181,7 +181,7 @@ def test_non_oom_error_in_retry_propagates_unchanged(inject_oom, monkeypatch, er
             raise error
         add(self, data, weight)
 
-    monkeypatch.setattr(backend.GradientAccumulator, "add", add_then_fail)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_then_fail)
     inject_oom(THRESHOLD)
     with pytest.raises(type(error)) as info:
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
@@ -194,7 +194,7 @@ def test_keyboard_interrupt_in_retry_leaves_the_step_undone(inject_oom, monkeypa
     x, y, _ = _data()
     model = _classifier(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9))
     record = _Record()
-    add = backend.GradientAccumulator.add  # the injector's
+    add = backend.training.GradientAccumulator.add  # the injector's
     per_step = {}
 
     def add_then_interrupt(self, data, weight):
@@ -204,7 +204,7 @@ def test_keyboard_interrupt_in_retry_leaves_the_step_undone(inject_oom, monkeypa
             raise KeyboardInterrupt
         add(self, data, weight)
 
-    monkeypatch.setattr(backend.GradientAccumulator, "add", add_then_interrupt)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_then_interrupt)
     inject_oom(THRESHOLD)
     with pytest.raises(KeyboardInterrupt):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
@@ -219,7 +219,7 @@ def test_keyboard_interrupt_in_retry_leaves_the_step_undone(inject_oom, monkeypa
     for a, e in zip(_optimizer_values(model), record.optimizer):
         np.testing.assert_array_equal(a, e)
     # The model is usable afterwards, without MemFit.
-    monkeypatch.setattr(backend.GradientAccumulator, "add", add)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "add", add)
     inject_oom(None)
     inject_oom.calls.clear()
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)

@@ -116,7 +116,7 @@ def test_update_oom_names_the_batch_and_says_the_weights_may_be_updated(
     def out_of_memory(self):
         raise oom_error()
 
-    monkeypatch.setattr(backend.GradientAccumulator, "apply", out_of_memory)
+    monkeypatch.setattr(backend.training.GradientAccumulator, "apply", out_of_memory)
     x, y, _ = _data()
     model = _classifier()
     inject_oom(THRESHOLD, phases=("train",))  # the batch is split, then accumulated

@@ -11,7 +11,7 @@ the backend's reason and what was asked.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Tuple
 
 
 class PlacementRefused:
@@ -22,13 +22,18 @@ class PlacementRefused:
             was asked, e.g. "moving a variable to 'cpu:0'").
 
     Example:
-        >>> _refused = PlacementRefused("place is not implemented here ({what})")
-        >>> move_variable = _refused.move_variable
+        >>> device_scope, move_variable, creating_on, call_on_device, follow_variable_devices = (
+        ...     PlacementRefused("place is not implemented here ({what})").functions())
         >>> move_variable(v, "cpu:0")  # raises NotImplementedError
     """
 
     def __init__(self, message: str) -> None:
         self._message = message
+
+    def functions(self) -> Tuple[Callable, ...]:
+        """`(device_scope, move_variable, creating_on, call_on_device, follow_variable_devices)`."""
+        return (self.device_scope, self.move_variable, self.creating_on, self.call_on_device,
+                self.follow_variable_devices)
 
     def _refuse(self, what: str) -> NoReturn:
         raise NotImplementedError(self._message.format(what=what))

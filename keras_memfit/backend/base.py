@@ -2,18 +2,21 @@
 
 keras_memfit's core (planning batch sizes, splitting batches, retrying,
 MemFit's strategies, the model analysis) is backend-neutral. Everything that
-depends on Keras's backend is a function of one package,
-`keras_memfit.backend.<name>`, whose `__init__` exports the names of the
-`Backend` protocol below; `keras_memfit.backend.get()` returns the active
-one. A new backend is a new package with the same module names
-(`oom`, `memory`, `steps`, `training`, `trainer`, `devices`, `tracing`) that
-satisfies this protocol; nothing outside `keras_memfit/backend/` changes.
+depends on Keras's backend is a member of one package,
+`keras_memfit.backend.<name>`; `keras_memfit.backend.get()` returns the
+active one. The seam is split by concern, one protocol each (`OutOfMemory`,
+`Memory`, `Steps`, `Training`, `Trainer`, `Devices`, `Tracing`,
+`Distribution`), whose members are documented here once; `CONCERNS` names
+the module of every backend package that provides each (`oom`, `memory`,
+`steps`, `training`, `trainer`, `devices`, `tracing`, `distribution`), and
+`Backend` is all of them. A new backend is a new package with those modules;
+nothing outside `keras_memfit/backend/` changes.
 
 The values that cross the seam are typed here too: a traced output's `Spec`
 (or `NO_SPEC`), a model's symbolic `Trace` (`TracedCall`, `TracedTensor`), a
 train step's `StepOutcome`, and the `TrainStep` (with the optional
-`StartableTrainStep` and `OrderedTrainStep`), `Accumulator` and `Guard`
-objects the step factories return.
+`OrderedTrainStep`), `StartableStep`/`StartedPiece`, `Accumulator` and
+`Guard` objects the step factories return.
 """
 
 from __future__ import annotations
@@ -235,111 +238,394 @@ class Accumulator(Protocol):
         """
 
 
-class Backend(Protocol):
-    """What a backend package exports (see each backend's modules for details).
+# ---------------------------------------------------------------- the seam
+# One protocol per concern, each provided by the module of that name in every
+# backend package (`CONCERNS`). The members are documented here, once; a
+# backend's function says only what is its own.
 
-    Grouped by the module that implements each part in every backend.
+
+class OutOfMemory(Protocol):
+    """The framework's own out-of-memory errors (module `oom`).
+
+    The forms every backend shares are in `keras_memfit.oom`; these are the
+    framework's own, and the classes `OutOfMemoryError` is made on.
     """
 
-    # oom: the backend's own out-of-memory forms.
-    def is_oom_error(self, exc: BaseException) -> bool: ...
-    def oom_error_bases(self) -> Tuple[type, ...]: ...
-    def init_oom_error(self, err: BaseException, message: str) -> None: ...
+    def is_oom_error(self, exc: BaseException) -> bool:
+        """Whether `exc` is one of the framework's own out-of-memory forms."""
 
-    # memory: statistics and limits for the planner.
-    def compute_device(self) -> str: ...
-    # The devices of the model's replicas when each piece is split across
-    # several (tf.distribute); () when it runs on `compute_device()`.
-    def replica_devices(self, model: Any) -> Tuple[str, ...]: ...
-    def memory_stats(self, device: str) -> Optional[Tuple[int, int]]: ...
-    def memory_limit(self, device: str) -> Optional[Tuple[int, bool]]: ...
-    def reset_peak(self, device: str) -> None: ...
-    # What every planned piece size must be a multiple of (the devices a
-    # batch is laid out over, e.g. JAX's DataParallel); 1 for any size.
-    def piece_multiple(self) -> int: ...
-    # Whether the model's steps compile once per piece shape (XLA: JAX unless
-    # run eagerly, TensorFlow with jit_compile): each new size then costs a
-    # compilation, so the planner avoids probe sizes and keeps few shapes.
-    def compiles_per_shape(self, model: Any) -> bool: ...
+    def oom_error_bases(self) -> Tuple[type, ...]:
+        """The bases of `OutOfMemoryError`: the framework's OOM error class, so
+        that existing `except` clauses for it still catch keras_memfit's."""
 
-    # steps: compiled inference steps, their outputs, undoing their state.
-    # Whether Keras's own test step counts each batch once in per-output losses
-    # (a step traced with an unknown batch size), rather than per sample.
+    def init_oom_error(self, err: BaseException, message: str) -> None:
+        """Initialize `err`, an `OutOfMemoryError`, as its framework base with `message`."""
+
+
+class Memory(Protocol):
+    """Memory statistics and limits of a device, for the planner (module `memory`)."""
+
+    def compute_device(self) -> str:
+        """The device the model's computation runs on, named as the backend names devices."""
+
+    def memory_stats(self, device: str) -> Optional[Tuple[int, int]]:
+        """`(current, peak)` bytes allocated on `device` since `reset_peak`, or
+        None where the device reports none (the planner then learns from OOMs)."""
+
+    def memory_limit(self, device: str) -> Optional[Tuple[int, bool]]:
+        """`(bytes, exact)`: what the allocator on `device` may use, and whether
+        the planner may trust it before a first OOM; None when unknown."""
+
+    def reset_peak(self, device: str) -> None:
+        """Start a new peak measurement on `device` (nothing where unsupported)."""
+
+    def compiles_per_shape(self, model: Any) -> bool:
+        """Whether `model`'s steps compile once per piece shape (XLA).
+
+        Each new piece size then costs a compilation, so the planner avoids
+        probe sizes and keeps few shapes.
+
+        Example:
+            >>> backend.get().compiles_per_shape(model)  # on JAX
+            True
+        """
+
+
+class Steps(Protocol):
+    """Inference steps, their traced outputs, undoing their state (module `steps`).
+
+    A step that fails leaves the model as it was before it. Under a
+    distribution the backend chooses, when it makes a step, how its pieces
+    run (on every replica, laid out over the devices); callers do not see it.
+
+    Attributes:
+        KERAS_COUNTS_EACH_BATCH_ONCE: Whether Keras's own test step counts each
+            batch once in per-output losses (a step traced with an unknown
+            batch size), rather than per sample.
+        KERAS_BEGINS_BATCH_BEFORE_FETCH: Whether Keras's predict and evaluate
+            loops call `on_*_batch_begin` before fetching the batch (once
+            more, for a batch that never came, when a generator runs out) or
+            after it.
+    """
+
     KERAS_COUNTS_EACH_BATCH_ONCE: bool
-    # Whether Keras's predict/evaluate loops call `on_*_batch_begin` before
-    # fetching the batch (TensorFlow, JAX: once more, for a batch that never
-    # came, when a generator runs out) or after (torch). Optional: a backend
-    # without it counts as True.
     KERAS_BEGINS_BATCH_BEFORE_FETCH: bool
 
-    def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable: ...
-    def make_test_step(self, model: Any, exact: bool = False) -> Callable: ...
-    def prepare_test(self, model: Any, batch: Any) -> None: ...
-    def output_spec(self, step: Callable, x: Any) -> Any: ...
-    def guard_variables(self, variables: Sequence[Any]) -> Guard: ...
-    # The distribution `model` runs under, named for messages
-    # ("tf.distribute.MirroredStrategy", "keras.distribution.DataParallel"),
-    # or None: a question only, refusing nothing.
-    def distribution_of(self, model: Any) -> Optional[str]: ...
+    def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable:
+        """A step `x -> outputs` running `model.predict_step`, then `postprocess`.
 
-    # training: train steps that can tell how far they got, accumulation.
-    def has_default_train_step(self, model: Any) -> bool: ...
-    # The one answer to "may MemFit train under the current distribution, and
-    # how": the replicas whose rows MemFit splits alike (a tf.distribute
-    # strategy), None where batches are split whole (no distribution, JAX's
-    # single-process DataParallel); NotImplementedError, naming what was
-    # received, for a distribution MemFit refuses.
-    def training_replicas(self, model: Any) -> Optional[Any]: ...
-    # How many processes train together, each on its own rows (JAX's
-    # multi-controller runtime, `jax.distributed`); 1 elsewhere. Above 1 every
-    # batch is one agreement of every process, so each batch must be one
-    # update (MemFit's accumulation).
-    def process_count(self) -> int: ...
-    # After a standalone evaluate: with several processes, replace each
-    # process's metric state (its own rows') by the sum over the processes
-    # (one agreement, one sum), as Keras's multi-process evaluate reports;
-    # nothing with one process.
-    def combine_process_metrics(self, model: Any) -> None: ...
-    # A call that ends in an agreement (safe_evaluate) failed in this process
-    # with `exc`: tell the other processes, so that they stop at once.
-    def process_failed(self, exc: BaseException) -> None: ...
-    def make_train_step(self, model: Any) -> TrainStep: ...
-    # A model's own train_step, made ready as Keras makes its own on `data`,
-    # Keras's first batch (TensorFlow traces it there, which builds the model).
-    def make_custom_train_step(self, model: Any, data: Any) -> TrainStep: ...
-    def make_accumulator(self, model: Any) -> Accumulator: ...
+        It may also be a `StartableStep` (steps that run asynchronously).
 
-    # trainer: Keras's step functions in this backend's calling convention.
+        Example:
+            >>> outputs = backend.get().make_predict_step(model)(x[:64])
+        """
+
+    def make_test_step(self, model: Any, exact: bool = False) -> Callable:
+        """A step `(x, y, sample_weight) -> logs` running `model.test_step`.
+
+        Args:
+            model: A compiled model.
+            exact: Count per-output losses per sample, where Keras's own step
+                counts each batch once (`KERAS_COUNTS_EACH_BATCH_ONCE`);
+                elsewhere every step already counts per sample.
+
+        Example:
+            >>> logs = backend.get().make_test_step(model)((x[:64], y[:64], None))
+        """
+
+    def prepare_test(self, model: Any, batch: Any) -> None:
+        """Build `model`, its compiled metrics and loss on `batch` before test steps run."""
+
+    def output_spec(self, step: Callable, x: Any) -> Any:
+        """The output structure of `step(x)` by tracing only; `NO_SPEC` where it cannot be traced.
+
+        Each array leaf becomes a `Spec` whose dimensions that follow the
+        batch size are None; a leaf that is not an array is returned as it
+        is. A wrapper's `__wrapped__` step is traced.
+
+        Example:
+            >>> backend.get().output_spec(make_predict_step(model), x[:8])
+            Spec(shape=(None, 10), dtype=dtype('float32'))
+        """
+
+    def guard_variables(self, variables: Sequence[Any]) -> Guard:
+        """A `Guard` over `variables`: snapshot before a step, restored if it fails."""
+
+
+class Training(Protocol):
+    """MemFit's train steps and gradient accumulation (module `training`).
+
+    The backend chooses once, when it makes a step, how it runs under the
+    active distribution (one device, replicas or devices, several
+    processes); callers do not see it.
+    """
+
+    def has_default_train_step(self, model: Any) -> bool:
+        """Whether `model` uses Keras's own `train_step` (no override)."""
+
+    def check_training_mode(self, model: Any, mode: str) -> None:
+        """Raise where MemFit cannot train `model` in `mode` ("accumulate" or "shrink") here.
+
+        Under several processes every batch is one agreement of every
+        process, so one update of all: only "accumulate", with Keras's
+        default `train_step` and losses reduced with "sum_over_batch_size".
+        Nothing elsewhere.
+
+        Raises:
+            NotImplementedError: Naming what was received and what to do.
+        """
+
+    def make_train_step(self, model: Any) -> TrainStep:
+        """A `TrainStep` running Keras's default `train_step` on `model`.
+
+        Example:
+            >>> logs = backend.get().make_train_step(model)((x[:64], y[:64]))
+        """
+
+    def make_custom_train_step(self, model: Any, data: Any) -> TrainStep:
+        """A `TrainStep` running the model's own `train_step`.
+
+        Made ready as Keras makes its own on `data`, Keras's first batch
+        (TensorFlow traces it there, which builds the model).
+        """
+
+    def make_accumulator(self, model: Any) -> Accumulator:
+        """An `Accumulator` over `model`'s trainable weights.
+
+        Example:
+            >>> acc = backend.get().make_accumulator(model)
+            >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
+            >>> acc.apply()
+        """
+
+
+class Trainer(Protocol):
+    """Keras's step functions in the backend's calling convention (module `trainer`)."""
+
     def step_function(
         self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
-    ) -> Callable: ...
-    def is_end_of_data(self, exc: BaseException) -> bool: ...
-    # The batches of a Keras data adapter in the form Keras's loops give steps.
-    def adapter_batches(self, adapter: Any) -> Iterator[Any]: ...
-    # Keras's own step function (saved before MemFit installed its own) on
-    # batches MemFit passes through unsplit.
+    ) -> Callable:
+        """A replacement for `model.<kind>_function` that runs `run_batches`.
+
+        Args:
+            model: The model whose function is replaced.
+            kind: "train", "test" or "predict" (`STEP_KINDS`).
+            run_batches: Runs a list of Keras batches; returns what Keras
+                expects of the function (the logs; for "predict", the
+                batches' outputs).
+
+        Raises:
+            ValueError: If `kind` is not one of the three (`check_step_kind`).
+
+        Example:
+            >>> model.train_function = step_function(model, "train", run.train)
+        """
+
+    def is_end_of_data(self, exc: BaseException) -> bool:
+        """Whether `exc` is how an epoch's iterator says it has no batch left."""
+
+    def adapter_batches(self, adapter: Any) -> Iterator[Any]:
+        """The batches of a Keras data adapter, in the form Keras's loops hand them to a step."""
+
     def call_keras_function(
         self, model: Any, kind: str, function: Callable, batches: List[Any]
-    ) -> Any: ...
-    # Inside Keras's loops, put the state the backend threads through its steps
-    # into the model's variables, so that an eager call of the model reads it
-    # (JAX; elsewhere the variables always hold it: nothing to do).
-    def materialize(self, model: Any) -> None: ...
+    ) -> Any:
+        """Keras's own `<kind>_function` on `batches` (those MemFit passes through unsplit).
 
-    # devices: naming devices and placing variables and calls (`place`).
-    # Whether `place` can keep layers on another device (False: the five
-    # placement functions below raise NotImplementedError).
+        `function` is the one Keras made, saved before MemFit installed its
+        own; returns what it returned (the logs; for "predict", the outputs).
+
+        Example:
+            >>> logs = call_keras_function(model, "train", keras_train_function, batches)
+        """
+
+    def materialize(self, model: Any) -> None:
+        """Inside Keras's loops, put the state the backend threads through its
+        steps into the model's variables, so that an eager call reads it."""
+
+
+class Devices(Protocol):
+    """Naming devices; placing variables and calls for `place` (module `devices`).
+
+    Attributes:
+        PLACES_LAYERS: Whether `place` can keep layers on another device.
+            False: the five placement functions (`device_scope`,
+            `move_variable`, `creating_on`, `call_on_device`,
+            `follow_variable_devices`) raise `NotImplementedError` with the
+            backend's reason.
+    """
+
     PLACES_LAYERS: bool
-    def host_device(self) -> str: ...
-    def list_accelerators(self) -> List[str]: ...
-    def canonical_device(self, name: str) -> Optional[str]: ...
-    def device_exists(self, name: str) -> bool: ...
-    def device_scope(self, device: str) -> ContextManager[Any]: ...
-    def variable_device(self, variable: Any) -> Optional[str]: ...
-    def move_variable(self, variable: Any, device: str) -> bool: ...
-    def creating_on(self, device: str, add_weight: Callable) -> Callable: ...
-    def call_on_device(self, device: str, call: Callable) -> Callable: ...
-    def follow_variable_devices(self, optimizer: Any) -> None: ...
 
-    # tracing: the model's layer calls, symbolically (the model analysis).
-    def trace_layer_calls(self, model: Any) -> Trace: ...
+    def host_device(self) -> str:
+        """The host device, that layers kept off the accelerator live on."""
+
+    def list_accelerators(self) -> List[str]:
+        """The canonical names of the devices other than the host."""
+
+    def canonical_device(self, name: str) -> Optional[str]:
+        """`name` as the backend names its devices, or None if unparsable."""
+
+    def device_exists(self, name: str) -> bool:
+        """Whether `name` (canonical) is one of the backend's devices."""
+
+    def device_scope(self, device: str) -> ContextManager[Any]:
+        """A context placing ops and new variables on `device`."""
+
+    def variable_device(self, variable: Any) -> Optional[str]:
+        """The canonical device of a Keras variable's value; None if it has none yet."""
+
+    def move_variable(self, variable: Any, device: str) -> bool:
+        """Move a built variable's storage to `device`, keeping its value; whether it moved."""
+
+    def creating_on(self, device: str, add_weight: Callable) -> Callable:
+        """`add_weight` creating its variable on `device`."""
+
+    def call_on_device(self, device: str, call: Callable) -> Callable:
+        """`call` whose ops run on `device`, its gradients included."""
+
+    def follow_variable_devices(self, optimizer: Any) -> None:
+        """Make `optimizer` create each slot, and run each update, on its variable's device."""
+
+
+class Tracing(Protocol):
+    """The model's layer calls, traced symbolically (module `tracing`), for the analysis."""
+
+    def trace_layer_calls(self, model: Any) -> Trace:
+        """Every layer and operation call of one symbolic forward pass of `model`.
+
+        Nothing runs and nothing is allocated; the calls are recorded by
+        wrapping `Layer.__call__` and `Operation.__call__` for the trace.
+
+        Args:
+            model: A built Keras model.
+
+        Returns:
+            The `Trace`: the model's input tensors, its output keys and every
+            call below the model's own, in call order (`parent` None for the
+            model's direct children). Shapes have None for the batch
+            dimension (and any other dimension that follows the batch size).
+
+        Raises:
+            ValueError: If the model has not been built, or its forward pass
+                makes different calls at two batch sizes.
+
+        Example:
+            >>> trace = backend.get().trace_layer_calls(model)
+            >>> [type(call.op).__name__ for call in trace.calls][:2]
+            ['Conv2D', 'Conv2D']
+        """
+
+
+class Distribution(Protocol):
+    """How the backend runs under a distribution (module `distribution`).
+
+    What the library asks about replicas, devices and processes; how the
+    steps are laid out over them stays in the backend, chosen when a step
+    is made (`Steps`, `Training`).
+    """
+
+    def distribution_of(self, model: Any) -> Optional[str]:
+        """The distribution `model` runs under, named for messages, or None.
+
+        A question only, refusing nothing.
+
+        Example:
+            >>> backend.get().distribution_of(model)  # under MirroredStrategy
+            'tf.distribute.MirroredStrategy'
+        """
+
+    def training_replicas(self, model: Any) -> Optional[Any]:
+        """May MemFit train under the current distribution, and how.
+
+        Returns:
+            The replicas whose rows MemFit splits alike (a `tf.distribute`
+            strategy's), or None where batches are split whole (no
+            distribution, JAX's `DataParallel`).
+
+        Raises:
+            NotImplementedError: For a distribution MemFit refuses, naming
+                what was received.
+        """
+
+    def replica_devices(self, model: Any) -> Tuple[str, ...]:
+        """The devices of `model`'s replicas when each piece is split across several; else ().
+
+        The planner then sizes each piece for all of them: the budget is
+        the smallest free memory among them, the measured peak the largest.
+        () when every piece runs on `compute_device()`.
+        """
+
+    def piece_multiple(self) -> int:
+        """What every planned piece size must be a multiple of (the devices a
+        batch is laid out over); 1 for any size."""
+
+    def evaluation(self, model: Any) -> ContextManager[None]:
+        """Around a standalone evaluate's batches (`safe_evaluate`), for several processes.
+
+        With several processes, an error raised inside is told to the other
+        processes (they stop at once), and at its end each process's metric
+        state (its own rows') becomes the sum over the processes (one
+        agreement, one sum), as Keras's multi-process evaluate reports.
+        Nothing with one process.
+
+        Example:
+            >>> with backend.get().evaluation(model):
+            ...     run_batches()
+        """
+
+
+# Each concern's module in every backend package, and the protocol it provides.
+CONCERNS: Tuple[Tuple[str, type], ...] = (
+    ("oom", OutOfMemory),
+    ("memory", Memory),
+    ("steps", Steps),
+    ("training", Training),
+    ("trainer", Trainer),
+    ("devices", Devices),
+    ("tracing", Tracing),
+    ("distribution", Distribution),
+)
+
+
+class Backend(
+    OutOfMemory, Memory, Steps, Training, Trainer, Devices, Tracing, Distribution, Protocol
+):
+    """What `keras_memfit.backend.get()` returns: every concern's members (`CONCERNS`)."""
+
+
+def members(protocol: type) -> Tuple[str, ...]:
+    """The names a concern's protocol declares: its attributes, then its methods.
+
+    Example:
+        >>> members(OutOfMemory)
+        ('is_oom_error', 'oom_error_bases', 'init_oom_error')
+    """
+    own = vars(protocol)
+    methods = tuple(
+        name for name, value in own.items() if callable(value) and not name.startswith("_")
+    )
+    return tuple(own.get("__annotations__", {})) + methods
+
+
+# ------------------------------------------- shared by the backends' modules
+def model_of(model_ref: Callable[[], Any]) -> Any:
+    """The model a step holds weakly (`model_ref`, a `weakref.ref`).
+
+    Raises:
+        RuntimeError: If the model was deleted.
+    """
+    model = model_ref()
+    if model is None:
+        raise RuntimeError("the model of this step was deleted")
+    return model
+
+
+# What `Trainer.step_function` accepts as its `kind`.
+STEP_KINDS = ("train", "test", "predict")
+
+
+def check_step_kind(kind: str) -> None:
+    """Raise `ValueError` unless `kind` is one of `STEP_KINDS`."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind must be one of {list(STEP_KINDS)}; received kind={kind!r}")

@@ -65,9 +65,5 @@ def variable_device(variable: Any) -> Optional[str]:
 
 
 # The five placement functions, each refusing with the reason above.
-_refused = PlacementRefused(_NOT_YET)
-device_scope = _refused.device_scope
-move_variable = _refused.move_variable
-creating_on = _refused.creating_on
-call_on_device = _refused.call_on_device
-follow_variable_devices = _refused.follow_variable_devices
+device_scope, move_variable, creating_on, call_on_device, follow_variable_devices = (
+    PlacementRefused(_NOT_YET).functions())

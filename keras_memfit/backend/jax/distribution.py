@@ -9,8 +9,9 @@ number of devices cannot be laid out so (Keras itself raises JAX's
 `IndivisibleError` on such a last batch).
 
 keras_memfit's steps under such a distribution are wrapped here
-(`sharded_*`, applied by the step factories of `steps` and `training`), so
-that every piece runs as Keras runs a batch:
+(`ShardedStep`, `ShardedTrainStep`, `ShardedAccumulator`), where the step
+factories of `steps` and `training` find `variant()` to be
+`Variant.DATA_PARALLEL`, so that every piece runs as Keras runs a batch:
 
 - The planner plans only piece sizes that are a multiple of the device count
   (`piece_multiple`): every device runs the same number of pieces, of the
@@ -57,12 +58,17 @@ processes' once per batch).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+import contextlib
+import enum
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
+
+from keras_memfit.backend.jax import processes
+from keras_memfit.backend.jax import state as _state
 
 
 def data_parallel() -> Optional[Any]:
@@ -83,11 +89,31 @@ def data_parallel() -> Optional[Any]:
     return distribution
 
 
-def piece_multiple() -> int:
-    """What every planned piece size must be a multiple of: the devices a batch is laid out over.
+class Variant(enum.Enum):
+    """How keras_memfit's steps run under the active distribution (`variant()`)."""
 
-    Under a single-process `DataParallel`, the devices of the mesh's batch
-    axis; under `DataParallel` over several processes, this process's local
+    ONE_DEVICE = "one device"  # no DataParallel: every piece on one device, or whole on each
+    DATA_PARALLEL = "data parallel"  # one process: pieces laid out over the devices (`Sharded*`)
+    PROCESSES = "processes"  # DataParallel over several processes (`process_training`)
+
+
+def variant() -> Variant:
+    """The one choice the step factories make: how this distribution's steps run.
+
+    Example:
+        >>> with keras.distribution.DataParallel().scope():
+        ...     variant()
+        <Variant.DATA_PARALLEL: 'data parallel'>
+    """
+    if processes.multi_process():
+        return Variant.PROCESSES if processes.is_data_parallel() else Variant.ONE_DEVICE
+    return Variant.ONE_DEVICE if data_parallel() is None else Variant.DATA_PARALLEL
+
+
+def piece_multiple() -> int:
+    """Under a single-process `DataParallel`, the devices of the mesh's batch axis.
+
+    Under `DataParallel` over several processes, this process's local
     devices (each process lays its own rows over them: `process_training`);
     1 without `DataParallel`.
 
@@ -214,14 +240,13 @@ class ShardedStep:
         __wrapped__: The step it runs (`output_spec` traces that one).
 
     Example:
-        >>> step = sharded_predict_step(PredictStep(model, None))
+        >>> step = ShardedStep(PredictStep(model, None), concatenate_outputs)
         >>> step(x[:203])  # 202 rows laid out over two devices, 1 row on both
     """
 
-    def __init__(self, step: Callable[[Any], Any], distribution: Any,
-                 combine: Callable[[Any, Any], Any]) -> None:
+    def __init__(self, step: Callable[[Any], Any], combine: Callable[[Any, Any], Any]) -> None:
         self.__wrapped__ = step
-        self._distribution = distribution
+        self._distribution = data_parallel()
         self._combine = combine
         self._multiple = piece_multiple()
 
@@ -259,38 +284,16 @@ class _BothStarted:
         self._first.undo()
 
 
-def _concatenate_outputs(first: Any, second: Any) -> Any:
+def concatenate_outputs(first: Any, second: Any) -> Any:
     """Predict outputs of consecutive rows, joined (non-array leaves: the first's)."""
     return jax.tree_util.tree_map(
         lambda a, b: jnp.concatenate([a, b]) if hasattr(a, "shape") else a, first, second
     )
 
 
-def _last_logs(first: Any, second: Any) -> Any:
+def last_logs(first: Any, second: Any) -> Any:
     """Test logs of two consecutive calls: the second's (the metrics count both)."""
     return second
-
-
-def sharded_predict_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
-
-    Example:
-        >>> with keras.distribution.DataParallel().scope():
-        ...     outputs = sharded_predict_step(PredictStep(model, None))(x[:64])
-    """
-    distribution = data_parallel()
-    return step if distribution is None else ShardedStep(step, distribution, _concatenate_outputs)
-
-
-def sharded_test_step(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`step` with its pieces laid out over the devices under DataParallel; else `step`.
-
-    Example:
-        >>> with keras.distribution.DataParallel().scope():
-        ...     logs = sharded_test_step(TestStep(model))((x[:64], y[:64], None))
-    """
-    distribution = data_parallel()
-    return step if distribution is None else ShardedStep(step, distribution, _last_logs)
 
 
 class ShardedTrainStep:
@@ -299,13 +302,13 @@ class ShardedTrainStep:
     A piece whose rows are not a multiple of the devices runs replicated.
 
     Example:
-        >>> step = ShardedTrainStep(TrainStep(model), keras.distribution.distribution())
+        >>> step = ShardedTrainStep(TrainStep(model))
         >>> logs = step((x[:64], y[:64]))  # 32 rows on each of two devices
     """
 
-    def __init__(self, step: Any, distribution: Any) -> None:
+    def __init__(self, step: Any) -> None:
         self.__wrapped__ = step
-        self._distribution = distribution
+        self._distribution = data_parallel()
         self._multiple = piece_multiple()
 
     @property
@@ -332,13 +335,13 @@ class ShardedAccumulator:
     two parts, each with its share of the weight.
 
     Example:
-        >>> acc = ShardedAccumulator(GradientAccumulator(model), data_parallel())
+        >>> acc = ShardedAccumulator(GradientAccumulator(model))
         >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0); acc.apply()
     """
 
-    def __init__(self, accumulator: Any, distribution: Any) -> None:
+    def __init__(self, accumulator: Any) -> None:
         self.__wrapped__ = accumulator
-        self._distribution = distribution
+        self._distribution = data_parallel()
         self._multiple = piece_multiple()
 
     def reset(self) -> None:
@@ -359,49 +362,17 @@ class ShardedAccumulator:
         self.__wrapped__.apply()
 
 
-def sharded_train_step(step: Any) -> Any:
-    """`step` laid out over the devices under DataParallel (see `ShardedTrainStep`); else `step`.
-
-    Example:
-        >>> step = sharded_train_step(TrainStep(model))
-    """
-    distribution = data_parallel()
-    return step if distribution is None else ShardedTrainStep(step, distribution)
-
-
-def sharded_accumulator(accumulator: Any) -> Any:
-    """`accumulator` laid out over the devices under DataParallel; else `accumulator`.
-
-    Example:
-        >>> acc = sharded_accumulator(GradientAccumulator(model))
-    """
-    distribution = data_parallel()
-    return accumulator if distribution is None else ShardedAccumulator(accumulator, distribution)
-
-
 def training_replicas(model: keras.Model) -> None:
-    """None: MemFit on JAX has no per-replica batches to split; raises for what it refuses.
-
-    Under `DataParallel`, Keras hands MemFit whole global batches and every
-    piece is laid out over the devices by the wrapped steps (see this
-    module's docstring).
-
-    Raises:
-        NotImplementedError: For the distributions MemFit cannot train under
-            (see `check_trainable`).
-    """
+    """None: under `DataParallel` Keras hands MemFit whole global batches, and
+    every piece is laid out over the devices by the steps (see this module's
+    docstring); `check_trainable` refuses the other distributions."""
     check_trainable(model)
     return None
 
 
 def distribution_of(model: keras.Model) -> Optional[str]:
-    """The active `keras.distribution`, named (with the process count when several), or None.
-
-    Example:
-        >>> with keras.distribution.DataParallel().scope():
-        ...     distribution_of(model)
-        'keras.distribution.DataParallel'
-    """
+    """The active `keras.distribution` ("keras.distribution.DataParallel"), with
+    the process count when several."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return None
@@ -409,3 +380,31 @@ def distribution_of(model: keras.Model) -> Optional[str]:
     if jax.process_count() > 1:
         name += f" over {jax.process_count()} processes"
     return name
+
+
+def replica_devices(model: Any) -> Tuple[str, ...]:
+    """(): every piece is planned for `compute_device()` alone."""
+    return ()
+
+
+@contextlib.contextmanager
+def evaluation(model: keras.Model) -> Iterator[None]:
+    """Under several processes: a failure posted (`processes.post_failure`), the metrics summed.
+
+    The test step runs each process's own rows on its own devices with no
+    collective (the replicated weights' local copies), so each process's
+    metric variables hold its own rows' sums and counts (the evaluate began
+    with `reset_metrics`); summed over the processes they are what Keras's
+    multi-process evaluate holds.
+    """
+    try:
+        yield
+    except Exception as exc:
+        processes.post_failure(exc)  # several processes: the others stop at once
+        raise
+    metrics = _state.get(model, ("metrics",))[0]
+    if variant() is not Variant.PROCESSES or not metrics:
+        return
+    processes.agree(0, f"the end of an evaluate of model {model.name!r}")
+    summed = processes.all_sum(processes.local(metrics), metrics)
+    _state.put(model, ("metrics",), (summed,))

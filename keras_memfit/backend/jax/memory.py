@@ -32,19 +32,6 @@ def compute_device() -> str:
     return f"{device.platform}:{device.id}"
 
 
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """Always (): every piece is planned for `compute_device()` alone.
-
-    (TensorFlow's backend returns a `MirroredStrategy`'s replica devices, so
-    that the planner sizes pieces for all of them.)
-
-    Example:
-        >>> replica_devices(model)
-        ()
-    """
-    return ()
-
-
 def _device(name: str) -> Optional[Any]:
     for device in jax.devices():
         if f"{device.platform}:{device.id}" == name.lower().lstrip("/"):
@@ -90,7 +77,7 @@ def _address_space() -> Optional[Dict[str, int]]:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """(current, peak) bytes allocated on `device` since `reset_peak`, or None (CPU)."""
+    """From `device.memory_stats()`, or the address space under `RLIMIT_AS` (CPU)."""
     stats = _raw_stats(device)
     if stats is None:
         return None
@@ -103,7 +90,7 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """(bytes, exact) the allocator on `device` may use (`bytes_limit`), or None."""
+    """The device's `bytes_limit` (on the CPU, `RLIMIT_AS`)."""
     stats = _raw_stats(device)
     if stats is None or not stats.get("bytes_limit"):
         return None
@@ -127,7 +114,7 @@ def free_bytes(device: str) -> Optional[int]:
 
 
 def reset_peak(device: str) -> None:
-    """Start a new peak measurement on `device` (see the module docstring)."""
+    """JAX cannot reset a peak: see the module docstring."""
     stats = _raw_stats(device)
     if stats is not None:
         current = int(stats["bytes_in_use"])
@@ -135,13 +122,6 @@ def reset_peak(device: str) -> None:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """Whether `model`'s steps compile once per piece shape: always on JAX, unless run eagerly.
-
-    keras_memfit's JAX steps are `jax.jit`-compiled (see `steps._compile`):
-    every new piece size is a new compilation.
-
-    Example:
-        >>> compiles_per_shape(model)
-        True
-    """
+    """Always, unless run eagerly: keras_memfit's JAX steps are `jax.jit`-compiled
+    (see `steps._compile`)."""
     return not (getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True))

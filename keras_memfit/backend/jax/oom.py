@@ -70,39 +70,18 @@ def _message(exc: BaseException) -> str:
 
 def is_allocation_oom(exc: BaseException) -> bool:
     """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`
-    (CPU) or `... while trying to allocate N bytes.` (GPU's BFC allocator).
-
-    Example:
-        >>> import jax
-        >>> is_allocation_oom(jax.errors.JaxRuntimeError(
-        ...     "RESOURCE_EXHAUSTED: Out of memory allocating 64 bytes."))
-        True
-    """
+    (CPU) or `... while trying to allocate N bytes.` (GPU's BFC allocator)."""
     return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(_message(exc)))
 
 
 def is_dispatch_oom(exc: BaseException) -> bool:
     """A computation using a failed one's output: `INTERNAL: Error dispatching
-    computation: Out of memory allocating N bytes.`
-
-    Example:
-        >>> import jax
-        >>> is_dispatch_oom(jax.errors.JaxRuntimeError(
-        ...     "INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes."))
-        True
-    """
+    computation: Out of memory allocating N bytes.`"""
     return is_jax_runtime_error(exc) and bool(_DISPATCH.search(_message(exc)))
 
 
 def is_tpu_allocation_oom(exc: BaseException) -> bool:
-    """TPU memory exhausted: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`.
-
-    Example:
-        >>> import jax
-        >>> is_tpu_allocation_oom(jax.errors.JaxRuntimeError(
-        ...     "RESOURCE_EXHAUSTED: Allocation (size=1024) would exceed memory (size=512)"))
-        True
-    """
+    """TPU memory exhausted: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`."""
     return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(_message(exc)))
 
 

@@ -1,8 +1,9 @@
 """MemFit's train step under several JAX processes: local gradients, agreement, one sum, one update.
 
 See `processes` for why no collective may run where memory can run out.
-Under several processes (`processes.multi_process()`) with `DataParallel`,
-the train step and the accumulator of the seam are the ones here:
+Under several processes with `DataParallel` (`distribution.Variant.PROCESSES`),
+the train step and the accumulator the seam's `training` makes are the ones
+here:
 
 - `ProcessAccumulator.add` lays a piece of this process's own rows (the
   batch Keras hands this process) over all its local devices, an equal
@@ -43,9 +44,8 @@ different pieces.
 
 Under several processes every step is accumulated (`mode="shrink"`, one
 update per piece, would need every process to run the same number of
-pieces: refused by `MemFit` through the seam's `process_count()`, as are
-losses not reduced with `sum_over_batch_size`; a model's own `train_step` is
-refused here, by `make_custom_train_step`).
+pieces), Keras's default `train_step` only, losses reduced with
+`sum_over_batch_size`: `training.check_training_mode` refuses the rest.
 
 `safe_predict` and `safe_evaluate` need no step of their own: their compiled
 steps take the replicated weights and this process's rows as host arrays and
@@ -57,13 +57,13 @@ them out needs local copies of the state for the step, and evaluate's
 metric sums over laid-out rows would be a collective among the local
 devices, or per-device metrics as training keeps them). A standalone
 evaluate then sums the metric variables over the processes once
-(`combine_process_metrics`).
+(`distribution.evaluation`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +72,7 @@ import keras
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax import distribution, processes
 from keras_memfit.backend.jax import state as _state
-from keras_memfit.backend.jax import training
-
-TRAIN_STATE = training.TRAIN_STATE
+from keras_memfit.backend.jax.accumulation import TRAIN_STATE, accumulation_programs
 
 
 def _is_float(value: Any) -> bool:
@@ -82,7 +80,7 @@ def _is_float(value: Any) -> bool:
 
 
 def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable], Callable]:
-    """A `wrap` of `training.accumulation_programs`: `add` run on every device of `mesh` at once.
+    """A `wrap` of `accumulation.accumulation_programs`: `add` run on every device of `mesh` at once.
 
     Each device adds its own rows' gradient to its own row of the
     `per_device` sums, non-trainable and metric state (`shard_map`): the
@@ -128,9 +126,9 @@ class ProcessAccumulator:
         self._model_ref = weakref.ref(model)
         self._mesh = processes.local_mesh()
         self._devices = int(self._mesh.devices.size)
-        self._add, self._apply = training.accumulation_programs(
+        self._add, self._apply = accumulation_programs(
             model, _on_every_device(self._mesh, tail=False))
-        self._add_tail, _ = training.accumulation_programs(
+        self._add_tail, _ = accumulation_programs(
             model, _on_every_device(self._mesh, tail=True))
         self._sums: Optional[List[Any]] = None
         self._base: Optional[List[List[Any]]] = None  # the global state at `reset`
@@ -253,76 +251,3 @@ class ProcessTrainStep:
                                  else StepOutcome.UNTOUCHED)
             raise
         return self._model_ref().get_metrics_result()
-
-
-def combine_process_metrics(model: keras.Model) -> None:
-    """After a standalone evaluate: every metric variable summed over the processes.
-
-    The test step runs each process's own rows on its own devices with no
-    collective (the replicated weights' local copies), so each process's
-    metric variables hold its own rows' sums and counts (the evaluate began
-    with `reset_metrics`); summed over the processes they are what Keras's
-    multi-process evaluate holds. One agreement, one sum; nothing with one
-    process.
-
-    Example:
-        >>> combine_process_metrics(model)  # in every process, after the last batch
-    """
-    if not under_processes():
-        return
-    metrics = _state.get(model, ("metrics",))[0]
-    if not metrics:
-        return
-    processes.agree(0, f"the end of an evaluate of model {model.name!r}")
-    summed = processes.all_sum(processes.local(metrics), metrics)
-    _state.put(model, ("metrics",), (summed,))
-
-
-def under_processes() -> bool:
-    """Whether MemFit trains across several processes (several of them, `DataParallel`).
-
-    Example:
-        >>> under_processes()  # one process
-        False
-    """
-    return processes.multi_process() and processes.is_data_parallel()
-
-
-def make_train_step(model: keras.Model) -> Union[ProcessTrainStep, Any]:
-    """A `TrainStep` running Keras's default `train_step` (`ProcessTrainStep` under processes).
-
-    Example:
-        >>> logs = make_train_step(model)((x[:64], y[:64]))
-    """
-    if under_processes():
-        return ProcessTrainStep(model)
-    return training.make_train_step(model)
-
-
-def make_custom_train_step(model: keras.Model, data: Any) -> Any:
-    """A `TrainStep` running the model's own `train_step` (refused under several processes).
-
-    Raises:
-        NotImplementedError: Under several processes, naming the model.
-
-    Example:
-        >>> logs = make_custom_train_step(model, (x, y))((x[:64], y[:64]))
-    """
-    if under_processes():
-        raise NotImplementedError(
-            f"MemFit under several JAX processes trains Keras's default train_step only; "
-            f"model '{model.name}' ({type(model).__name__}) has its own. Train it without "
-            "MemFit, or in one process."
-        )
-    return training.make_custom_train_step(model, data)
-
-
-def make_accumulator(model: keras.Model) -> Union[ProcessAccumulator, Any]:
-    """An `Accumulator` over `model`'s weights (`ProcessAccumulator` under processes).
-
-    Example:
-        >>> acc = make_accumulator(model); acc.reset(); acc.add((x, y), 1.0); acc.apply()
-    """
-    if under_processes():
-        return ProcessAccumulator(model)
-    return training.make_accumulator(model)

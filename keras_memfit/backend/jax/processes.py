@@ -64,16 +64,6 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
-def process_count() -> int:
-    """How many processes train together (`jax.process_count()`).
-
-    Example:
-        >>> process_count()  # one process
-        1
-    """
-    return int(jax.process_count())
-
-
 def timeout_s() -> float:
     """Seconds a process waits for its peers in an agreement (`KERAS_MEMFIT_PROCESS_TIMEOUT`).
 
@@ -158,11 +148,6 @@ def post_failure(exc: BaseException) -> None:
         _client().key_value_set(_failure_key(jax.process_index()), _describe(exc))
     except Exception as err:  # noqa: BLE001 - the original error matters, not this one
         logger.warning("could not tell the other JAX processes of this failure: %r", err)
-
-
-def process_failed(exc: BaseException) -> None:
-    """The seam's name for `post_failure` (safe_evaluate's failure, before it propagates)."""
-    post_failure(exc)
 
 
 def _peer_failure(client: Any, process: int) -> Optional[str]:

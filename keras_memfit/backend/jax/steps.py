@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.base import NO_SPEC, Spec, model_of
 from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax import state as _state
 
@@ -76,10 +76,7 @@ class _Step:
 
     def model(self) -> keras.Model:
         """The step's model; RuntimeError if it was deleted."""
-        model = self._model_ref()
-        if model is None:
-            raise RuntimeError("the model of this compiled step was deleted")
-        return model
+        return model_of(self._model_ref)
 
     def __call__(self, data: Any) -> Any:
         """Run the step on `data` and wait for its result (the subclass's `start`)."""
@@ -205,36 +202,33 @@ class TestStep(_Step):
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Union[PredictStep, distribution.ShardedStep]:
-    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
-
-    Example:
-        >>> step = make_predict_step(model)
-        >>> outputs = step(x[:64])
-    """
-    return distribution.sharded_predict_step(PredictStep(model, postprocess))
+    """A `PredictStep`; under `DataParallel` its pieces laid out over the devices."""
+    step = PredictStep(model, postprocess)
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedStep(step, distribution.concatenate_outputs)
+    return step
 
 
 # Keras's JAX trainer compiles with static shapes: its per-output loss trackers
 # weight each batch by its rows, so there is no batch-count rule to follow.
 KERAS_COUNTS_EACH_BATCH_ONCE = False
+# Keras's JAX loops call `on_*_batch_begin`, then fetch the batch.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(
     model: keras.Model, exact: bool = False
 ) -> Union[TestStep, distribution.ShardedStep]:
-    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
-
-    `exact` is accepted for the seam's sake: with static shapes every step
-    already counts per-output losses per sample.
-
-    Example:
-        >>> logs = make_test_step(model)((x[:64], y[:64], None))
-    """
-    return distribution.sharded_test_step(TestStep(model))
+    """A `TestStep` (static shapes: `exact` changes nothing); under `DataParallel`
+    its pieces laid out over the devices."""
+    step = TestStep(model)
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedStep(step, distribution.last_logs)
+    return step
 
 
 class VariableGuard:
-    """The values of some variables, taken before a step and restored if it fails.
+    """A `Guard`: the values of some variables, taken before a step, restored if it fails.
 
     JAX arrays are immutable and keras_memfit's steps donate nothing, so a
     snapshot keeps references to the current values: it copies nothing.
@@ -255,7 +249,6 @@ class VariableGuard:
         self._saved_state: Optional[Any] = None
 
     def snapshot(self) -> None:
-        """Record the variables' current values."""
         self._call = _state.active()
         if self._call is not None:
             self._saved_state = self._call.snapshot()
@@ -263,7 +256,6 @@ class VariableGuard:
             self._saved = values(self._variables)
 
     def restore(self) -> None:
-        """Put back the values recorded by the last `snapshot()`."""
         if self._call is not None:
             self._call.restore(self._saved_state)
         elif self._saved is not None:
@@ -271,29 +263,18 @@ class VariableGuard:
 
 
 def guard_variables(variables: Sequence[Any]) -> VariableGuard:
-    """A `VariableGuard` over `variables` (see its docstring)."""
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
-    """Build the model, its compiled metrics and loss before steps are traced."""
     x, y, sample_weight = batch
     _keras_compat.symbolic_build(model, (x, y, sample_weight))
     _state.refresh(model)  # once per safe_evaluate call: the variable lists anew
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """Output structure of `step(x)` by tracing only; `NO_SPEC` for eager steps.
-
-    Each array leaf becomes a `keras_memfit.backend.Spec` whose dimensions
-    that follow the batch size are None (JAX traces static shapes: the step is
-    traced at two batch sizes and the dimensions that differ are unknown); a
-    leaf that is not an array is returned as it is.
-
-    Example:
-        >>> output_spec(make_predict_step(model), x[:8])
-        Spec(shape=(None, 10), dtype=dtype('float32'))
-    """
+    """`NO_SPEC` for eager steps. JAX traces static shapes: the step is traced
+    at two batch sizes, and the dimensions that differ are unknown."""
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):

@@ -20,7 +20,6 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend._layer_calls import CallRecorder, Info, trace_at_two_batches
 from keras_memfit.backend.base import Trace
 
-# Two batch sizes unlikely to equal a model's other dimensions.
 
 def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
     """One traced forward pass at `batch` rows: the calls, inputs and outputs."""
@@ -48,24 +47,5 @@ def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Every layer and operation call of one symbolic forward pass of `model`.
-
-    Args:
-        model: A built Keras model.
-
-    Returns:
-        The `Trace`: the model's input tensors, its output keys and every
-        call below the model's own, in call order (`parent` None for the
-        model's direct children). Shapes have None for the batch dimension
-        (and any other dimension that follows the batch size).
-
-    Raises:
-        ValueError: If the model has not been built, or its forward pass
-            makes different calls at two batch sizes.
-
-    Example:
-        >>> trace = trace_layer_calls(model)
-        >>> [type(call.op).__name__ for call in trace.calls][:2]
-        ['Conv2D', 'Conv2D']
-    """
+    """Traced with `jax.eval_shape` at two batch sizes (see the module)."""
     return trace_at_two_batches(model, lambda batch: _record_forward(model, batch))

@@ -31,15 +31,9 @@ from typing import Any, Callable, Iterator, List
 import keras
 
 from keras_memfit._internal import batches as _batches
+from keras_memfit.backend.base import check_step_kind
 from keras_memfit.backend.jax import processes as _processes
 from keras_memfit.backend.jax import state as _state
-
-_KINDS = ("train", "test", "predict")
-
-
-def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
-    """Up to `count` batches from a Keras epoch iterator (see `_batches.next_batches`)."""
-    return _batches.next_batches(iterator, count, is_end_of_data)
 
 
 _STATE_KEYS = {
@@ -72,26 +66,9 @@ def step_function(
     kind: str,
     run_batches: Callable[[List[Any]], Any],
 ) -> Callable[[Any, Any], Any]:
-    """A replacement for `model.<kind>_function` that runs `run_batches`.
-
-    Args:
-        model: The model whose function is replaced.
-        kind: "train", "test" or "predict".
-        run_batches: Runs a list of Keras batches; returns what Keras expects
-            of the function (the logs; for "predict", the batches' outputs).
-
-    Returns:
-        `function(state, iterator) -> (result, state)`, pulling up to
-        `model.steps_per_execution` batches (StopIteration when none is left).
-
-    Raises:
-        ValueError: If `kind` is not one of the three.
-
-    Example:
-        >>> model.train_function = step_function(model, "train", run.train)
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
+    """`function(state, iterator) -> (result, state)`, pulling up to
+    `model.steps_per_execution` batches (StopIteration when none is left)."""
+    check_step_kind(kind)
     model_ref = weakref.ref(model)
     groups = _state.GROUPS[kind]
     several = _processes.multi_process()
@@ -105,7 +82,8 @@ def step_function(
             )
         with _state.threaded(model, kind, state) as call:
             try:
-                batches = next_batches(iterator, model.steps_per_execution)
+                batches = _batches.next_batches(
+                    iterator, model.steps_per_execution, is_end_of_data)
                 if several:  # each process runs its own rows (see `processes`)
                     batches = [_processes.local_rows(batch) for batch in batches]
                 result = run_batches(batches)
@@ -122,28 +100,19 @@ def step_function(
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
-    """The batches of a Keras data adapter, as Keras's JAX loops hand them to a step.
-
-    Keras's own JAX iterator: numpy arrays, with sparse matrices (scipy,
-    `tf.SparseTensor`) as JAX `BCOO` arrays.
-    """
+    """Keras's own JAX iterator: numpy arrays, with sparse matrices (scipy,
+    `tf.SparseTensor`) as JAX `BCOO` arrays."""
     return iter(adapter.get_jax_iterator())
 
 
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Keras's own JAX `<kind>_function` on `batches`, on the state MemFit's function holds.
+    """Keras's function, on the state MemFit's function holds.
 
-    For the batches MemFit cannot split (sparse `BCOO` inputs): they run as
-    Keras runs them. Keras's function takes and donates the state tuple, so
-    it is handed the state of the call in progress (`state.get`) and its new
-    state is put back (`state.put`); an OOM in it loses the state, as it
-    does without MemFit.
-
-    Returns:
-        What Keras's function returned for the batches (the logs; for
-        "predict", the outputs).
+    Keras's function takes and donates the state tuple, so it is handed the
+    state of the call in progress (`state.get`) and its new state is put back
+    (`state.put`); an OOM in it loses the state, as it does without MemFit.
     """
     names = _state.GROUPS[kind]
     state = tuple(_state.get(model, names))
@@ -153,10 +122,7 @@ def call_keras_function(
 
 
 def is_end_of_data(exc: BaseException) -> bool:
-    """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, StopIteration)
 
 
-def materialize(model: Any) -> None:
-    """Inside Keras's loops, write the state tuple into the variables (`state.materialize`)."""
-    _state.materialize(model)
+materialize = _state.materialize

@@ -1,6 +1,6 @@
-"""Train steps that never lose the model's state to an OOM, and gradient accumulation.
+"""Train steps that never lose the model's state to an OOM; the seam's `Training`.
 
-MemFit's building blocks for the JAX backend. Keras's JAX trainer donates the
+MemFit's train step for the JAX backend. Keras's JAX trainer donates the
 model's state to its one compiled train step, so a step that runs out of
 memory loses the model. Keras's default step is run here as two programs
 instead (`TrainStep`), at the same peak memory as Keras's own:
@@ -36,8 +36,12 @@ saying so). Where the free memory is unknown, or under a
 old and new state together (one extra copy of the training state).
 
 Inside MemFit's train function the steps read and write Keras's state tuple,
-as Keras's own step does (see `state`). Every returned object satisfies its
-protocol in `keras_memfit.backend.base`.
+as Keras's own step does (see `state`).
+
+The seam's factories choose, once per step made, the variant of
+`distribution.variant()`: one device, a single-process `DataParallel` (each
+piece laid out over its devices), or several processes
+(`process_training`); gradient accumulation is in `accumulation`.
 """
 
 from __future__ import annotations
@@ -45,23 +49,23 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import keras
 from keras.src.backend.jax.trainer import JAXTrainer
 
+from keras_memfit._internal import model_state as _model_state
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.jax.accumulation import TRAIN_STATE, GradientAccumulator
 from keras_memfit.backend.jax.oom import is_oom_error
-from keras_memfit.backend.jax import distribution
+from keras_memfit.backend.jax import distribution, process_training
 from keras_memfit.backend.jax import memory as _memory
 from keras_memfit.backend.jax import state as _state
 from keras_memfit.backend.jax.steps import _compile
 
 logger = logging.getLogger("keras_memfit")
 
-TRAIN_STATE = _state.GROUPS["train"]
 UPDATED = ("trainable", "optimizer")  # what the update program writes in place
 # The two programs are kept unless they need this much more than is free: room
 # for what a step allocates beside its programs (the batch's logs, dispatch).
@@ -69,7 +73,6 @@ SPLIT_MARGIN = 16 << 20
 
 
 def has_default_train_step(model: keras.Model) -> bool:
-    """Whether `model` uses Keras's own `train_step` (no override)."""
     return getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
 
 
@@ -350,133 +353,64 @@ class TrainStep:
         return logs
 
 
-def make_train_step(model: keras.Model) -> Union[TrainStep, distribution.ShardedTrainStep]:
-    """A `TrainStep` running Keras's default `train_step`."""
-    return distribution.sharded_train_step(TrainStep(model))
+def check_training_mode(model: keras.Model, mode: str) -> None:
+    """Under several processes (`distribution.Variant.PROCESSES`); nothing elsewhere."""
+    if distribution.variant() is not distribution.Variant.PROCESSES:
+        return
+    why = fix = None
+    if mode != "accumulate":
+        why, fix = f"received MemFit(mode={mode!r})", "Pass MemFit()"
+    elif not has_default_train_step(model):
+        why = f"model '{model.name}' ({type(model).__name__}) has its own train_step"
+        fix = "Train it without MemFit"
+    else:
+        reductions = sorted(set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
+        if reductions:
+            why = f"model '{model.name}' has losses reduced with {reductions}"
+            fix = "Use the default reduction"
+    if why is not None:
+        raise NotImplementedError(
+            f"MemFit across {jax.process_count()} processes trains each batch as one update "
+            "of every process (mode='accumulate', Keras's default train_step, losses reduced "
+            f"with 'sum_over_batch_size'); {why}. {fix}, or train in one process."
+        )
 
 
-def make_custom_train_step(
-    model: keras.Model, data: Any
-) -> Union[TrainStep, distribution.ShardedTrainStep]:
-    """A `TrainStep` running the model's own `train_step` whole (functional too on JAX).
+def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
+                several: Callable) -> Any:
+    """`model`'s step or accumulator as the variant of `distribution.variant()` runs it.
+
+    One device: `one_device(model)`; a single-process `DataParallel`: that,
+    laid out over the devices (`laid_out`, a `distribution.Sharded*`);
+    several processes: `several(model)` (`process_training`).
+    """
+    chosen = distribution.variant()
+    if chosen is distribution.Variant.PROCESSES:
+        return several(model)
+    made = one_device(model)
+    return laid_out(made) if chosen is distribution.Variant.DATA_PARALLEL else made
+
+
+def make_train_step(model: keras.Model) -> Any:
+    return _as_variant(model, TrainStep, distribution.ShardedTrainStep,
+                       process_training.ProcessTrainStep)
+
+
+def make_custom_train_step(model: keras.Model, data: Any) -> Any:
+    """The model's own `train_step` run whole (`TrainStep(custom=True)`).
 
     Keras's `fit` built the model before its first batch (its symbolic
     build), so `data` is not needed; the variable lists are taken anew.
+    Refused under several processes (`check_training_mode`).
     """
+    check_training_mode(model, "accumulate")
     _state.refresh(model)
-    return distribution.sharded_train_step(TrainStep(model, custom=True))
+    step = TrainStep(model, custom=True)
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedTrainStep(step)
+    return step
 
 
-def accumulation_programs(
-    model: keras.Model, wrap: Optional[Callable[[Callable], Callable]] = None,
-) -> Tuple[Any, Any]:
-    """The compiled programs of gradient accumulation: `(add, apply)`.
-
-    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight)`
-    returns `(sums + weight * gradients, non_trainable, metrics)` (the sums
-    donated: added to in place); `apply(trainable, optimizer, sums)` returns
-    the optimizer's `stateless_apply` (trainable and optimizer donated).
-    `wrap`, if given, transforms `add`'s function before it is compiled (the
-    multi-process accumulator maps it over the local devices:
-    `process_training`).
-    """
-    model_ref = weakref.ref(model)
-
-    def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight):
-        model = model_ref()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-
-        def weighted_loss(trainable):
-            loss, aux = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics, x, y, sample_weight,
-                training=True, optimizer_variables=optimizer,
-            )
-            return loss * weight.astype(loss.dtype), aux
-
-        (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
-        unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
-        _, new_metrics = JAXTrainer._update_metrics_variables(
-            model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
-        )
-        sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
-        return sums, new_non_trainable, new_metrics
-
-    # The arguments in the order of the outputs (see `TrainStep`).
-    def apply_fn(trainable, optimizer, sums):
-        return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
-
-    # The sums are added to in place; the update works in place.
-    if wrap is not None:
-        add_fn = wrap(add_fn)
-    return (_compile(model, add_fn, donate_argnums=(0,)),
-            _compile(model, apply_fn, donate_argnums=(0, 1)))
-
-
-class GradientAccumulator:
-    """Sums weighted micro-batch gradients and applies them as one optimizer step.
-
-    The sums are JAX arrays the size of the trainable weights (exact
-    accumulation's one extra buffer), made by `reset()` (only once a batch
-    has had to be split), added to in place (donated to `add`'s program), and
-    dropped by `apply`, whose program updates the weights and optimizer
-    variables in place as `TrainStep`'s update program does. A micro-batch
-    that runs out of memory may lose the sums (the attempt restarts from
-    `reset()`), never the model's state; an `apply` that fails loses the
-    donated state (`OutOfMemoryError`, cause "update"). `add` computes
-    the gradient of `weight` times the scaled loss of a micro-batch, as
-    Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
-    metrics as it does, and writes the metric and non-trainable state only
-    once the micro-batch finished; `apply` runs the optimizer's
-    `stateless_apply` once on the sums (one step: `iterations` + 1), then
-    leaves the state in the model's variables (`state.materialize`), where
-    Keras's `get_metrics_result` reads the batch's metrics.
-
-    Example:
-        >>> acc = make_accumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
-        >>> acc.apply()
-    """
-
-    def __init__(self, model: keras.Model) -> None:
-        self._model_ref = weakref.ref(model)
-        self._sums: Optional[List[Any]] = None
-        self._add, self._apply = accumulation_programs(model)
-
-    def reset(self) -> None:
-        """Start a new batch: zero the sums."""
-        model = self._model_ref()
-        self._sums = None  # before the new ones are made: never two sets at once
-        self._sums = [jnp.zeros(v.shape, v.dtype) for v in model.trainable_variables]
-
-    def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
-        model = self._model_ref()
-        sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
-            self._sums, *_state.get(model, TRAIN_STATE), data,
-            jnp.asarray(weight, jnp.float32),
-        ))
-        self._sums = sums
-        _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
-
-    def held(self) -> Optional[str]:
-        """None: the gradients are dense, their sums the size of the weights."""
-        return None
-
-    def apply(self) -> None:
-        """Apply the summed gradients as one optimizer step."""
-        model = self._model_ref()
-        trainable, optimizer = _state.get(model, ("trainable", "optimizer"))
-        sums, self._sums = self._sums, None
-        new_trainable, new_optimizer = jax.block_until_ready(
-            self._apply(trainable, optimizer, sums)
-        )
-        del sums
-        _state.put(model, ("trainable", "optimizer"), (new_trainable, new_optimizer))
-        _state.materialize(model)  # the batch's metrics are read from the variables next
-
-
-def make_accumulator(
-    model: keras.Model,
-) -> Union[GradientAccumulator, distribution.ShardedAccumulator]:
-    """A `GradientAccumulator` over `model`'s trainable weights."""
-    return distribution.sharded_accumulator(GradientAccumulator(model))
+def make_accumulator(model: keras.Model) -> Any:
+    return _as_variant(model, GradientAccumulator, distribution.ShardedAccumulator,
+                       process_training.ProcessAccumulator)

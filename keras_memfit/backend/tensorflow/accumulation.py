@@ -3,9 +3,9 @@
 MemFit's accumulation for the TensorFlow backend: `add_gradients` (one
 micro-batch of Keras's default step, its gradients handed on),
 `apply_gradients`, `sparse_gradients` (which gradients are
-`tf.IndexedSlices`, from a symbolic trace) and `make_accumulator`, a
-`GradientAccumulator` (the `Accumulator` protocol of
-`keras_memfit.backend.base`) whose compiled steps and sums are the model's,
+`tf.IndexedSlices`, from a symbolic trace) and `GradientAccumulator` (the
+`Accumulator` protocol of `keras_memfit.backend.base`, made by the seam's
+`training.make_accumulator`) whose compiled steps and sums are the model's,
 kept across fits.
 """
 
@@ -21,11 +21,7 @@ from keras_memfit._internal.cache import per_model
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
-from keras_memfit.backend.tensorflow.training import (
-    _forward_loss,
-    _track_loss,
-    _unpack,
-)
+from keras_memfit.backend.tensorflow.default_step import forward_loss, track_loss
 from keras_memfit.backend.tensorflow.holds import XlaHolds
 
 
@@ -43,15 +39,15 @@ def add_gradients(
     Returns:
         For each trainable weight, whether it got no gradient.
     """
-    x, y, sample_weight = _unpack(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        y_pred, loss = _forward_loss(model, x, y, sample_weight)
+        y_pred, loss = forward_loss(model, x, y, sample_weight)
         scaled = model.optimizer.scale_loss(loss) * tf.cast(weight, loss.dtype)
     gradients = tape.gradient(scaled, model.trainable_weights)
     for i, g in enumerate(gradients):
         if g is not None:
             add(i, g)
-    _track_loss(model, loss, x)
+    track_loss(model, loss, x)
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return tuple(g is None for g in gradients)
 
@@ -73,9 +69,9 @@ def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
     found: List[Tuple[bool, ...]] = []
 
     def probe(data):
-        x, y, sample_weight = _unpack(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
-            _, loss = _forward_loss(model, x, y, sample_weight)
+            _, loss = forward_loss(model, x, y, sample_weight)
         gradients = tape.gradient(loss, model.trainable_weights)
         found.append(tuple(isinstance(g, tf.IndexedSlices) for g in gradients))
         return loss
@@ -295,7 +291,6 @@ class GradientAccumulator:
             self.steps.reset()
 
     def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
         steps = self.steps
         if not self._filled:
             steps.fill(self._model(), data)
@@ -355,7 +350,3 @@ class GradientAccumulator:
         """What the last update held that grows with the batch (kept rows), in words; else None."""
         return self._held
 
-
-def make_accumulator(model: keras.Model) -> GradientAccumulator:
-    """A `GradientAccumulator` over `model`'s trainable weights."""
-    return GradientAccumulator(model)

@@ -41,7 +41,6 @@ def device_exists(name: str) -> bool:
 
 
 def device_scope(device: str):
-    """A context manager placing ops and new variables on `device`."""
     return tf.device(device)
 
 

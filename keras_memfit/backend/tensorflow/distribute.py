@@ -86,19 +86,6 @@ def check_strategy(strategy: Any) -> None:
     )
 
 
-def process_count() -> int:
-    """1: MemFit on TensorFlow trains in one process (multi-worker strategies are refused)."""
-    return 1
-
-
-def combine_process_metrics(model: keras.Model) -> None:
-    """Nothing: one process (a strategy's replicas share their metric variables)."""
-
-
-def process_failed(exc: BaseException) -> None:
-    """Nothing: one process."""
-
-
 def training_replicas(model: keras.Model) -> Optional["Replicas"]:
     """The `Replicas` of the strategy `model` runs under, or None without one.
 

@@ -7,7 +7,6 @@ from typing import Any, Optional, Tuple
 
 import tensorflow as tf
 
-from keras_memfit.backend.tensorflow import replicas
 
 
 def compute_device() -> str:
@@ -16,21 +15,7 @@ def compute_device() -> str:
     return "GPU:0" if gpus else "CPU:0"
 
 
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """The devices `model`'s replicas run on under a `MirroredStrategy`; () otherwise.
-
-    The planner then sizes each piece for all of them: the budget is the
-    smallest free memory among them, the measured peak the largest.
-
-    Example:
-        >>> replica_devices(model)  # built under MirroredStrategy on two GPUs
-        ('GPU:0', 'GPU:1')
-    """
-    return replicas.replica_devices(model)
-
-
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """(current, peak) bytes allocated by TensorFlow on `device`, or None."""
     try:
         info = tf.config.experimental.get_memory_info(device)
     except (ValueError, tf.errors.OpError):
@@ -39,9 +24,7 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """(bytes, exact) the allocator on `device` may use, or None when unknown.
-
-    Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
+    """Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
     TF_CPU_BFC_MEM_LIMIT_IN_MB) and for a GPU given a logical-device memory
     limit. For a whole GPU (no logical limit) it is read from NVML
     (`nvidia-ml-py`, a dependency) and computed the way TensorFlow sizes its
@@ -208,20 +191,14 @@ def _other_processes_bytes(processes: Any) -> Optional[int]:
 
 
 def reset_peak(device: str) -> None:
-    """Start a new peak measurement on `device` (no-op where unsupported)."""
     try:
         tf.config.experimental.reset_memory_stats(device)
     except (ValueError, tf.errors.OpError):
         pass
 
 
-def piece_multiple() -> int:
-    """1: any piece size runs (tf.distribute splits uneven batches itself)."""
-    return 1
-
-
 def compiles_per_shape(model: Any) -> bool:
-    """Whether `model`'s steps are XLA-compiled once per piece shape (`jit_compile=True`).
+    """With `jit_compile=True`: XLA compiles every new piece size.
 
     Without `jit_compile`, TensorFlow's steps are traced with relaxed shapes
     and run any piece size without compiling again; with it, XLA compiles

@@ -24,7 +24,6 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    """Bases for `OutOfMemoryError`, so existing `except` clauses still catch it."""
     return (tf.errors.ResourceExhaustedError,)
 
 

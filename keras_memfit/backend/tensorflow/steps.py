@@ -43,12 +43,9 @@ def _needs_static_batch(model: keras.Model) -> bool:
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Callable:
-    """A compiled `x -> outputs` running `model.predict_step` then `postprocess`.
-
-    Under a `MirroredStrategy` (see `replicas.strategy_of`) every replica
-    runs it on its share of `x`; the outputs come back concatenated in
-    input order, on the host.
-    """
+    """Compiled; under a `MirroredStrategy` (`replicas.strategy_of`) every
+    replica runs it on its share of `x`, the outputs concatenated in input
+    order, on the host."""
     model_ref = weakref.ref(model)
 
     def predict_step(x):
@@ -67,22 +64,16 @@ def make_predict_step(
 # iterator whose batch dimension is unknown, so each per-output loss tracker
 # counts every batch once, whatever its size (`safe_evaluate` matches it).
 KERAS_COUNTS_EACH_BATCH_ONCE = True
+# Keras's TensorFlow loops call `on_*_batch_begin`, then fetch the batch.
+KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
-    """A compiled `(x, y, sample_weight) -> logs` step running `model.test_step`.
-
-    Args:
-        model: A compiled model.
-        exact: Trace once per batch size, so that per-output loss trackers
-            weight each call by its rows (the exact per-sample mean). By
-            default the step is traced once with an unknown batch dimension,
-            as Keras's own `evaluate` is: each call counts once for them.
-
-    Under a `MirroredStrategy` (see `replicas.strategy_of`) every replica
+    """Compiled, traced once with an unknown batch dimension as Keras's own
+    `evaluate` is (each call counts once for per-output loss trackers); with
+    `exact`, once per batch size. Under a `MirroredStrategy` every replica
     runs it on its share of the batch, updating its own copy of the metrics;
-    the returned logs are the replicas' mean, as Keras's.
-    """
+    the logs are the replicas' mean, as Keras's."""
     model_ref = weakref.ref(model)
 
     def test_step(data):
@@ -155,7 +146,7 @@ def relaxed_spec(value: Any) -> Any:
 
 
 class VariableGuard:
-    """Copies of some variables, taken before a step and restored if it fails.
+    """A `Guard`: copies of some variables, taken before a step, restored if it fails.
 
     The copies live on the variables' own devices and are taken by one small
     compiled function, so a snapshot costs one dispatch, not a host round trip.
@@ -179,33 +170,25 @@ class VariableGuard:
         self._snapshot = snapshot if pairs else None
 
     def snapshot(self) -> None:
-        """Record the variables' current values."""
         if self._snapshot is not None:
             self._snapshot()
 
     def restore(self) -> None:
-        """Put back the values recorded by the last `snapshot()`."""
         for shadow, v in zip(self._shadows, self._variables):
             v.assign(shadow)
 
 
 def guard_variables(variables: Sequence[Any]) -> Any:
-    """A `VariableGuard` over `variables` (see its docstring).
-
-    Variables of a tf.distribute strategy (one copy per replica) get a
-    `replicas.ReplicaGuard`, which restores each replica's copy.
-    """
+    """A `VariableGuard`; variables of a tf.distribute strategy (one copy per
+    replica) get a `replicas.ReplicaGuard`, which restores each replica's copy."""
     if replicas.has_distributed(variables):
         return replicas.ReplicaGuard(variables)
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
-    """Build the model, its compiled metrics and loss before steps are traced.
-
-    Under a `MirroredStrategy`, inside its scope (as Keras builds them), so
-    that the metrics get one copy per replica.
-    """
+    """Under a `MirroredStrategy`, inside its scope (as Keras builds them), so
+    that the metrics get one copy per replica."""
     x, y, sample_weight = batch
     strategy = replicas.strategy_of(model)
     if strategy is None:
@@ -216,13 +199,8 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Optional[Any]:
-    """Output structure of `step(x)` by tracing only; `NO_SPEC` for eager steps.
-
-    Each tensor leaf becomes a `keras_memfit.backend.Spec` with `None` for unknown
-    dimensions (the batch dimension is traced as unknown, so the same trace
-    then serves every batch size and the step is traced once); a leaf that is
-    not a tensor is returned as it is.
-    """
+    """`NO_SPEC` for eager steps. The batch dimension is traced as unknown, so
+    the same trace then serves every batch size (the step is traced once)."""
     polymorphic = tf.types.experimental.PolymorphicFunction
     if not isinstance(step, polymorphic):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper

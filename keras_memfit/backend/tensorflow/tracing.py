@@ -36,26 +36,9 @@ def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], s
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Every layer and operation call of one symbolic forward pass of `model`.
-
-    Calls `model(inputs, training=False)` inside a throw-away `tf.function`
-    trace (nothing runs, nothing is allocated) and a `keras.StatelessScope`
-    (no variable changes, no losses recorded), with `Layer.__call__` and
-    `Operation.__call__` temporarily wrapped to record each call; both are
-    restored before returning.
-
-    Args:
-        model: A built Keras model.
-
-    Returns:
-        The `Trace`: the model's input tensors, its output keys and every call
-        below the model's own, in call order (a `TracedCall` each; `parent`
-        is None for the model's direct children). Tensor shapes include the
-        batch dimension as None.
-
-    Raises:
-        ValueError: If the model has not been built.
-    """
+    """Traced in a throw-away `tf.function` (nothing runs) within a
+    `keras.StatelessScope` (no variable changes, no losses recorded); the
+    batch dimension is traced as None."""
     spec, positional = _model_input_specs(model)
     flat_spec = keras.tree.flatten(spec)
     recorder = CallRecorder(_tensor_info)

@@ -25,13 +25,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_memfit._internal import batches as _batches
-
-_KINDS = ("train", "test", "predict")
-
-
-def next_batches(iterator: Iterator[Any], count: int) -> List[Any]:
-    """Up to `count` batches from a Keras epoch iterator (see `_batches.next_batches`)."""
-    return _batches.next_batches(iterator, count, is_end_of_data)
+from keras_memfit.backend.base import check_step_kind
 
 
 def step_function(
@@ -39,25 +33,10 @@ def step_function(
     kind: str,
     run_batches: Callable[[List[Any]], Any],
 ) -> Callable[[Any], Any]:
-    """A replacement for `model.<kind>_function` that runs `run_batches`.
-
-    Args:
-        model: The model whose function is replaced.
-        kind: "train", "test" or "predict".
-        run_batches: Runs a list of Keras batches; returns what Keras expects
-            of the function (the logs; for "predict", the batches' outputs).
-
-    Returns:
-        `function(iterator)` for "train" and "test" (pulls up to
-        `model.steps_per_execution` batches, raising `StopIteration` or
-        `OutOfRangeError` when none is left), `function(batches)` for
-        "predict".
-
-    Raises:
-        ValueError: If `kind` is not one of the three.
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
+    """`function(iterator)` for "train" and "test" (pulls up to
+    `model.steps_per_execution` batches, raising `StopIteration` or
+    `OutOfRangeError` when none is left), `function(batches)` for "predict"."""
+    check_step_kind(kind)
     if kind == "predict":
 
         def predict_function(batches):
@@ -67,7 +46,8 @@ def step_function(
     model_ref = weakref.ref(model)
 
     def function(iterator):
-        return run_batches(next_batches(iterator, model_ref().steps_per_execution))
+        steps = model_ref().steps_per_execution
+        return run_batches(_batches.next_batches(iterator, steps, is_end_of_data))
 
     return function
 
@@ -84,7 +64,7 @@ def _as_tf_sparse(value: Any) -> Any:
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
-    """The batches of a Keras data adapter, as Keras's TensorFlow loops hand them to a step.
+    """As Keras's TensorFlow loops hand them over.
 
     A `tf.data.Dataset` and arrays Keras batches itself (sparse arrays) come
     as TensorFlow's own tensors, as in `model.predict` (Keras's numpy
@@ -104,19 +84,12 @@ def adapter_batches(adapter: Any) -> Iterator[Any]:
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Keras's own `<kind>_function` on `batches` (those MemFit cannot split).
-
-    TensorFlow's convention: the predict function takes the list of batches,
-    the train and test functions an iterator over them.
-
-    Example:
-        >>> logs = call_keras_function(model, "train", keras_train_function, batches)
-    """
+    """The predict function takes the list of batches, the train and test
+    functions an iterator over them."""
     return function(batches if kind == "predict" else iter(batches))
 
 
 def is_end_of_data(exc: BaseException) -> bool:
-    """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, (StopIteration, tf.errors.OutOfRangeError))
 
 

@@ -1,12 +1,12 @@
-"""Train steps that can tell how far a failed call got, and gradient accumulation.
+"""Train steps that can tell how far a failed call got; the seam's `Training`.
 
-MemFit's building blocks for the TensorFlow backend: `make_train_step` (Keras's
-default step, with its small state snapshotted inside the same compiled call),
-`make_custom_train_step` (a model's own `train_step`), the check
-and `has_default_train_step`; what an XLA call that updates variables holds
-so that an OOM leaves them intact is in `holds.py`, gradient accumulation in
-`accumulation.py`. Every returned
-object satisfies its protocol in `keras_memfit.backend.base`.
+MemFit's train steps for the TensorFlow backend: `make_train_step` (Keras's
+default step, with its small state snapshotted inside the same compiled call)
+and `make_custom_train_step` (a model's own `train_step`); Keras's step in
+parts is in `default_step`, what an XLA call that updates variables holds so
+that an OOM leaves them intact in `holds`, gradient accumulation in
+`accumulation` (`make_accumulator`). Under a `tf.distribute` strategy MemFit
+trains through the replicas' steps (`distribute`).
 
 Under XLA (`jit_compile=True`, Keras's default on a GPU) Keras's default step
 runs as two compiled calls, as on JAX: a gradient call (forward pass, loss,
@@ -29,62 +29,28 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.tensorflow.accumulation import GradientAccumulator
+from keras_memfit.backend.tensorflow.default_step import (
+    flagged_train_step,
+    keras_train_step,
+    loss_and_gradients,
+    track_loss,
+)
 from keras_memfit.backend.tensorflow.holds import XlaHolds
 from keras_memfit.backend.tensorflow.steps import _compile, trace_as_keras
 
 logger = logging.getLogger("keras_memfit")
 
 
-def _tensorflow_train_step() -> Any:
-    """Keras's own `train_step` for the TensorFlow backend (`TensorFlowTrainer.train_step`)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer.train_step
-
-
-def _unscale_loss_for_distribution(loss: Any) -> Any:
-    """The loss without the distribution strategy's scaling (as Keras's train step).
-
-    Keras 3.8 began scaling the loss by the number of replicas (and added
-    this function); before it the loss was never scaled, so it is returned
-    as it is.
-    """
-    from keras.src.losses import loss as loss_module
-
-    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
-    return loss if unscale is None else unscale(loss)
+def check_training_mode(model: keras.Model, mode: str) -> None:
+    """Nothing: one process (multi-worker strategies are refused: `distribute`)."""
 
 
 def has_default_train_step(model: keras.Model) -> bool:
-    """Whether `model` uses Keras's own `train_step` (no override)."""
     return getattr(type(model).train_step, "__code__", None) is getattr(
-        _tensorflow_train_step(), "__code__", object()
-    )
-
-
-def _unpack(data: Any) -> tuple:
-    return keras.utils.unpack_x_y_sample_weight(data)
-
-
-def _rows(x: Any) -> Any:
-    return tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
-
-
-def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
-    if _keras_compat.call_has_training_arg(model):
-        y_pred = model(x, training=True)
-    else:
-        y_pred = model(x)
-    return y_pred, _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
-
-
-def _track_loss(model: keras.Model, loss: Any, x: Any) -> None:
-    """Update the loss tracker as Keras's train step does."""
-    _keras_compat.loss_tracker(model).update_state(
-        _unscale_loss_for_distribution(loss), sample_weight=_rows(x)
+        keras_train_step(), "__code__", object()
     )
 
 
@@ -275,7 +241,7 @@ def _host_rows(data: Any) -> Optional[int]:
 
 
 def make_train_step(model: keras.Model) -> TrainStep:
-    """A `TrainStep` for `model`, guarding `train_state_variables(model)`."""
+    """A `TrainStep` guarding `train_state_variables(model)`."""
     return TrainStep(model, train_state_variables(model))
 
 
@@ -323,10 +289,10 @@ def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, 
     def gradient_step(data):
         model = model_ref()
         data = _after_snapshot(data, generation, pairs)
-        x, y, sample_weight = _unpack(data)
-        y_pred, loss, gradients = _loss_and_gradients(model, x, y, sample_weight)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, loss, gradients = loss_and_gradients(model, x, y, sample_weight)
         present[:] = [g is not None for g in gradients]
-        _track_loss(model, loss, x)
+        track_loss(model, loss, x)
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return [g for g in gradients if g is not None], logs
 
@@ -336,52 +302,6 @@ def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, 
         model.optimizer.apply_gradients(zip(gradients, weights))
 
     return _compile(model, gradient_step), _compile(model, update_step)
-
-
-def _loss_and_gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
-    """`(y_pred, loss, gradients)`: the forward pass and the (scaled) loss's gradients."""
-    with tf.GradientTape() as tape:
-        y_pred, loss = _forward_loss(model, x, y, sample_weight)
-        scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
-    weights = model.trainable_weights
-    gradients = tape.gradient(scaled, weights) if weights else []
-    return y_pred, loss, gradients
-
-
-def _tensors(gradient: Any) -> List[Any]:
-    """The dense tensors of a gradient (a `tf.IndexedSlices`'s values and indices)."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return [gradient.values, gradient.indices]
-    return [gradient]
-
-
-def flagged_train_step(
-    model: keras.Model, data: Any, flag: Callable[[], Any], *, strict: bool = True
-) -> Any:
-    """Keras's default train step on `data`, `flag()` run before the optimizer update.
-
-    Forward pass and loss, gradients, then `flag()` (an op that records that
-    the update began, e.g. a variable's assign) and `apply_gradients` with
-    every op of it depending on that op, so a failed step tells whether the
-    update began; then the loss tracker and the metrics. `strict`: the flag
-    waits for every gradient; else for the one of the last trainable weight
-    (the first computed, next to the loss), so that the update of a weight
-    may run while other gradients are still computed (see `TrainStep`).
-    Gradients reach the optimizer as they are (sparse ones stay
-    `tf.IndexedSlices`). Traced inside a step (on one device, or per replica).
-    """
-    x, y, sample_weight = _unpack(data)
-    y_pred, loss, gradients = _loss_and_gradients(model, x, y, sample_weight)
-    weights = model.trainable_weights
-    if weights:
-        present = [g for g in gradients if g is not None]
-        waited = present if strict else present[-1:]
-        with tf.control_dependencies([t for g in waited for t in _tensors(g)]):
-            began = flag()
-        with tf.control_dependencies([began]):
-            model.optimizer.apply_gradients(zip(gradients, weights))
-    _track_loss(model, loss, x)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 class CustomTrainStep:
@@ -429,7 +349,7 @@ class CustomTrainStep:
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
-    """A `CustomTrainStep` running `model.train_step`, traced on Keras's batch `data`."""
+    """A `CustomTrainStep`, traced on Keras's batch `data`."""
     return CustomTrainStep(model, data)
 
 
@@ -437,3 +357,7 @@ def _updated_by_a_step(model: keras.Model) -> List[Any]:
     """The weights and optimizer variables a train step updates."""
     optimizer = getattr(model, "optimizer", None)
     return list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+
+
+def make_accumulator(model: keras.Model) -> GradientAccumulator:
+    return GradientAccumulator(model)

@@ -25,16 +25,6 @@ def compute_device() -> str:
     return f"{device.type}:{device.index or 0}"
 
 
-def replica_devices(model: Any) -> Tuple[str, ...]:
-    """Always (): every piece is planned for `compute_device()` alone.
-
-    Example:
-        >>> replica_devices(model)
-        ()
-    """
-    return ()
-
-
 def _cuda_index(device: str) -> Optional[int]:
     """The CUDA ordinal of "cuda:N" ("/GPU:N" too) when CUDA is usable, else None."""
     text = device.strip().lstrip("/").lower()
@@ -46,7 +36,7 @@ def _cuda_index(device: str) -> Optional[int]:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """(current, peak) bytes held by tensors on `device` since `reset_peak`; None off CUDA."""
+    """Bytes held by tensors (CUDA's caching allocator); None off CUDA."""
     index = _cuda_index(device)
     if index is None:
         return None
@@ -54,11 +44,9 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """(bytes, exact) PyTorch's allocator may hold on `device`; None off CUDA.
-
-    The device's free memory plus what PyTorch already reserved (its cache),
+    """The device's free memory plus what PyTorch already reserved (its cache),
     at most the per-process memory fraction of the device's total where one
-    is set.
+    is set; None off CUDA.
 
     Example:
         >>> memory_limit("cuda:0")  # an idle 16 GB card
@@ -79,7 +67,6 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
 
 def reset_peak(device: str) -> None:
-    """Start a new peak measurement on `device` (no-op off CUDA)."""
     index = _cuda_index(device)
     if index is not None:
         torch.cuda.reset_peak_memory_stats(index)
@@ -91,26 +78,8 @@ def release_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def piece_multiple() -> int:
-    """1: any piece size runs."""
-    return 1
-
-
 def compiles_per_shape(model: Any) -> bool:
-    """False: keras_memfit's steps on torch run eagerly (no `torch.compile`).
-
-    A model compiled with `jit_compile=True` has Keras wrap its own steps in
-    `torch.compile`; keras_memfit's run the same computation eagerly (see
-    `steps`), so no piece size costs a compilation.
-
-    Example:
-        >>> compiles_per_shape(model)
-        False
-    """
+    """False: keras_memfit's steps on torch run eagerly, also where Keras wraps
+    its own in `torch.compile` (`jit_compile=True`; see `steps`)."""
     return False
 
-
-__all__ = [
-    "compiles_per_shape", "compute_device", "memory_limit", "memory_stats",
-    "piece_multiple", "release_cached", "replica_devices", "reset_peak",
-]

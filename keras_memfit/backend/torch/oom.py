@@ -47,67 +47,32 @@ def _runtime_message(exc: BaseException) -> str:
 
 
 def is_cuda_allocator_oom(exc: BaseException) -> bool:
-    """CUDA's caching allocator ran out: `torch.OutOfMemoryError`.
-
-    Example:
-        >>> is_cuda_allocator_oom(torch.OutOfMemoryError("CUDA out of memory."))
-        True
-    """
+    """CUDA's caching allocator ran out: `torch.OutOfMemoryError`."""
     return isinstance(exc, torch.OutOfMemoryError)
 
 
 def is_cpu_allocator_oom(exc: BaseException) -> bool:
-    """The CPU allocator ran out: `RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`.
-
-    Example:
-        >>> is_cpu_allocator_oom(RuntimeError(
-        ...     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
-        ...     "can't allocate memory: you tried to allocate 64 bytes."))
-        True
-    """
+    """The CPU allocator ran out: `RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`."""
     return bool(_CPU_ALLOCATOR.search(_runtime_message(exc)))
 
 
 def is_aligned_alloc_oom(exc: BaseException) -> bool:
-    """A kernel's aligned host allocation failed: `posix_memalign failed:Cannot allocate memory (12)`.
-
-    Example:
-        >>> is_aligned_alloc_oom(RuntimeError(
-        ...     "Exception encountered when calling Conv2D.call().\n\n"
-        ...     "posix_memalign failed:Cannot allocate memory (12)"))
-        True
-    """
+    """A kernel's aligned host allocation failed: `posix_memalign failed:Cannot allocate memory (12)`."""
     return bool(_ALIGNED_ALLOC.search(_runtime_message(exc)))
 
 
 def is_cublas_alloc_oom(exc: BaseException) -> bool:
-    """cuBLAS could not allocate its workspace: `CUBLAS_STATUS_ALLOC_FAILED`.
-
-    Example:
-        >>> is_cublas_alloc_oom(RuntimeError(
-        ...     "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
-        True
-    """
+    """cuBLAS could not allocate its workspace: `CUBLAS_STATUS_ALLOC_FAILED`."""
     return _CUBLAS_ALLOC in _runtime_message(exc)
 
 
 def is_cudnn_alloc_oom(exc: BaseException) -> bool:
-    """cuDNN could not allocate: `CUDNN_STATUS_ALLOC_FAILED`.
-
-    Example:
-        >>> is_cudnn_alloc_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
-        True
-    """
+    """cuDNN could not allocate: `CUDNN_STATUS_ALLOC_FAILED`."""
     return _CUDNN_ALLOC in _runtime_message(exc)
 
 
 def is_mps_oom(exc: BaseException) -> bool:
-    """Apple's MPS backend ran out: `RuntimeError: MPS backend out of memory ...`.
-
-    Example:
-        >>> is_mps_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
-        True
-    """
+    """Apple's MPS backend ran out: `RuntimeError: MPS backend out of memory ...`."""
     return _MPS_OOM in _runtime_message(exc)
 
 

@@ -33,7 +33,7 @@ import torch
 from keras.src.backend.torch.core import device_scope, to_torch_dtype
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend.base import NO_SPEC, Spec
+from keras_memfit.backend.base import NO_SPEC, Spec, model_of
 from keras_memfit.backend.torch import memory
 
 logger = logging.getLogger("keras_memfit")
@@ -83,17 +83,11 @@ class _Step:
         self._model_ref = weakref.ref(model)
         self._after_oom = AfterOOM()
 
-    def _model(self) -> keras.Model:
-        model = self._model_ref()
-        if model is None:
-            raise RuntimeError("the model of this step was deleted")
-        return model
-
     def __call__(self, data: Any) -> Any:
         self._after_oom.before_call()
         try:
             with torch.no_grad():
-                return self._run(self._model(), to_tensors(data))
+                return self._run(model_of(self._model_ref), to_tensors(data))
         except Exception:
             self._after_oom.failed()
             raise
@@ -117,7 +111,7 @@ class PredictStep(_Step):
 
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)`, traced on the "meta" device (see `output_spec`)."""
-        model = self._model()
+        model = model_of(self._model_ref)
         mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
                    for v in model.variables]
 
@@ -162,11 +156,7 @@ class TestStep(_Step):
 
 
 def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
-    """An `x -> outputs` step running `model.predict_step` then `postprocess`.
-
-    Example:
-        >>> outputs = make_predict_step(model)(x[:64])
-    """
+    """Eager, under `torch.no_grad()` (see the module)."""
     return PredictStep(model, postprocess)
 
 
@@ -179,14 +169,7 @@ KERAS_BEGINS_BATCH_BEFORE_FETCH = False
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
-    """A `(x, y, sample_weight) -> logs` step running `model.test_step`.
-
-    `exact` is accepted for the seam's sake: eager steps already count
-    per-output losses per sample.
-
-    Example:
-        >>> logs = make_test_step(model)((x[:64], y[:64], None))
-    """
+    """Eager, under `torch.no_grad()`; every batch's shape is known, so `exact` changes nothing."""
     return TestStep(model)
 
 
@@ -219,7 +202,7 @@ class TensorsOf:
 
 
 class VariableGuard:
-    """Copies of some variables, taken before a step and restored if it fails.
+    """A `Guard`: copies of some variables, taken before a step, restored if it fails.
 
     The copies are tensors on the variables' own devices (the guarded state
     is small: metrics, counters, non-trainable layer state), made by the
@@ -237,7 +220,6 @@ class VariableGuard:
         self._saved: Optional[List[Any]] = None
 
     def snapshot(self) -> None:
-        """Record the variables' current values."""
         values = self._tensors(self._variables)
         with torch.no_grad():
             if self._saved is None:
@@ -246,7 +228,6 @@ class VariableGuard:
                 torch._foreach_copy_(self._saved, values)
 
     def restore(self) -> None:
-        """Put back the values recorded by the last `snapshot()`."""
         if self._saved is None:
             return
         with torch.no_grad():
@@ -255,32 +236,20 @@ class VariableGuard:
 
 
 def guard_variables(variables: Sequence[Any]) -> VariableGuard:
-    """A `VariableGuard` over `variables` (see its docstring)."""
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
-    """Build the model, its compiled metrics and loss before steps run."""
     x, y, sample_weight = batch
     _keras_compat.symbolic_build(model, (x, y, sample_weight))
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """Output structure of `step(x)`, traced on PyTorch's "meta" device; `NO_SPEC` where
-    it cannot be traced.
-
-    The step runs on meta tensors (a shape and a dtype, no storage: nothing
-    is computed or allocated) with the model's variables mapped to meta
-    tensors of their shapes (`keras.StatelessScope`), at two batch sizes:
-    each tensor leaf becomes a `keras_memfit.backend.Spec` whose dimensions
-    that follow the batch size are None; a leaf that is not a tensor is
-    returned as it is. Where an op has no meta kernel (or anything else in
-    the trace raises), `NO_SPEC`: the first piece's outputs describe the step.
-
-    Example:
-        >>> output_spec(make_predict_step(model), x[:8])
-        Spec(shape=(None, 10), dtype=dtype('float32'))
-    """
+    """Traced on PyTorch's "meta" device: the step runs on meta tensors (a shape
+    and a dtype, no storage: nothing is computed or allocated) with the
+    model's variables mapped to meta tensors (`keras.StatelessScope`), at two
+    batch sizes. Where an op has no meta kernel (or anything else in the
+    trace raises), `NO_SPEC`: the first piece's outputs describe the step."""
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):

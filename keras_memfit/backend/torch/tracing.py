@@ -27,8 +27,6 @@ from keras_memfit.backend.base import Trace
 
 logger = logging.getLogger("keras_memfit")
 
-# Two batch sizes unlikely to equal a model's other dimensions.
-
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
     from keras.src.backend.torch.core import to_torch_dtype
@@ -97,24 +95,6 @@ def _record(model: keras.Model, batch: int) -> CallRecorder:
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Every layer and operation call of one symbolic forward pass of `model`.
-
-    Args:
-        model: A built Keras model.
-
-    Returns:
-        The `Trace`: the model's input tensors, its output keys and every
-        call below the model's own, in call order (`parent` None for the
-        model's direct children). Shapes have None for the batch dimension
-        (and any other dimension that follows the batch size).
-
-    Raises:
-        ValueError: If the model has not been built, or its forward pass
-            makes different calls at two batch sizes.
-
-    Example:
-        >>> trace = trace_layer_calls(model)
-        >>> [type(call.op).__name__ for call in trace.calls][:2]
-        ['Conv2D', 'Conv2D']
-    """
+    """Traced on the "meta" device at two batch sizes (see the module); where an
+    op has no meta kernel, for real on Keras's device at a small batch."""
     return trace_at_two_batches(model, lambda batch: _record(model, batch))

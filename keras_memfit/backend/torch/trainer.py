@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, List
 
 import keras
 
-_KINDS = ("train", "test", "predict")
+from keras_memfit.backend.base import check_step_kind
 
 
 def step_function(
@@ -24,25 +24,8 @@ def step_function(
     kind: str,
     run_batches: Callable[[List[Any]], Any],
 ) -> Callable[[Any], Any]:
-    """A replacement for `model.<kind>_function` that runs `run_batches`.
-
-    Args:
-        model: The model whose function is replaced.
-        kind: "train", "test" or "predict".
-        run_batches: Runs a list of Keras batches; returns what Keras expects
-            of the function (the logs; for "predict", the batches' outputs).
-
-    Returns:
-        `function(data)`, `data` the list of batches Keras pulled.
-
-    Raises:
-        ValueError: If `kind` is not one of the three.
-
-    Example:
-        >>> model.train_function = step_function(model, "train", run.train)
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {list(_KINDS)}; received kind={kind!r}")
+    """`function(data)`, `data` the list of batches Keras pulled."""
+    check_step_kind(kind)
 
     def function(data):
         return run_batches(list(data))
@@ -51,26 +34,17 @@ def step_function(
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
-    """The batches of a Keras data adapter, as Keras's torch loops hand them to a step.
-
-    Keras's own torch data loader (`get_torch_dataloader`): torch tensors.
-    """
+    """Keras's own torch data loader (`get_torch_dataloader`): torch tensors."""
     return iter(adapter.get_torch_dataloader())
 
 
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Keras's own torch `<kind>_function` on `batches` (those MemFit cannot split).
-
-    Example:
-        >>> logs = call_keras_function(model, "train", keras_train_function, batches)
-    """
     return function(list(batches))
 
 
 def is_end_of_data(exc: BaseException) -> bool:
-    """Whether `exc` is how an epoch's iterator says it has no batch left."""
     return isinstance(exc, StopIteration)
 
 

@@ -34,53 +34,11 @@ from keras_memfit.backend.torch.steps import AfterOOM, TensorsOf, VariableGuard,
 
 
 def has_default_train_step(model: keras.Model) -> bool:
-    """Whether `model` uses Keras's own `train_step` (no override)."""
     return getattr(type(model).train_step, "__code__", None) is TorchTrainer.train_step.__code__
 
 
-def check_not_distributed(what: str) -> None:
-    """Raise `NotImplementedError` naming `what` when `torch.distributed` is in use."""
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        raise NotImplementedError(
-            f"{what} on the torch backend runs in one process on one device; received a "
-            f"model in a torch.distributed process group (world size "
-            f"{dist.get_world_size()}, e.g. DistributedDataParallel), whose processes "
-            "would have to split every batch alike. Run it without torch.distributed, "
-            "or use KERAS_BACKEND=tensorflow with tf.distribute.MirroredStrategy."
-        )
-
-
-def training_replicas(model: keras.Model) -> None:
-    """None: one device; `NotImplementedError` under `torch.distributed` (DDP).
-
-    Raises:
-        NotImplementedError: If a `torch.distributed` process group is
-            initialized (DistributedDataParallel, several processes).
-    """
-    check_not_distributed("MemFit")
-    return None
-
-
-def process_count() -> int:
-    """1: MemFit on torch trains in one process (`torch.distributed` is refused)."""
-    return 1
-
-
-def combine_process_metrics(model: keras.Model) -> None:
-    """Nothing: one process."""
-
-
-def process_failed(exc: BaseException) -> None:
-    """Nothing: one process."""
-
-
-def distribution_of(model: keras.Model) -> Optional[str]:
-    """"torch.distributed (world size N)" when a process group is initialized, else None."""
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return f"torch.distributed (world size {dist.get_world_size()})"
-    return None
+def check_training_mode(model: keras.Model, mode: str) -> None:
+    """Nothing: one process (`torch.distributed` is refused: `distribution`)."""
 
 
 def _rows(x: Any) -> int:
@@ -171,7 +129,7 @@ class TrainStep:
 
 
 def make_train_step(model: keras.Model) -> TrainStep:
-    """A `TrainStep` for `model`, guarding `train_state_variables(model)`."""
+    """A `TrainStep` guarding `train_state_variables(model)`."""
     return TrainStep(model, train_state_variables(model))
 
 
@@ -206,7 +164,7 @@ class CustomTrainStep:
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
-    """A `CustomTrainStep` running `model.train_step` (Keras's `fit` built the model: `data` unused)."""
+    """A `CustomTrainStep` (Keras's `fit` built the model: `data` unused)."""
     return CustomTrainStep(model)
 
 
@@ -220,11 +178,6 @@ class GradientAccumulator:
     `weight` times the gradient of the scaled loss to the sums, frees the
     micro-batch's gradients and updates the metrics; `apply` runs
     `optimizer.apply` once on the sums (one step: `iterations` + 1).
-
-    Example:
-        >>> acc = make_accumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
-        >>> acc.apply()
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -238,7 +191,6 @@ class GradientAccumulator:
         self._after_oom.before_call()
 
     def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
         model = self._model_ref()
         weights = model.trainable_weights
         self._after_oom.before_call()
@@ -293,5 +245,4 @@ class GradientAccumulator:
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
-    """A `GradientAccumulator` over `model`'s trainable weights."""
     return GradientAccumulator(model)

@@ -1,0 +1,124 @@
+"""Gradient accumulation on JAX: micro-batch gradients summed in place, applied as one step.
+
+`accumulation_programs` compiles the two programs (add a weighted
+micro-batch's gradients to the sums; apply the sums as one optimizer step),
+which `GradientAccumulator` runs on one device (or, through
+`distribution.ShardedAccumulator`, laid out over a `DataParallel`'s devices)
+and `process_training.ProcessAccumulator` on every local device of each of
+several processes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src.backend.jax.trainer import JAXTrainer
+
+from keras_memfit.backend.jax import state as _state
+from keras_memfit.backend.jax.steps import _compile
+
+TRAIN_STATE = _state.GROUPS["train"]
+
+
+def accumulation_programs(
+    model: keras.Model, wrap: Optional[Callable[[Callable], Callable]] = None,
+) -> Tuple[Any, Any]:
+    """The compiled programs of gradient accumulation: `(add, apply)`.
+
+    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight)`
+    returns `(sums + weight * gradients, non_trainable, metrics)` (the sums
+    donated: added to in place); `apply(trainable, optimizer, sums)` returns
+    the optimizer's `stateless_apply` (trainable and optimizer donated).
+    `wrap`, if given, transforms `add`'s function before it is compiled (the
+    multi-process accumulator maps it over the local devices:
+    `process_training`).
+    """
+    model_ref = weakref.ref(model)
+
+    def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight):
+        model = model_ref()
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+        def weighted_loss(trainable):
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics, x, y, sample_weight,
+                training=True, optimizer_variables=optimizer,
+            )
+            return loss * weight.astype(loss.dtype), aux
+
+        (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
+        unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
+        _, new_metrics = JAXTrainer._update_metrics_variables(
+            model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
+        )
+        sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
+        return sums, new_non_trainable, new_metrics
+
+    # The arguments in the order of the outputs (see `TrainStep`).
+    def apply_fn(trainable, optimizer, sums):
+        return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
+
+    # The sums are added to in place; the update works in place.
+    if wrap is not None:
+        add_fn = wrap(add_fn)
+    return (_compile(model, add_fn, donate_argnums=(0,)),
+            _compile(model, apply_fn, donate_argnums=(0, 1)))
+
+
+class GradientAccumulator:
+    """Sums weighted micro-batch gradients and applies them as one optimizer step.
+
+    The sums are JAX arrays the size of the trainable weights (exact
+    accumulation's one extra buffer), made by `reset()` (only once a batch
+    has had to be split), added to in place (donated to `add`'s program), and
+    dropped by `apply`, whose program updates the weights and optimizer
+    variables in place as `TrainStep`'s update program does. A micro-batch
+    that runs out of memory may lose the sums (the attempt restarts from
+    `reset()`), never the model's state; an `apply` that fails loses the
+    donated state (`OutOfMemoryError`, cause "update"). `add` computes
+    the gradient of `weight` times the scaled loss of a micro-batch, as
+    Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
+    metrics as it does, and writes the metric and non-trainable state only
+    once the micro-batch finished; `apply` runs the optimizer's
+    `stateless_apply` once on the sums (one step: `iterations` + 1), then
+    leaves the state in the model's variables (`state.materialize`), where
+    Keras's `get_metrics_result` reads the batch's metrics.
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self._model_ref = weakref.ref(model)
+        self._sums: Optional[List[Any]] = None
+        self._add, self._apply = accumulation_programs(model)
+
+    def reset(self) -> None:
+        model = self._model_ref()
+        self._sums = None  # before the new ones are made: never two sets at once
+        self._sums = [jnp.zeros(v.shape, v.dtype) for v in model.trainable_variables]
+
+    def add(self, data: Any, weight: float) -> None:
+        model = self._model_ref()
+        sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
+            self._sums, *_state.get(model, TRAIN_STATE), data,
+            jnp.asarray(weight, jnp.float32),
+        ))
+        self._sums = sums
+        _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
+
+    def held(self) -> Optional[str]:
+        """None: the gradients are dense, their sums the size of the weights."""
+        return None
+
+    def apply(self) -> None:
+        model = self._model_ref()
+        trainable, optimizer = _state.get(model, ("trainable", "optimizer"))
+        sums, self._sums = self._sums, None
+        new_trainable, new_optimizer = jax.block_until_ready(
+            self._apply(trainable, optimizer, sums)
+        )
+        del sums
+        _state.put(model, ("trainable", "optimizer"), (new_trainable, new_optimizer))
+        _state.materialize(model)  # the batch's metrics are read from the variables next

@@ -1,0 +1,104 @@
+"""Keras's default TensorFlow train step, in the parts MemFit's steps are made of.
+
+The same computation as `TensorFlowTrainer.train_step`, cut where MemFit
+needs to act between the parts: the forward pass and the loss
+(`forward_loss`), the gradients (`loss_and_gradients`), the loss tracker
+(`track_loss`) and the update flagged as begun (`flagged_train_step`). Used
+by the train steps (`training`), gradient accumulation (`accumulation`) and
+the replicas' steps (`distribute`); traced inside their compiled steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import keras
+import tensorflow as tf
+
+from keras_memfit._internal import keras_compat as _keras_compat
+
+
+def keras_train_step() -> Any:
+    """Keras's own `train_step` for the TensorFlow backend (`TensorFlowTrainer.train_step`)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.train_step
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """The loss without the distribution strategy's scaling (as Keras's train step).
+
+    Keras 3.8 began scaling the loss by the number of replicas (and added
+    this function); before it the loss was never scaled, so it is returned
+    as it is.
+    """
+    from keras.src.losses import loss as loss_module
+
+    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
+    return loss if unscale is None else unscale(loss)
+
+
+def _rows(x: Any) -> Any:
+    return tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
+
+
+def forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
+    """`(y_pred, loss)`: the forward pass in training mode and the compiled loss."""
+    if _keras_compat.call_has_training_arg(model):
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    return y_pred, _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
+
+
+def track_loss(model: keras.Model, loss: Any, x: Any) -> None:
+    """Update the loss tracker as Keras's train step does."""
+    _keras_compat.loss_tracker(model).update_state(
+        unscale_loss_for_distribution(loss), sample_weight=_rows(x)
+    )
+
+
+def loss_and_gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
+    """`(y_pred, loss, gradients)`: the forward pass and the (scaled) loss's gradients."""
+    with tf.GradientTape() as tape:
+        y_pred, loss = forward_loss(model, x, y, sample_weight)
+        scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+    weights = model.trainable_weights
+    gradients = tape.gradient(scaled, weights) if weights else []
+    return y_pred, loss, gradients
+
+
+def _tensors(gradient: Any) -> List[Any]:
+    """The dense tensors of a gradient (a `tf.IndexedSlices`'s values and indices)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return [gradient.values, gradient.indices]
+    return [gradient]
+
+
+def flagged_train_step(
+    model: keras.Model, data: Any, flag: Callable[[], Any], *, strict: bool = True
+) -> Any:
+    """Keras's default train step on `data`, `flag()` run before the optimizer update.
+
+    Forward pass and loss, gradients, then `flag()` (an op that records that
+    the update began, e.g. a variable's assign) and `apply_gradients` with
+    every op of it depending on that op, so a failed step tells whether the
+    update began; then the loss tracker and the metrics. `strict`: the flag
+    waits for every gradient; else for the one of the last trainable weight
+    (the first computed, next to the loss), so that the update of a weight
+    may run while other gradients are still computed (see `TrainStep`).
+    Gradients reach the optimizer as they are (sparse ones stay
+    `tf.IndexedSlices`). Traced inside a step (on one device, or per replica).
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    y_pred, loss, gradients = loss_and_gradients(model, x, y, sample_weight)
+    weights = model.trainable_weights
+    if weights:
+        present = [g for g in gradients if g is not None]
+        waited = present if strict else present[-1:]
+        with tf.control_dependencies([t for g in waited for t in _tensors(g)]):
+            began = flag()
+        with tf.control_dependencies([began]):
+            model.optimizer.apply_gradients(zip(gradients, weights))
+    track_loss(model, loss, x)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -1,0 +1,29 @@
+"""TensorFlow's distribution answers: `tf.distribute` strategies, in one process.
+
+The seam's `Distribution` on TensorFlow, from the modules that run the
+strategies: which strategy a model runs under and the devices of its
+replicas (`replicas`), the replicas MemFit trains (`distribute`). Several
+processes (multi-worker strategies) are refused there, so nothing here
+agrees with other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+from keras_memfit.backend.tensorflow import distribute, replicas
+
+distribution_of = replicas.distribution_of
+replica_devices = replicas.replica_devices
+training_replicas = distribute.training_replicas
+
+
+def piece_multiple() -> int:
+    """1: any piece size runs (tf.distribute splits uneven batches itself)."""
+    return 1
+
+
+def evaluation(model: Any) -> ContextManager[None]:
+    """Nothing around it: one process (a strategy's replicas share their metric variables)."""
+    return contextlib.nullcontext()

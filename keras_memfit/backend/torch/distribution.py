@@ -1,0 +1,56 @@
+"""torch's distribution answers: one process on one device; `torch.distributed` refused.
+
+Keras's torch backend has no distribution MemFit trains under: a model in a
+`torch.distributed` process group (DistributedDataParallel) is refused by
+MemFit (`training_replicas`); every piece runs on Keras's one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Optional, Tuple
+
+import keras
+import torch
+
+
+def check_not_distributed(what: str) -> None:
+    """Raise `NotImplementedError` naming `what` when `torch.distributed` is in use."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise NotImplementedError(
+            f"{what} on the torch backend runs in one process on one device; received a "
+            f"model in a torch.distributed process group (world size "
+            f"{dist.get_world_size()}, e.g. DistributedDataParallel), whose processes "
+            "would have to split every batch alike. Run it without torch.distributed, "
+            "or use KERAS_BACKEND=tensorflow with tf.distribute.MirroredStrategy."
+        )
+
+
+def training_replicas(model: keras.Model) -> None:
+    """None: one device; refused under `torch.distributed` (DDP)."""
+    check_not_distributed("MemFit")
+    return None
+
+
+def distribution_of(model: keras.Model) -> Optional[str]:
+    """"torch.distributed (world size N)" when a process group is initialized, else None."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return f"torch.distributed (world size {dist.get_world_size()})"
+    return None
+
+
+def replica_devices(model: Any) -> Tuple[str, ...]:
+    """(): every piece is planned for `compute_device()` alone."""
+    return ()
+
+
+def piece_multiple() -> int:
+    """1: any piece size runs."""
+    return 1
+
+
+def evaluation(model: keras.Model) -> ContextManager[None]:
+    """Nothing around it: one process."""
+    return contextlib.nullcontext()
