@@ -219,14 +219,17 @@ class BatchLoop:
         )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
-        """End a last, shorter execution; send the `on_*_batch_begin` Keras sends when input ends early.
+        """End the batches: a last, shorter execution; the begin Keras sends when input ends early.
 
         With `steps_per_execution` above 1, an execution the pieces left open
-        ends now (`on_*_batch_end`, as Keras ends a last, shorter one). Keras calls `on_*_batch_begin` before it fetches a batch, so when the
+        ends now (`on_*_batch_end`, as Keras ends a last, shorter one).
+
+        Keras calls `on_*_batch_begin` before it fetches a batch, so when the
         input runs out before the number of batches it expected (`steps`, or
         the input's announced length; always for a generator, whose length
-        is unknown) it has called it once more, for a batch that never came.
-        Call after the loop over `pieces`, also when the run was stopped.
+        is unknown) it has called it once more, for a batch that never came;
+        that call is sent here, unless the run was stopped. Call after the
+        loop over `pieces`.
         """
         if self._execution_logs:  # a last, shorter execution
             self._end_execution()

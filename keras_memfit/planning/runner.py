@@ -184,10 +184,10 @@ def run_whole(
     """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
 
     What `run_in_pieces(model, phase, [chunk], step, ..., planner=planner,
-    guard=guard, detail=detail)` does (and yields) while the planner's next size is at
-    least the chunk's rows, without its loop: for MemFit's batches, which
-    run whole (once per Keras step) unless memory is short. `rows`: the
-    chunk's rows, where the caller knows them.
+    guard=guard, detail=detail)` does (and yields) while the planner's next
+    size is at least the chunk's rows, without its loop: for MemFit's
+    batches, which run whole (once per Keras step) unless memory is short.
+    `rows`: the chunk's rows, where the caller knows them.
 
     Returns:
         `step`'s result, or `SPLIT` when the planner's size is smaller than
