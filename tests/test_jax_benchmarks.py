@@ -1,7 +1,8 @@
-"""Smoke test: `benchmarks/jax_floor.py` runs end to end on JAX in its quick mode.
+"""Smoke tests: `benchmarks/jax_floor.py` and `benchmarks/ahead.py` run end to end on JAX, quickly.
 
-Only that it runs, checks its own work (its two step loops train the same
-weights) and writes its section is tested here; what it measures is recorded
+Only that they run, check their own work (jax_floor's two step loops train
+the same weights, ahead's outputs equal Keras's) and write their sections or
+tables is tested here; what it measures is recorded
 in benchmarks/RESULTS.md, never asserted in a timed unit test.
 """
 
@@ -50,3 +51,15 @@ def test_jax_floor_refuses_another_backend():
     )
     assert proc.returncode == 2
     assert "needs KERAS_BACKEND=jax; received KERAS_BACKEND=numpy" in proc.stderr
+
+
+def test_ahead_quick_run_prints_one_row_per_number_of_pieces_ahead():
+    """`benchmarks/ahead.py` runs (its outputs checked equal to Keras's) and prints its table."""
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ahead", "--samples", "640", "--repeats", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| [012] \| ", line)]
+    assert [row.split(" | ")[0] for row in rows] == ["| 0", "| 1", "| 2"], proc.stdout
