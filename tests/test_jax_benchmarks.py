@@ -2,7 +2,7 @@
 
 Only that they run, check their own work (jax_floor's two step loops train
 the same weights, ahead's outputs equal Keras's) and write their sections or
-tables is tested here; what it measures is recorded
+tables is tested here; what they measure is recorded
 in benchmarks/RESULTS.md, never asserted in a timed unit test.
 """
 
