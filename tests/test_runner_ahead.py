@@ -11,6 +11,8 @@ rows handed over.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -173,3 +175,62 @@ def test_without_start_pieces_run_one_at_a_time():
     for _ in run_in_pieces(_Model(), "predict", [(x,)], step, requested=8):
         pass
     assert [kind for kind, *_ in step.calls] == ["call"] * 3
+
+
+class _HoldingStep(_FakeStep):
+    """A `_FakeStep` whose failure is raised from a frame holding a large buffer.
+
+    Records, at every later call (the retry), whether that buffer is still
+    alive: the caught OOM's traceback holds the failed frame's locals, so the
+    retry would run with the failed piece's memory still taken.
+    """
+
+    def __init__(self, where, **kwargs):
+        super().__init__(**kwargs)
+        self.where = where
+        self.buffers = []
+        self.alive_at_retry = []
+
+    def _hold_and_fail(self, fail):
+        buffer = np.ones(1 << 16)  # the failed piece's activations
+        self.buffers.append(weakref.ref(buffer))
+        fail()
+
+    def __call__(self, piece):
+        self.alive_at_retry.append(any(ref() is not None for ref in self.buffers))
+        if self.where == "call" and not self.buffers:
+            self._hold_and_fail(lambda: (_ for _ in ()).throw(MemoryError("out of memory")))
+        return super().__call__(piece)
+
+    def start(self, piece):
+        if self.where == "start" and not self.buffers:
+            self._hold_and_fail(lambda: super(_HoldingStep, self).start(piece))
+        started = super().start(piece)
+        if self.where != "wait" or self.buffers:
+            return started
+        step = self
+
+        class HoldingStarted:
+            def wait(self):
+                step._hold_and_fail(started.wait)
+
+            def undo(self):
+                started.undo()
+
+        return HoldingStarted()
+
+
+@pytest.mark.parametrize("where", ["call", "start", "wait"])
+def test_the_failed_pieces_memory_is_free_before_the_retry(where):
+    # "call": a piece run one at a time (no start); "start": an OOM at once;
+    # "wait": an OOM found when the started piece is waited for.
+    step = _HoldingStep(where, fail_start={0} if where == "start" else (),
+                        fail_wait={0} if where == "wait" else ())
+    x = np.arange(24, dtype=np.float64)
+    seen = []
+    for piece in run_in_pieces(_Model(), "predict", [(x,)], step, requested=8,
+                               start=None if where == "call" else step.start):
+        seen.extend(piece.data[0].astype(int).tolist())
+    assert seen == list(range(24))
+    assert step.buffers and step.alive_at_retry, "no failure and retry happened"
+    assert not any(step.alive_at_retry)

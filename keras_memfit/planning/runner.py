@@ -235,8 +235,7 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
             guard.restore()
         if not planner.failed(size):
             raise _final_error(model, phase, piece, planner, detail) from exc
-        del exc  # its traceback holds the failed piece's buffers
-        gc.collect()
+        _drop_frames(exc)
         return SPLIT
     planner.succeeded(size, full=size >= planned)
     return result
@@ -327,10 +326,9 @@ class _PieceLoop:
             if not is_retryable_oom(exc):
                 raise
             self.start = None  # one piece at a time from now on
+            _drop_frames(exc)  # before the earlier rows are handed on
             yield from self.wait_all()  # the earlier rows first
             self.failed(planner, piece, size, exc)
-            del exc
-            gc.collect()
             return False
         self.ahead.append(_Ahead(planner, piece, size, planned, started))
         if len(self.ahead) > AHEAD:
@@ -353,8 +351,7 @@ class _PieceLoop:
                 raise
             self.start = None  # one piece at a time from now on
             self.failed(oldest.planner, oldest.piece, oldest.size, exc)
-            del exc
-            gc.collect()
+            _drop_frames(exc)
             for again in [oldest] + newer:
                 yield from self.rows(again.piece, again.planner)
             return
@@ -403,13 +400,28 @@ def _all_or_nothing(
                 raise
             if not planner.failed(size):
                 raise _final_error(model, phase, chunk, planner, detail) from exc
-            del exc
-            gc.collect()
+            _drop_frames(exc)
             continue
         except BaseException:  # KeyboardInterrupt: leave the chunk undone
             guard.restore()
             raise
         return accumulation.finish(), parts
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what a caught OOM holds before the retry: its traceback's frames hold the failed piece's buffers.
+
+    The exception itself stays alive while it is handled (the retry runs
+    inside its `except` block, or after it with the exception kept as the
+    cause of a later error), so its frames, and those of the exceptions it
+    was raised from, are cut from it rather than left to `del`.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+    gc.collect()
 
 
 def _final_error(
