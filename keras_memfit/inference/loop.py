@@ -235,7 +235,7 @@ class BatchLoop:
             self._end_execution()
         if self._stopped() or source.from_arrays:
             return
-        if not getattr(_backend.get(), "KERAS_BEGINS_BATCH_BEFORE_FETCH", True):
+        if not _backend.get().KERAS_BEGINS_BATCH_BEFORE_FETCH:
             return  # torch: Keras's loop fetches the batch first (no begin without one)
         expected = steps or source.num_batches
         if expected is not None and self.batch >= expected:
