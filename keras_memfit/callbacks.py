@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 
@@ -60,6 +60,7 @@ from keras_memfit._internal import legacy as _legacy
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal.keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
 from keras_memfit.planning import shape_plan as _shape_plan
+from keras_memfit.training.remat import check_setting as check_remat
 from keras_memfit.training.run import MODES, Run
 from keras_memfit.training.summary import pad_history, summary
 
@@ -89,13 +90,23 @@ class MemFit(keras.callbacks.Callback):
             A dict: keyword arguments for `place` (`budget`, `cpu_layers`,
             `accelerator`). The model is placed once per MemFit and model;
             the plan is kept in `plan`.
+        remat: When even one sample does not fit in training, recompute
+            layers in the backward pass instead of keeping what they hold
+            (rematerialization), and train the same batch again, exactly.
+            "auto" (default): the model's top-level blocks that hold the most
+            memory, as few as needed (1, 2, 4, ... per OOM), remembered per
+            model and input signature. False: raise `OutOfMemoryError`
+            instead. A list of top-level layer names: recompute those from
+            the first batch.
 
     Attributes:
         events: One dict per adaptation during the last call (the fields of
             `keras_memfit.planning.planner.Event`, by `dataclasses.asdict`): `epoch`,
             `step`, `phase` ("train", "evaluate", "predict"), `kind` ("oom",
-            "estimate", "grow"), `batch_size`, `old_size`, `new_size`,
-            `old_split`, `new_split` (micro-batches per batch) and `reason`.
+            "estimate", "grow", "remat"), `batch_size`, `old_size`, `new_size`,
+            `old_split`, `new_split` (micro-batches per batch), `reason`, and
+            for "remat" `layers` (those recomputed from then on) and
+            `step_time` (the estimated step time over that without).
             Empty when nothing was adapted.
         plan: The `PlacementPlan` of the last placement made for `place=`,
             or None.
@@ -130,7 +141,8 @@ class MemFit(keras.callbacks.Callback):
 
     Raises:
         ValueError: If `place` is not None, a bool or a dict of `place`'s
-            keyword arguments.
+            keyword arguments; if `remat` is not "auto", False or a list of
+            layer names (at the start of `fit`: a name the model lacks).
         TypeError: When used with a tf_keras (Keras 2) model.
         NotImplementedError: At the start of `fit` (or of `evaluate` or
             `predict`), for an unsupported backend, for a model under a
@@ -154,12 +166,17 @@ class MemFit(keras.callbacks.Callback):
     """
 
     def __init__(
-        self, mode: str = "accumulate", place: Union[None, bool, Dict[str, Any]] = None
+        self,
+        mode: str = "accumulate",
+        place: Union[None, bool, Dict[str, Any]] = None,
+        remat: Union[str, bool, Sequence[str]] = "auto",
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f'mode must be "accumulate" or "shrink"; received mode={mode!r}')
+        check_remat(remat)
         self.mode = mode
+        self.remat = remat
         self.place = place
         self._place_options = _place_options(place)
         self.plan = None
@@ -195,6 +212,7 @@ class MemFit(keras.callbacks.Callback):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_built", {})  # pickled by an older keras_memfit
+        self.__dict__.setdefault("remat", "auto")
         self._placed = weakref.WeakSet()
 
     def set_model(self, model: Any) -> None:
@@ -216,7 +234,8 @@ class MemFit(keras.callbacks.Callback):
             self._run.release()  # a fit that raised kept its accumulator
         self._built = {}
         self._kept_events = []
-        self._run = Run(self.model, mode or self.mode, self._keras_function, fallback)
+        self._run = Run(self.model, mode or self.mode, self._keras_function, fallback,
+                        self.remat if self._in_fit else False)
 
     def _keras_function(self, kind: str, batches: List[Any]) -> Any:
         """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`).
@@ -240,8 +259,9 @@ class MemFit(keras.callbacks.Callback):
         self._place_model()
         if _backend.get().compiles_per_shape(self.model):
             _shape_plan.prepare(self.model)  # while the variables are readable
-        self._start(mode, fallback)
         self._in_fit = True
+        self._start(mode, fallback)
+        self._run.remat.prepare()
         self._epochs = 0
 
     def on_train_end(self, logs=None):
@@ -261,6 +281,7 @@ class MemFit(keras.callbacks.Callback):
             pad_history(getattr(self.model, "history", None))
         logs["memfit_ooms"] = self._run.epoch_ooms
         logs["memfit_split"] = self._run.epoch_split
+        logs["memfit_remat"] = self._run.epoch_remat
 
     def on_train_batch_begin(self, batch, logs=None):
         self._run.step = batch

@@ -389,6 +389,19 @@ class Training(Protocol):
         (TensorFlow traces it there, which builds the model).
         """
 
+    def checkpoint(self, fn: Callable) -> Callable:
+        """`fn`, a function of tensors, recomputed in the backward pass (rematerialization).
+
+        What `fn` computes is not kept for the gradients: the backward pass
+        runs `fn` again on the same inputs (`tf.recompute_grad`,
+        `jax.checkpoint`, torch's non-reentrant `checkpoint`). `fn` takes
+        and returns tensors only (nested outputs allowed); the caller closes
+        over everything else.
+
+        Example:
+            >>> block = backend.get().checkpoint(lambda x: layer(x, training=True))
+        """
+
     def make_accumulator(self, model: Any) -> Accumulator:
         """An `Accumulator` over `model`'s trainable weights.
 

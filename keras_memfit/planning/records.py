@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any, Dict, Hashable, Optional
+from typing import Any, Dict, Hashable, Optional, Tuple
 
 
 @dataclasses.dataclass
@@ -66,7 +66,8 @@ class Event:
             `safe_evaluate`).
         step: The training batch's index in its epoch (set by MemFit), or None.
         phase: "predict", "evaluate" or "train".
-        kind: "estimate", "oom" or "grow".
+        kind: "estimate", "oom", "grow" or "remat" (more layers recomputed
+            in the backward pass after one sample ran out of memory).
         batch_size: Rows of the incoming batch that was split (set by
             MemFit), or None.
         old_size: The piece size before (None when there was none).
@@ -75,6 +76,9 @@ class Event:
             (set by MemFit), or None.
         new_split: The same at `new_size`, or None.
         reason: Why, in words (also logged).
+        layers: For "remat", the layers recomputed from now on, else None.
+        step_time: For "remat", the estimated step time over that without
+            recomputation (from the FLOPs), else None.
     """
 
     epoch: Optional[int] = _set_by_memfit()
@@ -87,6 +91,8 @@ class Event:
     old_split: Optional[int] = _set_by_memfit()
     new_split: Optional[int] = _set_by_memfit()
     reason: str
+    layers: Optional[Tuple[str, ...]] = dataclasses.field(default=None, kw_only=True)
+    step_time: Optional[float] = dataclasses.field(default=None, kw_only=True)
 
     def located(self, epoch: int, step: int, batch_size: Optional[int]) -> "Event":
         """A copy placed at `epoch` and `step` of `fit`, on a batch of `batch_size` rows."""

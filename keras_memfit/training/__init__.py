@@ -4,6 +4,8 @@
   pieces (`Run`);
 - `layout`: how a batch is cut into pieces and what runs them: one device,
   or the replicas of a `tf.distribute` strategy;
+- `remat`: the rung after splitting, layers recomputed in the backward
+  pass where one sample does not fit (`Rematerialization`);
 - `summary`: what MemFit reports at the end of `fit`;
 - `batch_dependence`: what makes a split batch differ from the whole one,
   and MemFit's warning about it.

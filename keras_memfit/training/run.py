@@ -51,12 +51,20 @@ from keras_memfit._internal.batches import concatenate
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
-from keras_memfit.oom import CANNOT_SPLIT, UPDATE, UPDATE_BEGAN, OutOfMemoryError, is_oom_error
+from keras_memfit.oom import (
+    CANNOT_SPLIT,
+    ONE_SAMPLE,
+    UPDATE,
+    UPDATE_BEGAN,
+    OutOfMemoryError,
+    is_oom_error,
+)
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 from keras_memfit.planning.runner import SPLIT, Accumulation, run_in_pieces, run_whole
 from keras_memfit.training.batch_dependence import SplitWarnings
 from keras_memfit.training.layout import Cut, layout_of
+from keras_memfit.training.remat import Rematerialization, Setting
 
 logger = logging.getLogger("keras_memfit")
 
@@ -96,6 +104,9 @@ class Run:
         fallback: Why `mode="accumulate"` was asked for but "shrink" is used,
             logged as a warning when that first matters (the first OOM in
             training); None when the mode is the one asked for.
+        remat: Where one sample does not fit in training, which layers to
+            recompute in the backward pass: "auto", False or layer names
+            (`keras_memfit.training.remat`).
 
     Attributes:
         layout: How a batch is cut into pieces and run: on one device, or on
@@ -107,6 +118,8 @@ class Run:
         epoch_ooms: OOMs caught in this epoch (training and validation).
         epoch_split: The most pieces one training batch was run as in this
             epoch (1 when none was split).
+        epoch_remat: The most layers recomputed in the backward pass for a
+            training batch of this epoch (0 when none).
         most_pieces: Per phase that split a batch, the most pieces one batch
             was run as during the call, and that batch's rows.
 
@@ -121,9 +134,13 @@ class Run:
         mode: str,
         keras_function: Callable[[str, List[Any]], Any],
         fallback: Optional[str] = None,
+        remat: Setting = False,
     ) -> None:
         self.model = model
         self.mode = mode
+        self.remat = Rematerialization(model, remat)
+        self._remat_names: Tuple[str, ...] = ()  # the layers recomputed for the batch
+        self._pieces_run = 0  # pieces of the batch applied (mode "shrink")
         self.keras_function = keras_function
         self.fallback = fallback
         self.layout = layout_of(model)
@@ -133,6 +150,7 @@ class Run:
         self.step = 0
         self.epoch_ooms = 0
         self.epoch_split = 1
+        self.epoch_remat = 0
         self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
@@ -146,6 +164,7 @@ class Run:
         self.epoch = epoch
         self.epoch_ooms = 0
         self.epoch_split = 1
+        self.epoch_remat = 0
 
     def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
         """Each Keras batch as the layout cuts it, or None when one cannot be split."""
@@ -164,6 +183,56 @@ class Run:
         return logs
 
     def _train_batch(self, cut: Cut) -> Any:
+        """Train on one Keras batch; where one sample does not fit, recompute more layers.
+
+        The batch is run again only while none of it was applied (always
+        with "accumulate", all or nothing; with "shrink", until a piece ran).
+        """
+        while True:
+            names = self.remat.apply(cut.signature)
+            if names != self._remat_names:  # steps traced again, memory planned afresh
+                self._remat_names, self._train_parts = names, None
+            self.epoch_remat = max(self.epoch_remat, len(names))
+            self._pieces_run = 0
+            try:
+                return self._train_batch_once(cut)
+            except OutOfMemoryError as exc:  # left before the retry: its frames hold tensors
+                if exc.cause != ONE_SAMPLE:
+                    raise
+                if self._pieces_run or not self.remat.escalate(cut.signature):
+                    raise self._remat_error(exc, cut)
+            self._remat_event(cut)
+
+    def _remat_event(self, cut: Cut) -> None:
+        """Record (and log) that more layers are recomputed for `cut`'s signature."""
+        names = self.remat.names(cut.signature)
+        ratio = self.remat.step_time(cut.signature)
+        cost = "" if ratio is None else f" (estimated step time x{ratio})"
+        self._unlocated.append(Event(
+            phase="train", kind="remat", old_size=1, new_size=1,
+            reason=(f"one sample did not fit; recomputing {len(names)} layer(s) in the "
+                    f"backward pass{cost}: {', '.join(names)}"),
+            layers=names, step_time=ratio,
+        ))
+        logger.warning("MemFit: %s", self._unlocated[-1].reason)
+        self._note_events(cut.slots)
+
+    def _remat_error(self, exc: OutOfMemoryError, cut: Cut) -> OutOfMemoryError:
+        """`exc`, saying which layers were recomputed when one sample still did not fit."""
+        names = self._remat_names
+        if not names:
+            return exc
+        saving = self.remat.saving(cut.signature)
+        freed = f", estimated to free {saving / 2**20:.1f} MiB per sample," if saving else ""
+        error = OutOfMemoryError(
+            exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_SAMPLE,
+            detail=(f"MemFit already recomputed {len(names)} layer(s) in the backward pass "
+                    f"({', '.join(names)}){freed} and found no more to recompute."),
+        )
+        error.__cause__ = exc.__cause__
+        return error
+
+    def _train_batch_once(self, cut: Cut) -> Any:
         """Train on one Keras batch: whole while it fits, else in pieces."""
         parts = self._train_parts_for(cut)
         planner = self._planner("train", cut)
@@ -194,6 +263,7 @@ class Run:
         ):
             logs = piece.result
             count += piece.parts
+            self._pieces_run += 1
         self.epoch_split = max(self.epoch_split, count)
         self._note_pieces("train", count, cut.rows)
         if count > 1:
@@ -246,9 +316,12 @@ class Run:
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
 
     def release(self) -> None:
-        """Free the accumulator's sums (the weights' size; made again when next needed)."""
+        """Free the accumulator's sums (the weights' size; made again when next needed),
+        and put the recomputed layers' calls back as they were."""
         if self._train_parts is not None:
             self._train_parts.accumulator = None
+        self.remat.release()
+        self._remat_names, self._train_parts = (), None
 
     def _train_parts_for(self, cut: Cut) -> TrainParts:
         if self._train_parts is None:
@@ -266,6 +339,7 @@ class Run:
                 tuple(id(v) for v in model.metrics_variables),
                 bool(getattr(model, "run_eagerly", False)),
                 model.jit_compile,
+                self._remat_names,
             )
 
             def build() -> TrainParts:
@@ -398,11 +472,14 @@ class Run:
         Every phase tries the whole batch first (`probe="after_oom"`): a
         batch that fits runs as Keras would run it.
         """
-        key = (phase, cut.signature)
+        signature = cut.signature
+        if phase == "train" and self._remat_names:  # another step: memory planned afresh
+            signature = (signature, self._remat_names)
+        key = (phase, signature)
         planner = self._planners.get(key)
         if planner is None:
             planner = self._planners[key] = BatchPlanner(
-                self.model, phase, cut.signature, None, self._unlocated, probe="after_oom"
+                self.model, phase, signature, None, self._unlocated, probe="after_oom"
             )
         planner.start_batch(cut.slots)
         return planner
@@ -420,7 +497,7 @@ class Run:
     def _note_events(self, batch_rows: Optional[int]) -> None:
         """Locate the planners' new events at the current epoch and step (a batch of `batch_rows`)."""
         for event in self._unlocated:
-            if event.kind == "oom":
+            if event.kind in ("oom", "remat"):  # a rung of remat follows an OOM too
                 self.epoch_ooms += 1
                 if event.phase == "train" and self.fallback:
                     logger.warning("%s", self.fallback)

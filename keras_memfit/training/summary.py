@@ -3,7 +3,7 @@
 `MemFit.events` is the full record; `summary` says it in one line, logged at
 INFO at the end of a call that adapted anything. `pad_history` keeps
 `History.history` one entry per epoch when MemFit's epoch-log entries
-(`memfit_ooms`, `memfit_split`) first appear after the first epoch.
+(`memfit_ooms`, `memfit_split`, `memfit_remat`) first appear after the first epoch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import keras
 
 PHASES = ("train", "evaluate", "predict")
 # MemFit's entries in the epoch logs, and their value for an epoch with no adaptation.
-EPOCH_ENTRIES = {"memfit_ooms": 0, "memfit_split": 1}
+EPOCH_ENTRIES = {"memfit_ooms": 0, "memfit_split": 1, "memfit_remat": 0}
 
 
 def _count(n: int, what: str) -> str:
@@ -55,6 +55,9 @@ def summary(
         if phase in most_pieces:
             pieces, rows = most_pieces[phase]
             parts.append(f"{phase} batches of {rows} rows run as up to {pieces} pieces")
+    remat = [e for e in events if e["kind"] == "remat"]
+    if remat:
+        parts.append(f"{_count(len(remat[-1]['layers']), 'layer')} recomputed in the backward pass")
     for kind, word in (("grow", "growth"), ("estimate", "estimate")):
         n = sum(1 for e in events if e["kind"] == kind)
         if n:

@@ -39,6 +39,17 @@ PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
 
 
+# XLA options per platform for the steps here. On the CPU client the pass
+# `cse_barrier_expander` removes the optimization barriers `jax.checkpoint`
+# puts around a recomputation before common-subexpression elimination runs,
+# which then merges the recomputation with the forward pass: the
+# rematerialized step kept everything (same peak as without). Without that
+# pass the recomputation stays (a transformer's gradient: 462 -> 76 MiB of
+# temporaries, the same gradients). A program without barriers is unchanged.
+# The GPU run (`benchmarks/gpu.py`, JAX "remat") says whether GPUs need it too.
+COMPILER_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"}}
+
+
 def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] = ()) -> Callable:
     """`fn` jitted as Keras would compile the model's steps, donating only `donate_argnums`.
 
@@ -47,7 +58,8 @@ def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] =
     """
     if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
         return fn
-    return jax.jit(fn, donate_argnums=donate_argnums) if donate_argnums else jax.jit(fn)
+    options = COMPILER_OPTIONS.get(jax.default_backend())
+    return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options)
 
 
 def values(variables: Sequence[Any]) -> List[Any]:

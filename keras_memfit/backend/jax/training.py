@@ -396,6 +396,11 @@ def make_train_step(model: keras.Model) -> Any:
                        process_training.ProcessTrainStep)
 
 
+def checkpoint(fn: Callable) -> Callable:
+    """`jax.checkpoint(fn)`; `steps._compile` keeps its recomputation on XLA's CPU client."""
+    return jax.checkpoint(fn)
+
+
 def make_custom_train_step(model: keras.Model, data: Any) -> Any:
     """The model's own `train_step` run whole (`TrainStep(custom=True)`).
 

@@ -348,6 +348,27 @@ class CustomTrainStep:
         return logs
 
 
+def checkpoint(fn: Callable) -> Callable:
+    """`tf.recompute_grad` over `fn`'s floating inputs.
+
+    The others (token ids, seed states) are closed over: the recomputation
+    reads the same tensors, and TensorFlow computes no gradient for them.
+    """
+
+    def call(*args: Any) -> Any:
+        floating = [i for i, arg in enumerate(args) if arg.dtype.is_floating]
+
+        def of_floating(*values: Any) -> Any:
+            full = list(args)
+            for i, value in zip(floating, values):
+                full[i] = value
+            return fn(*full)
+
+        return tf.recompute_grad(of_floating)(*[args[i] for i in floating])
+
+    return call
+
+
 def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
     """A `CustomTrainStep`, traced on Keras's batch `data`."""
     return CustomTrainStep(model, data)

@@ -21,10 +21,11 @@ object satisfies its protocol in `keras_memfit.backend.base`.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import keras
 import torch
+import torch.utils.checkpoint
 from keras.src.backend.torch.trainer import TorchTrainer
 
 from keras_memfit._internal import keras_compat as _keras_compat
@@ -161,6 +162,11 @@ class CustomTrainStep:
             drop_gradients(model.trainable_weights)
             self._after_oom.failed()
             raise
+
+
+def checkpoint(fn: Callable) -> Callable:
+    """Torch's non-reentrant `checkpoint` over `fn` (it keeps only `fn`'s inputs)."""
+    return lambda *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
