@@ -71,12 +71,26 @@ def _drop_grads(tensors: Sequence[Any]) -> None:
             t.grad = None
 
 
+def _random_state() -> tuple:
+    """torch's global generators' states: the CPU's, and the GPUs' once CUDA started."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 class TrainStep:
     """Keras's default torch train step, which can tell how far a failed call got.
 
     The same computation as `TorchTrainer.train_step`. Before it runs, the
-    small state (`guarded`) is snapshotted; when it raises an `Exception`,
-    that state is restored, the gradients it made are dropped and
+    small state (`guarded`) and torch's global random state (what Keras's
+    unseeded dropout draws from) are snapshotted; when it raises an
+    `Exception`, they are restored, the gradients it made are dropped and
     `last_outcome` says `RESTORED` (the weights untouched) or `UPDATE_BEGAN`
     (`optimizer.apply` had begun). The gradients are also dropped after a
     step that succeeded (Keras's own step keeps them until the next one).
@@ -104,6 +118,7 @@ class TrainStep:
         weights = model.trainable_weights
         tensors = self._tensors(weights)
         self._guard.snapshot()
+        random_state = _random_state()
         began = False
         try:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
@@ -124,6 +139,7 @@ class TrainStep:
         except Exception:
             _drop_grads(tensors)
             self._guard.restore()
+            _set_random_state(random_state)
             self.last_outcome = StepOutcome.UPDATE_BEGAN if began else StepOutcome.RESTORED
             self._after_oom.failed()
             raise
