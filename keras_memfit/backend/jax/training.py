@@ -254,7 +254,8 @@ class TrainStep:
         a later call reuses them) against the device's free memory now.
         "split" where that memory is unknown, under a `keras.distribution`,
         where an analysis is missing, and where the fused step would not fit
-        either (the gradient program's OOM then leaves the state intact);
+        either with `SPLIT_MARGIN` to spare (the gradient program's OOM then
+        leaves the state intact, and MemFit can recompute layers instead);
         "tight" where the two programs fit with less than their own size to
         spare: they run after collecting Python's garbage, and once more
         after an OOM (see `__call__`).
@@ -288,8 +289,8 @@ class TrainStep:
         except Exception as err:  # noqa: BLE001 - as above
             logger.debug("no buffer analysis of Keras's fused train step: %s", err)
             return "split"
-        if fused is None or arrived + _new_bytes(fused) > free:
-            return "split"
+        if fused is None or arrived + _new_bytes(fused) + SPLIT_MARGIN > free:
+            return "split"  # an OOM of the fused step would lose the state: only with room
         shapes = [tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(data)
                   if hasattr(leaf, "shape")]
         logger.warning(
