@@ -123,6 +123,9 @@ class BatchPlanner:
         self._device = self._memory.name
         self._limit = self._memory.limit
         self._stats_ok = self._memory.stats() is not None
+        # What was in use before each piece, for the budget an OOM proves
+        # (`_learn_budget`): only where statistics exist and the limit is not known.
+        self._reads_baseline = self._stats_ok and not self._exact_limit()
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
         self._baseline: Optional[int] = None
@@ -173,10 +176,12 @@ class BatchPlanner:
                 and one remainder, and a later chunk of as many rows, or a later
                 call, reuses those shapes (the requested size is Keras's batches).
         """
-        if self._even and not self._probes and self._size < min(rows or 0, self.requested_or_inf()):
+        if (self._even and self._size < (rows or 0) and not self._probes
+                and self._size < self.requested_or_inf()):
             self._even = False
             self._size = max(self._granular(even_size(rows, self._size)), 1)
-        return self._granular(self._probes[0] if self._probes else self._size)
+        size = self._probes[0] if self._probes else self._size
+        return size if self._multiple == 1 else self._granular(size)
 
     def _granular(self, size: float) -> float:
         """`size` down to a multiple of the backend's `piece_multiple`, if it is above one.
@@ -277,7 +282,8 @@ class BatchPlanner:
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
         """Call right before running a piece of `size` samples."""
-        self._note_baseline()
+        if self._reads_baseline:
+            self._note_baseline()
         if self._probes:
             self._note_floor()
             self._memory.begin_measure()
@@ -285,7 +291,8 @@ class BatchPlanner:
     def succeeded(self, size: int, full: bool) -> None:
         """Call after a piece of `size` samples ran; `full` if it was not clipped."""
         k = self._k
-        k.largest_ok = max(k.largest_ok, size)
+        if size > k.largest_ok:
+            k.largest_ok = size
         if self._probes:
             self._take_probe(size)
             return
@@ -465,8 +472,6 @@ class BatchPlanner:
     # itself still counts the failed piece's buffers: estimating from it
     # would shrink to a single sample.)
     def _note_baseline(self) -> None:
-        if self._exact_limit() or not self._stats_ok:
-            return
         stats = self._memory.stats()
         self._baseline = stats[0] if stats is not None else None
 

@@ -89,6 +89,10 @@ def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
 class Threaded:
     """Keras's state tuple during one call of keras_memfit's step function.
 
+    Also the block of `threaded`: entered, it is the call in progress on this
+    thread (a class rather than a generator-based context manager: entered
+    once per step of Keras's loop, where microseconds count).
+
     Attributes:
         names: The tuple's groups, in order (see `GROUPS`).
         materialized: Whether the state now lives in the variables.
@@ -97,10 +101,21 @@ class Threaded:
     def __init__(self, model: Any, kind: str, state: Sequence[Any]) -> None:
         self._model_ref = weakref.ref(model)
         self.names = GROUPS[kind]
-        self._values: Dict[str, List[Any]] = dict(zip(self.names, map(list, state)))
+        # Keras's own lists, not copies: nothing here changes a list in place
+        # (`put` and `restore` replace them), and Keras only reads them.
+        self._values: Dict[str, List[Any]] = dict(zip(self.names, state))
         self.materialized = False
         self._detached = False
         self._variables: Dict[str, List[Any]] = {}
+        self._outer: Optional[Threaded] = None  # the call in progress before this block
+
+    def __enter__(self) -> "Threaded":
+        self._outer = getattr(_local, "call", None)
+        _local.call = self
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _local.call = self._outer
 
     @property
     def model(self) -> Any:
@@ -170,28 +185,6 @@ class Threaded:
         return state
 
 
-class _Scope:
-    """The block of `threaded`: makes its call the one in progress on this thread.
-
-    A class rather than a generator-based context manager: entered once per
-    step of Keras's loop, where microseconds count.
-    """
-
-    __slots__ = ("_call", "_outer")
-
-    def __init__(self, call: Threaded) -> None:
-        self._call = call
-        self._outer: Optional[Threaded] = None
-
-    def __enter__(self) -> Threaded:
-        self._outer = getattr(_local, "call", None)
-        _local.call = self._call
-        return self._call
-
-    def __exit__(self, *exc_info: Any) -> None:
-        _local.call = self._outer
-
-
 def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Threaded]:
     """Run keras_memfit's steps on Keras's state tuple `state` for the block.
 
@@ -200,7 +193,7 @@ def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Thre
     """
     if kind not in GROUPS:
         raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
-    return _Scope(Threaded(model, kind, state))
+    return Threaded(model, kind, state)
 
 
 def active() -> Optional[Threaded]:

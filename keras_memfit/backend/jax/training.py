@@ -7,8 +7,11 @@ instead (`TrainStep`), at the same peak memory as Keras's own:
 
 1. the *gradient program* (forward pass, loss, gradients, metrics), which
    donates nothing: the activations live there, so that is where an OOM
-   happens, and it destroys nothing (`StepOutcome.UNTOUCHED`); it is waited
-   for before anything else runs;
+   happens, and it destroys nothing (`StepOutcome.UNTOUCHED`); where an OOM
+   shows only when a result is waited for (JAX's CPU client: see
+   `OOM_RAISES_AT_DISPATCH`), it is waited for before anything else runs,
+   since a donating program dispatched on the outputs of a program that
+   failed loses its donated inputs;
 2. the *update program* (`optimizer.stateless_apply`), which donates the
    weights and optimizer variables and writes them in place: it needs no
    memory beyond the gradients, whatever the batch size. It is not waited
@@ -70,6 +73,34 @@ UPDATED = ("trainable", "optimizer")  # what the update program writes in place
 # The two programs are kept unless they need this much more than is free: room
 # for what a step allocates beside its programs (the batch's logs, dispatch).
 SPLIT_MARGIN = 16 << 20
+
+OOM_RAISES_AT_DISPATCH: Dict[str, Optional[bool]] = {
+    "cpu": False,  # measured: tests/test_jax_async_oom.py
+    "gpu": None,
+    "tpu": None,
+}
+"""Whether a compiled program's OOM raises when it is called, per JAX platform.
+
+Keyed by `jax.devices()[0].platform`. True: the call (dispatch) raises the
+OOM, so `TrainStep` dispatches the update program right after the gradient
+program without waiting for it (a failed gradient program never hands its
+outputs to the donating update). False: the OOM shows only when a result
+is waited for, so the step waits for the gradient program first. None (not
+measured yet), and any platform not listed, waits, as False does: the model
+comes before host time.
+
+How the entries are filled in: `python -m benchmarks.gpu` on a device runs
+the JAX "dispatch" check (`benchmarks/gpu_jax.py`: a program too large for
+the memory left, once through a temporary buffer and once through its
+output). Where both OOMs raise "at the dispatch", that platform's entry
+becomes True; where either raises "at the wait", False. JAX's CPU client
+raises at the wait (`tests/test_jax_async_oom.py` pins that).
+"""
+
+
+def oom_raises_at_dispatch() -> bool:
+    """`OOM_RAISES_AT_DISPATCH` for the platform of JAX's first device (False where unknown)."""
+    return OOM_RAISES_AT_DISPATCH.get(jax.devices()[0].platform) is True
 
 
 def has_default_train_step(model: keras.Model) -> bool:
@@ -151,6 +182,9 @@ class TrainStep:
     `train_step` (`custom`) runs whole, compiled without donation, and its
     new state is written once it finished.
 
+    Whether the gradient program is waited for before the update is read
+    once, when the step is made (`oom_raises_at_dispatch`).
+
     Attributes:
         snapshots_itself: True: a failed gradient program wrote nothing, so
             callers need no `Guard`.
@@ -168,6 +202,7 @@ class TrainStep:
         self._model_ref = weakref.ref(model)
         model_ref = self._model_ref
         self._custom = custom
+        self._waits_for_gradients = not oom_raises_at_dispatch()
         self.last_outcome: Optional[StepOutcome] = None
         if custom:
             def whole_fn(trainable, non_trainable, optimizer, metrics, data):
@@ -216,13 +251,12 @@ class TrainStep:
                 mode = self._mode_for[key] = self._choose(model, current, data)
             if mode == "fused":
                 return self._call_fused(model, current, data)
-        trainable, non_trainable, optimizer, metrics = current
+        trainable, _, optimizer, _ = current
         if mode == "tight":
             gc.collect()
         try:
             try:
-                outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
-                _wait(outputs, self._compiled)
+                outputs = self._run_gradients(current, data)
             except Exception as err:
                 if mode == "split" or not is_oom_error(err):
                     raise
@@ -231,8 +265,7 @@ class TrainStep:
                 # batch 1); the state is untouched, so try once more after it.
                 del err
                 gc.collect()
-                outputs = self._gradients(trainable, non_trainable, optimizer, metrics, data)
-                _wait(outputs)
+                outputs = self._run_gradients(current, data)
         except Exception:
             self.last_outcome = StepOutcome.UNTOUCHED
             raise
@@ -246,6 +279,18 @@ class TrainStep:
         _state.put(model, TRAIN_STATE, (new_trainable, non_trainable, new_optimizer, metrics))
         self._last_update = _first_array(new_trainable)
         return logs
+
+    def _run_gradients(self, current: List[List[Any]], data: Any) -> tuple:
+        """The gradient program's outputs, waited for where its OOM would show only then.
+
+        Where the platform raises an OOM at dispatch
+        (`OOM_RAISES_AT_DISPATCH`), the call itself raised it, and the
+        update may be dispatched at once.
+        """
+        outputs = self._gradients(*current, data)
+        if self._waits_for_gradients:
+            _wait(outputs, self._compiled)
+        return outputs
 
     def _choose(self, model: keras.Model, current: List[List[Any]], data: Any) -> str:
         """How this input shape runs: "fused" (Keras's step) where the two programs would not fit.
