@@ -261,7 +261,6 @@ class MemFit(keras.callbacks.Callback):
             _shape_plan.prepare(self.model)  # while the variables are readable
         self._in_fit = True
         self._start(mode, fallback)
-        self._run.remat.prepare()
         self._epochs = 0
 
     def on_train_end(self, logs=None):

@@ -57,6 +57,10 @@ class LayerMemory:
             counted), or None where they cannot be derived.
         device: Where its variables live ("CPU:0", "GPU:0"; several joined by
             ","), or "-" when it has none.
+        remat_bytes: Bytes recomputing this call in the backward pass would
+            free at the report's batch size (MemFit's rung after splitting,
+            `MemFit(remat=...)`): what it produces inside beyond what is alive
+            after it; 0 for a call with nothing inside to recompute.
         cut_bytes_per_sample: Bytes per sample that would cross the device
             boundary if everything up to and including this row ran on one
             device and the rest on another: every tensor produced at or before
@@ -73,6 +77,7 @@ class LayerMemory:
     flops: Optional[int]
     device: str
     cut_bytes_per_sample: int
+    remat_bytes: int = 0
     # Per-sample quantities behind the estimate (not part of the table).
     activation_bytes_per_sample: int = dataclasses.field(default=0, repr=False)
     working_bytes_per_sample: int = dataclasses.field(default=0, repr=False)
@@ -464,6 +469,7 @@ def _layer_memory(row: Row, batch_size: int) -> LayerMemory:
         flops=None if row.flops is None else row.flops * batch_size,
         device=",".join(row.devices) if row.devices else "-",
         cut_bytes_per_sample=row.cut,
+        remat_bytes=row.inside * batch_size,
         activation_bytes_per_sample=row.produced,
         working_bytes_per_sample=row.working,
         trainable_bytes=row.trainable_bytes,

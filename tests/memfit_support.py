@@ -28,7 +28,7 @@ FEATURES = 4
 CLASSES = 3
 BATCH = 16
 THRESHOLD = 5  # below BATCH: every full batch runs out of memory
-MEMFIT_KEYS = {"memfit_ooms", "memfit_split"}
+MEMFIT_KEYS = {"memfit_ooms", "memfit_split", "memfit_remat"}
 
 
 # --------------------------------------------------------------------------

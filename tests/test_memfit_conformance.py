@@ -32,7 +32,7 @@ _OPTIONAL_INPUTS = requires_keras(
 RTOL = 1e-5
 ATOL = 1e-6
 SEED = 3
-MEMFIT_KEYS = {"memfit_ooms", "memfit_split"}
+MEMFIT_KEYS = {"memfit_ooms", "memfit_split", "memfit_remat"}
 
 
 # --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 from keras_memfit import MemFit, safe_predict
 from keras_memfit.planning.planner import GROW_AFTER
 
-MEMFIT_KEYS = {"memfit_ooms", "memfit_split"}
+MEMFIT_KEYS = {"memfit_ooms", "memfit_split", "memfit_remat"}
 FEATURES, CLASSES = 4, 3
 
 

@@ -68,7 +68,7 @@ def transformer(length: int, dim: int, depth: int, batch_norm: bool = False,
     """Token ids -> embedding -> `depth` blocks -> per-token logits."""
     keras.utils.set_random_seed(1)
     tokens = keras.Input((length,), dtype="int32")
-    x = layers.Embedding(50, dim)(tokens)
+    x = layers.Embedding(50, dim, name="embedding")(tokens)
     for i in range(depth):
         x = Block(dim, batch_norm, name=f"block{i}")(x)
     model = keras.Model(tokens, layers.Dense(50, name="logits")(x))
@@ -132,6 +132,16 @@ def test_blocks_rank_the_transformer_blocks_first():
     found, flops = blocks(model)
     assert sorted(b.layer.name for b in found[:3]) == ["block0", "block1", "block2"]
     assert found[0].saving > 0 and flops > 0
+
+
+def test_memory_report_shows_what_recomputing_frees():
+    from keras_memfit import memory_report
+
+    report = memory_report(transformer(64, 16, 2), batch_size=4)
+    frees = {row.name: row.remat_bytes for row in report.rows}
+    assert frees["block0"] > 0 and frees["block0"] == frees["block1"]
+    assert frees["embedding"] == 0 and frees["logits"] == 0  # nothing inside to recompute
+    assert "Remat frees" in str(report)
 
 
 def test_escalation_doubles_until_every_block():

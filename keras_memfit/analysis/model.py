@@ -42,6 +42,8 @@ class Row:
         weights: The variables first met at this call (counted here only).
         params, param_bytes, slot_bytes, trainable_bytes: Of `weights`.
         produced: Bytes of the tensors it and its sublayers produce.
+        inside: Bytes of those that are not its outputs: what recomputing the
+            call in the backward pass frees (rematerialization).
         working: Bytes it holds at its busiest beyond its inputs.
         cut: Bytes alive after it (consumed later).
         flops: Forward FLOPs, or None where unknown.
@@ -62,6 +64,7 @@ class Row:
     cut: int
     flops: Optional[int]
     devices: Tuple[str, ...]
+    inside: int = 0
 
 
 def short_device(name: str) -> str:
@@ -216,6 +219,8 @@ class ModelAnalysis:
                 op, op.name if count == 1 else f"{op.name} (call {count})", type(op).__name__,
                 outputs[0] if len(outputs) == 1 else tuple(outputs), weights,
                 produced=sum(graph.sizes[k] for k in graph.produced(index)),
+                inside=sum(graph.sizes[k] for k in set(graph.produced(index)) - {
+                    t.key for t in call.outputs}),
                 working=graph.working(index), cut=cuts[position],
                 flops=flops_per_sample(graph, index),
             ))

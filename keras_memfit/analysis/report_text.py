@@ -19,7 +19,7 @@ def table(report: Any, line_length: Optional[int]) -> str:
         devices, one line per device.
     """
     header = ["Layer (type)", "Output shape", "Params", "Weights", "Slots",
-              "Activations", "FLOPs", "Device", "Cut/sample"]
+              "Activations", "Remat frees", "FLOPs", "Device", "Cut/sample"]
     body = [
         [
             f"{r.name} ({r.class_name})",
@@ -28,6 +28,7 @@ def table(report: Any, line_length: Optional[int]) -> str:
             format_bytes(r.param_bytes),
             format_bytes(r.slot_bytes),
             format_bytes(r.activation_bytes),
+            format_bytes(r.remat_bytes) if r.remat_bytes else "-",
             format_count(r.flops),
             r.device,
             format_bytes(r.cut_bytes_per_sample),
@@ -35,12 +36,12 @@ def table(report: Any, line_length: Optional[int]) -> str:
         for r in report.rows
     ]
     total = ["Total", "", f"{report.params:,}", format_bytes(report.param_bytes),
-             format_bytes(report.slot_bytes), format_bytes(report.activation_bytes),
+             format_bytes(report.slot_bytes), format_bytes(report.activation_bytes), "",
              format_count(report.flops), "", ""]
     mode = "training" if report.training else "inference"
     policy = f", dtype policy {report.dtype_policy}" if report.dtype_policy else ""
     title = f'Memory report: "{report.model_name}" ({mode}, batch_size={report.batch_size}{policy})'
-    lines = format_table(title, header, body, total, line_length=line_length, left=(0, 1, 7))
+    lines = format_table(title, header, body, total, line_length=line_length, left=(0, 1, 8))
     on = f" on {report.device}" if len(report.per_device) > 1 else ""
     lines.append(
         f"Estimated peak{on} at batch_size={report.batch_size}: {format_bytes(report.peak_bytes)} "

@@ -30,17 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import keras
 
 from keras_memfit import backend as _backend
-from keras_memfit._internal import cache as _cache
 from keras_memfit.analysis import analyse
 
 logger = logging.getLogger("keras_memfit")
 
 Setting = Union[str, bool, Sequence[str]]
+
+# Per model: how many blocks each input signature recomputes, and the blocks.
+_COUNTS: "weakref.WeakKeyDictionary[Any, Dict[Hashable, int]]" = weakref.WeakKeyDictionary()
+_BLOCKS: "weakref.WeakKeyDictionary[Any, Tuple[List[Block], int]]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +74,8 @@ def blocks(model: keras.Model) -> Tuple[List[Block], int]:
     found: Dict[int, Block] = {}
     for row in analysis.rows:
         layer = row.op
-        saving = row.produced - row.cut
-        if isinstance(layer, keras.layers.Layer) and id(layer) not in found and saving > 0:
-            found[id(layer)] = Block(layer, saving, row.flops)
+        if isinstance(layer, keras.layers.Layer) and id(layer) not in found and row.inside:
+            found[id(layer)] = Block(layer, row.inside, row.flops)
     total = sum(row.flops or 0 for row in analysis.rows)
     return sorted(found.values(), key=lambda block: -block.saving), total
 
@@ -106,7 +109,8 @@ class Rematerialization:
         self._blocks: Optional[List[Block]] = None
         self._total_flops = 0
         # Per input signature, how many blocks are recomputed (remembered per model).
-        self._counts: Dict[Hashable, int] = _cache.per_model(model, "remat", dict)
+        self._counts: Dict[Hashable, int] = (
+            _COUNTS.setdefault(model, {}) if setting == "auto" else {})
         self._forced: Optional[List[Any]] = None
         if isinstance(setting, (list, tuple)):
             names = {layer.name: layer for layer in model.layers}
@@ -127,20 +131,12 @@ class Rematerialization:
             return []
         return [block.layer for block in self._candidates()[:count]]
 
-    def prepare(self) -> None:
-        """Find the blocks now, while the model's variables are readable.
-
-        MemFit calls it when `fit` begins: inside Keras's JAX training loop
-        the variables live in Keras's state tuple, and the model cannot be
-        traced there. Found once per model.
-        """
-        if self.setting == "auto":
-            self._candidates()
-
     def _candidates(self) -> List[Block]:
+        """The blocks, found at the first need (once per model)."""
         if self._blocks is None:
-            self._blocks, self._total_flops = _cache.per_model(
-                self.model, "remat blocks", lambda: _blocks_or_none(self.model))
+            if self.model not in _BLOCKS:
+                _BLOCKS[self.model] = _blocks_or_none(self.model)
+            self._blocks, self._total_flops = _BLOCKS[self.model]
         return self._blocks
 
     def names(self, signature: Hashable) -> Tuple[str, ...]:
@@ -202,6 +198,7 @@ class Rematerialization:
 
 
 def _blocks_or_none(model: keras.Model) -> Tuple[List[Block], int]:
+    _backend.get().materialize(model)  # inside Keras's JAX loop: the variables, readable
     try:
         return blocks(model)
     except Exception as err:  # noqa: BLE001 - nothing to recompute: MemFit raises as before
