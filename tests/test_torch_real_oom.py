@@ -6,7 +6,10 @@ batches fail with PyTorch's genuine `DefaultCPUAllocator: can't allocate
 memory`, or a kernel's `posix_memalign failed:Cannot allocate memory (12)`
 (raised inside a layer, re-raised by Keras with the layer's call
 prepended). The references are plain Keras at a batch that fits, and (for
-MemFit) the same fit run in a child without the limit.
+MemFit) the same fit run in a child without the limit. The predict,
+evaluate and fit children hide the limit from keras_memfit
+(`hide_address_space_limit`), which would otherwise size the pieces from it
+and might meet no OOM (that path: tests/test_torch_few_ooms.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tests.torch_support import (
     REAL_OOM_HEADROOM_GB,
     assert_same_state,
     digits,
+    hide_address_space_limit,
     requires_torch,
     run_in_torch,
     seed_cnn,
@@ -65,6 +69,7 @@ def _assert_ooms(call):
 def child_predict():
     import keras_memfit
 
+    hide_address_space_limit()
     model = seed_cnn()
     x, _ = digits(PREDICT_ROWS)
     expected = model.predict(x, batch_size=FITS, verbose=0)
@@ -89,6 +94,7 @@ def child_predict():
 def child_evaluate():
     import keras_memfit
 
+    hide_address_space_limit()
     model = seed_cnn()
     x, y = digits(PREDICT_ROWS)
     expected = model.evaluate(x, y, batch_size=FITS, verbose=0, return_dict=True)
@@ -165,6 +171,7 @@ def child_fit():
 
     import keras
 
+    hide_address_space_limit()
     model = seed_cnn()
     # SGD with momentum (a slot per weight): Adam's division by sqrt(v) turns
     # the rounding of gradients that cancel to nearly zero (a channel of random

@@ -112,6 +112,16 @@ def run_in_torch(
     return output
 
 
+def hide_address_space_limit():
+    """Make keras_memfit see no memory limit on torch's CPU, as without `RLIMIT_AS`:
+    under the limit it sizes pieces from it and may pay no OOM, and the tests
+    calling this check the recovery from real OOMs (the known-limit path:
+    tests/test_torch_few_ooms.py)."""
+    from keras_memfit.backend.torch import memory
+
+    memory._address_space = lambda: None
+
+
 def seed_cnn():
     """The seed CNN (`keras_memfit.app.demo.build_cnn`), seeded."""
     import keras

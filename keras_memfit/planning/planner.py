@@ -9,7 +9,8 @@ trial:
    real work whose results are kept) whose peak memory gives the bytes per
    sample (the larger of the slope between them and the larger probe's
    average: memory per sample is not linear at small sizes). Where the allocator's limit is known (the capped CPU
-   allocator, a GPU logical-device limit, NVML), the batch is chosen so that
+   allocator, a GPU logical-device limit, NVML, an address-space limit on
+   torch's CPU), the batch is chosen so that
    the estimated peak stays within `MARGIN` of the free memory, before any
    large batch is tried, and growth never goes above that estimate.
 2. **Shrink on OOM.** A batch that fails is retried smaller: half its size,
