@@ -235,7 +235,7 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
             guard.restore()
         if not planner.failed(size):
             raise _final_error(model, phase, piece, planner, detail) from exc
-        _drop_frames(exc)
+        drop_frames(exc)
         return SPLIT
     planner.succeeded(size, full=size >= planned)
     return result
@@ -326,7 +326,7 @@ class _PieceLoop:
             if not is_retryable_oom(exc):
                 raise
             self.start = None  # one piece at a time from now on
-            _drop_frames(exc)  # before the earlier rows are handed on
+            drop_frames(exc)  # before the earlier rows are handed on
             yield from self.wait_all()  # the earlier rows first
             self.failed(planner, piece, size, exc)
             return False
@@ -351,7 +351,7 @@ class _PieceLoop:
                 raise
             self.start = None  # one piece at a time from now on
             self.failed(oldest.planner, oldest.piece, oldest.size, exc)
-            _drop_frames(exc)
+            drop_frames(exc)
             for again in [oldest] + newer:
                 yield from self.rows(again.piece, again.planner)
             return
@@ -400,7 +400,7 @@ def _all_or_nothing(
                 raise
             if not planner.failed(size):
                 raise _final_error(model, phase, chunk, planner, detail) from exc
-            _drop_frames(exc)
+            drop_frames(exc)
             continue
         except BaseException:  # KeyboardInterrupt: leave the chunk undone
             guard.restore()
@@ -408,7 +408,7 @@ def _all_or_nothing(
         return accumulation.finish(), parts
 
 
-def _drop_frames(exc: BaseException) -> None:
+def drop_frames(exc: BaseException) -> None:
     """Free what a caught OOM holds before the retry: its traceback's frames hold the failed piece's buffers.
 
     The exception itself stays alive while it is handled (the retry runs

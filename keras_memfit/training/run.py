@@ -61,7 +61,13 @@ from keras_memfit.oom import (
 )
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
-from keras_memfit.planning.runner import SPLIT, Accumulation, run_in_pieces, run_whole
+from keras_memfit.planning.runner import (
+    SPLIT,
+    Accumulation,
+    drop_frames,
+    run_in_pieces,
+    run_whole,
+)
 from keras_memfit.training.batch_dependence import SplitWarnings
 from keras_memfit.training.layout import Cut, layout_of
 from keras_memfit.training.remat import Rematerialization, Setting
@@ -196,10 +202,11 @@ class Run:
             self._pieces_run = 0
             try:
                 return self._train_batch_once(cut)
-            except OutOfMemoryError as exc:  # left before the retry: its frames hold tensors
-                if exc.cause != ONE_SAMPLE:
+            except OutOfMemoryError as exc:
+                if exc.cause != ONE_SAMPLE or self._pieces_run:
                     raise
-                if self._pieces_run or not self.remat.escalate(cut.signature):
+                drop_frames(exc)  # the failed piece's buffers, freed before anything else
+                if not self.remat.escalate(cut.signature):
                     raise self._remat_error(exc, cut)
             self._remat_event(cut)
 
