@@ -210,7 +210,7 @@ def _rung_cells(data: Dict[str, Any], part: str) -> List[str]:
                      f"{f'; est. x{estimate:g}' if estimate else ''})")
     blocks = len(result.get("remat_layers") or [])
     return [f"{plain['widest']:,} ({plain['failed']:,}) / {mine['widest']:,} "
-            f"({mine['failed']:,}), {blocks} blocks", ratio_cell, time_cell]
+            f"({mine['failed']:,}), {blocks} layers recomputed", ratio_cell, time_cell]
 
 
 def rung_section(stored: Dict[str, Any]) -> str:
