@@ -42,6 +42,18 @@ compilations (issue #20). Each measurement is against plain Keras:
    XLA MemFit holds the weights and optimizer slots during the first call
    at each input shape (`backend/tensorflow/holds.XlaHolds`): this part
    measures what that costs at the boundary.
+6. `seq` and `image`: MemFit's one-sample rung (rematerialization) against
+   plain Keras, at batch_size 1: the longest sequence a transformer trains
+   on and the widest image a residual conv stack trains on
+   (`footprint_child.rung_model`), each try a fresh process under a limit of
+   the same kind as part 1's, smaller (`rung_limit`: 128 MiB, 1.5 GiB,
+   0.5 GiB above torch's own); the same bisection, plain Keras first, MemFit
+   from 1.5x plain's result upwards, to 20% (`RUNG_RESOLUTION`: a try
+   takes 0.5-3 minutes on a shared 2-core machine). Beside each, what the rung
+   costs: seconds per one-sample step at plain Keras's longest (widest)
+   size, plain `fit` against `fit` with `MemFit(remat=[...])` recomputing
+   the blocks MemFit ended on at its own, interleaved in one process without
+   a limit; and MemFit's own estimate (`events[...]["step_time"]`).
 
 Usage (from the repository root):
     python -m benchmarks.footprint --backend tensorflow      # ~15-25 min
@@ -49,10 +61,12 @@ Usage (from the repository root):
     python -m benchmarks.footprint --backend jax --parts fit --batches 8
     python -m benchmarks.footprint --backend torch   # fit, predict, peak (CUDA only)
     python -m benchmarks.footprint --backend tensorflow --parts fit-jit --batches 8
+    python -m benchmarks.footprint --backend jax --parts seq image   # ~10 min
     python -m benchmarks.footprint --quick --output /tmp/R.md --json /tmp/f.json
 
 A run writes its backend's `footprint-<backend>` section of
-benchmarks/RESULTS.md and its entry of benchmarks/footprint.json (`--quick`
+benchmarks/RESULTS.md (`seq` and `image`: the `footprint-rung` section, one
+table of every backend) and its entry of benchmarks/footprint.json (`--quick`
 writes only where `--output`/`--json` are given).
 """
 
@@ -70,31 +84,51 @@ from benchmarks import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks")
-PARTS = ("fit", "predict", "peak", "compiles", "fit-jit")
+PARTS = ("fit", "predict", "peak", "compiles", "fit-jit", "seq", "image")
+RUNG_PARTS = ("seq", "image")  # batch 1, MemFit's one-sample rung
 # Keras's torch steps run eagerly (torch.compile only with jit_compile=True,
 # which keras_memfit's steps do not use): no compilations to count.
 # "fit-jit" (`jit_compile=True`): TensorFlow only (JAX always compiles with XLA).
-BACKEND_PARTS = {"torch": ("fit", "predict", "peak"), "jax": ("fit", "predict", "peak", "compiles")}
+BACKEND_PARTS = {"torch": ("fit", "predict", "peak", "seq", "image"),
+                 "jax": ("fit", "predict", "peak", "compiles", "seq", "image")}
 RESOLUTION = 0.01
+RUNG_RESOLUTION = 0.2
+RUNG_MEMFIT_BRACKET = (1.5, 2.2)  # MemFit's first bracket, times plain Keras's result
 STEP = 8  # widths are multiples of 8
-# The plain bisection's first bracket per call; MemFit's is around plain's result.
+# The rung parts ("seq", "image"): their own, smaller limit (`rung_limit`: the
+# sizes that fill a larger one take minutes a step on a 2-core machine),
+# plain Keras's first bracket (tokens, pixels a side), the step-time child.
+RUNG = dict(rung_resolution=RUNG_RESOLUTION, rung_bracket=RUNG_MEMFIT_BRACKET,
+            rung_timing=dict(steps=2, rounds=3))
 FULL = {
     "tensorflow": dict(limit=500, fit=(12000, 16000), predict=(40000, 64000),
-                       peak_width=8192, resolution=RESOLUTION),
+                       peak_width=8192, resolution=RESOLUTION,
+                       rung_limit=128, seq=(512, 768), image=(160, 240), **RUNG),
     "jax": dict(limit=3.0, fit=(30000, 60000), predict=(120000, 200000),
-                peak_width=8192, resolution=RESOLUTION),
+                peak_width=8192, resolution=RESOLUTION,
+                rung_limit=1.5, seq=(512, 1024), image=(256, 512), **RUNG),
     # torch: GiB of address space above what importing torch maps (the CUDA
     # build maps ~3.8 GB, the CPU build ~0.8 GB: see footprint_child.main).
     "torch": dict(limit=2.0, fit=(30000, 80000), predict=(150000, 300000),
-                  peak_width=8192, resolution=RESOLUTION),
+                  peak_width=8192, resolution=RESOLUTION,
+                  rung_limit=0.5, seq=(512, 1024), image=(256, 512), **RUNG),
 }
+# (FULL, QUICK: the plain bisection's first bracket per call; MemFit's is around
+# plain's result.)
+# Rung parts, quick: a toy limit, two tries per bisection (MemFit's bracket above
+# plain's result: its rung must be climbed), one timed round.
+QUICK_RUNG = dict(rung_resolution=1.0, rung_bracket=(2.0, 4.0),
+                  rung_timing=dict(steps=1, rounds=1))
 QUICK = {  # two tries per bisection: brackets around the full run's results, coarse
     "tensorflow": dict(limit=500, fit=(12992, 13504), predict=(40000, 64000),
-                       peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
+                       peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
+                       rung_limit=32, seq=(192, 288), image=(96, 144), **QUICK_RUNG),
     "jax": dict(limit=3.0, fit=(37504, 40000), predict=(120000, 200000),
-                peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
+                peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
+                rung_limit=1.5, seq=(512, 768), image=(256, 384), **QUICK_RUNG),
     "torch": dict(limit=2.0, fit=(40000, 70000), predict=(150000, 300000),
-                  peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02)),
+                  peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
+                  rung_limit=0.5, seq=(512, 768), image=(256, 384), **QUICK_RUNG),
 }
 COMPILES = {
     "tensorflow": dict(limit=600, scenario="cnn", predict_rows=28000, predict_oracle_batch=256,
@@ -276,6 +310,34 @@ def measure_widest(backend: str, call: str, batches: Sequence[int], settings: Di
     return out
 
 
+def measure_rung(backend: str, call: str, settings: Dict[str, Any],
+                 log: Callable[[str], None]) -> Dict[str, Any]:
+    """A rung part ("seq", "image"): the bisections at batch 1, then the rung's step time.
+
+    The step time is measured at plain Keras's widest size, recomputing the
+    blocks MemFit ended on at its own widest; not measured (None) where
+    MemFit recomputed nothing there.
+    """
+    result = measure_widest(backend, call, [1], dict(
+        settings, limit=settings["rung_limit"], resolution=settings["rung_resolution"],
+        memfit_bracket=settings["rung_bracket"]), log)
+    plain, mine = result["1/plain"], result["1/memfit"]
+    top = [t for t in mine["tries"] if t["ok"] and t["width"] == mine["widest"]]
+    layers = top[0].get("remat_layers") if top else None
+    result["remat_layers"] = layers
+    result["remat_estimate"] = top[0].get("remat_estimate") if top else None
+    result.update(step_time=None, date=common.now_utc(), limit=settings["rung_limit"])
+    if layers and plain["widest"]:
+        result["step_time"] = run_child(child_env(backend, None), 0.0, dict(
+            part="step-time", call=call, width=plain["widest"], layers=layers,
+            **settings["rung_timing"]))
+        timing = result["step_time"]
+        log(f"  {call} step time at {plain['widest']}: " + (
+            f"plain {timing['plain']:.3f} s, MemFit {timing['memfit']:.3f} s "
+            f"(x{timing['ratio']:.2f})" if timing["ok"] else f"{timing.get('error')}"))
+    return result
+
+
 def measure_peak(backend: str, settings: Dict[str, Any], repeats: int) -> Dict[str, Any]:
     config = dict(part="peak", width=settings["peak_width"], batch=8, repeats=repeats)
     if backend == "tensorflow":
@@ -375,6 +437,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         part_start = time.perf_counter()
         if part in ("fit", "predict", "fit-jit"):
             result = measure_widest(backend, part, batches, settings, log)
+        elif part in RUNG_PARTS:
+            result = measure_rung(backend, part, settings, log)
         elif part == "peak":
             result = measure_peak(backend, settings, repeats=1 if args.quick else 3)
         else:
@@ -383,6 +447,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data["parts"][part] = result
         _keep_stored(data, stored.get(backend), part)
     data["seconds"] = time.perf_counter() - started
+    if set(parts) <= set(RUNG_PARTS) and stored.get(backend) and not args.quick:
+        # Only the rung's parts: the backend's entry and section as they were, plus them.
+        old = stored[backend]
+        return _write(dict(old, parts=dict(old["parts"], **data["parts"])), output, json_path,
+                      stored, backend_section=False)
     if not args.quick:  # a child start saved in the CI smoke run
         data["versions"] = run_child(child_env(backend, None), 0.0, dict(part="versions"))
     if stored.get(backend) and not args.quick:  # the parts (and batches) not run now
@@ -407,8 +476,12 @@ def _keep_stored(data: Dict[str, Any], old: Optional[Dict[str, Any]], part: str)
 
 
 def _write(data: Dict[str, Any], output: Optional[str], json_path: Optional[str],
-           stored: Dict[str, Any]) -> int:
-    """Print and write the section (and the JSON entry); 1 if the measurement is invalid."""
+           stored: Dict[str, Any], backend_section: bool = True) -> int:
+    """Print and write the sections (and the JSON entry); 1 if the measurement is invalid.
+
+    The sections: the backend's `footprint-<backend>` (unless not
+    `backend_section`), and `footprint-rung` where an entry has rung parts.
+    """
     from benchmarks import footprint_report
 
     backend = data["backend"]
@@ -419,11 +492,17 @@ def _write(data: Dict[str, Any], output: Optional[str], json_path: Optional[str]
         stored[backend] = data
         with open(json_path, "w") as f:
             json.dump(stored, f, indent=1)
-    body = footprint_report.section(data)
-    print(body)
-    if output:
-        common.write_section(output, f"footprint-{backend}", body)
-        print(f"wrote section 'footprint-{backend}' of {output}")
+    sections = {}
+    if backend_section:
+        sections[f"footprint-{backend}"] = footprint_report.section(data)
+    entries = dict(stored, **{backend: data})
+    if any(set(entry["parts"]) & set(RUNG_PARTS) for entry in entries.values()):
+        sections["footprint-rung"] = footprint_report.rung_section(entries)
+    for key, body in sections.items():
+        print(body)
+        if output:
+            common.write_section(output, key, body)
+            print(f"wrote section '{key}' of {output}")
     problems = footprint_report.problems(data)
     for problem in problems:
         print(f"INVALID MEASUREMENT: {problem}")

@@ -12,7 +12,14 @@ Measurements (`JSON["part"]`):
 
 - "try": one width of `Input(1024) -> Dense(W, relu) -> Dense(1024)` (Adam,
   mse): `fit` on two batches, or `predict` on two batches, plain Keras or
-  keras_memfit; "ok" says whether the call completed.
+  keras_memfit; "ok" says whether the call completed. With `call` "seq" or
+  "image", the width is a sequence length or an image side instead
+  (`rung_model`): `fit` on two batches of one sample, plain Keras or
+  `MemFit()`, whose one-sample rung may recompute blocks (the blocks it
+  ended on are kept in the result).
+- "step-time": seconds per training step of one sample at one size, plain
+  `fit` against `fit` with `MemFit(remat=[the blocks])`, interleaved, no
+  memory pressure: what the one-sample rung costs.
 - "peak": the same model with no memory pressure, plain `fit` and MemFit's
   `fit` in one process, interleaved, the allocator's peak around each call.
 - "compiles": XLA compilations of the first and second `safe_predict` /
@@ -98,6 +105,84 @@ def wide_model(width: int, jit_compile: Any = "auto"):
     return model
 
 
+# The one-sample rung's models: its blocks are top-level layers holding sublayers.
+SEQ_DIM, SEQ_HEADS, SEQ_DEPTH, VOCAB = 64, 4, 6, 50
+IMAGE_CHANNELS, IMAGE_DEPTH, CLASSES = 8, 8, 10
+
+
+def rung_model(kind: str, size: int):
+    """The one-sample rung's models at `size`, Adam, seeded; `kind` "seq" or "image".
+
+    "seq": a decoder-only transformer on `size` tokens (embedding, 6 blocks
+    of causal MultiHeadAttention with dropout, a 4x Dense MLP and
+    LayerNormalization, d=64, 4 heads). "image": a residual conv stack on a
+    `size` x `size` RGB image (a Conv2D(8) stem, 8 residual blocks of a 3x3
+    Conv2D(32, relu) and a 1x1 Conv2D(8), global average pooling, Dense(10)):
+    the 4x expansion inside a block is what recomputing it frees (with 3x3
+    Conv2D(8) pairs, TensorFlow's CPU convolutions' own buffers outweighed it).
+    """
+    import keras
+    from keras import layers
+
+    class TransformerBlock(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.attention = layers.MultiHeadAttention(SEQ_HEADS, SEQ_DIM // SEQ_HEADS,
+                                                       dropout=0.1)
+            self.dropout = layers.Dropout(0.1)
+            self.hidden = layers.Dense(4 * SEQ_DIM, activation="gelu")
+            self.out = layers.Dense(SEQ_DIM)
+            self.norm1 = layers.LayerNormalization()
+            self.norm2 = layers.LayerNormalization()
+
+        def call(self, x, training=None):
+            h = self.attention(x, x, use_causal_mask=True, training=training)
+            x = self.norm1(x + self.dropout(h, training=training))
+            h = self.out(self.hidden(x))
+            return self.norm2(x + self.dropout(h, training=training))
+
+    class ResidualBlock(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.conv1 = layers.Conv2D(4 * IMAGE_CHANNELS, 3, padding="same",
+                                       activation="relu")
+            self.conv2 = layers.Conv2D(IMAGE_CHANNELS, 1)
+
+        def call(self, x):
+            return keras.ops.relu(x + self.conv2(self.conv1(x)))
+
+    keras.utils.set_random_seed(0)  # names fixed: `MemFit(remat=[names])` in another process
+    if kind == "seq":
+        inputs = keras.Input((size,), dtype="int32")
+        x = layers.Embedding(VOCAB, SEQ_DIM, name="embedding")(inputs)
+        for i in range(SEQ_DEPTH):
+            x = TransformerBlock(name=f"block{i}")(x)
+        outputs = layers.Dense(VOCAB, name="logits")(x)
+    else:
+        inputs = keras.Input((size, size, 3))
+        x = layers.Conv2D(IMAGE_CHANNELS, 3, padding="same", activation="relu",
+                          name="stem")(inputs)
+        for i in range(IMAGE_DEPTH):
+            x = ResidualBlock(name=f"block{i}")(x)
+        x = layers.GlobalAveragePooling2D(name="pool")(x)
+        outputs = layers.Dense(CLASSES, name="logits")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def rung_data(kind: str, size: int, rows: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if kind == "seq":
+        tokens = rng.integers(0, VOCAB, (rows, size)).astype("int32")
+        return tokens, np.roll(tokens, -1, axis=1)
+    return (rng.random((rows, size, size, 3), dtype=np.float32),
+            rng.integers(0, CLASSES, rows))
+
+
 def wide_data(rows: int):
     import numpy as np
 
@@ -128,15 +213,20 @@ def part_try(config: Dict[str, Any]) -> Dict[str, Any]:
     from benchmarks.jobs import OomCounter
 
     width, batch, memfit = config["width"], config["batch"], config["memfit"]
+    call = config["call"]
+    callback = keras_memfit.MemFit()
     start = time.perf_counter()
     with OomCounter() as counter:
         try:
-            model = wide_model(width, config.get("jit_compile", "auto"))
-            x, y = wide_data(2 * batch)
-            if config["call"] == "fit":
-                callbacks = [keras_memfit.MemFit()] if memfit else []
+            if call in ("seq", "image"):
+                model = rung_model(call, width)
+                x, y = rung_data(call, width, 2 * batch)
+            else:
+                model = wide_model(width, config.get("jit_compile", "auto"))
+                x, y = wide_data(2 * batch)
+            if call != "predict":
                 model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                          callbacks=callbacks)
+                          callbacks=[callback] if memfit else [])
                 _surface(model)
             elif memfit:
                 keras_memfit.safe_predict(model, x, batch_size=batch, verbose=0)
@@ -148,8 +238,49 @@ def part_try(config: Dict[str, Any]) -> Dict[str, Any]:
             return {"ok": False, "error": type(err).__name__,
                     "oom": bool(keras_memfit.is_oom_error(err)),
                     "detail": str(err).strip().splitlines()[0][:200] if str(err) else "",
-                    "ooms_caught": counter.count, "seconds": time.perf_counter() - start}
-    return {"ok": True, "ooms_caught": counter.count, "seconds": time.perf_counter() - start}
+                    "ooms_caught": counter.count, "seconds": time.perf_counter() - start,
+                    **_rung(callback)}
+    return {"ok": True, "ooms_caught": counter.count, "seconds": time.perf_counter() - start,
+            **_rung(callback)}
+
+
+def _rung(callback) -> Dict[str, Any]:
+    """The blocks MemFit's one-sample rung ended on, and its step-time estimate."""
+    events = [e for e in callback.events if e["kind"] == "remat"]
+    if not events:
+        return {}
+    return {"remat_layers": list(events[-1]["layers"]), "remat_estimate": events[-1]["step_time"]}
+
+
+def part_step_time(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Seconds per one-sample step, plain `fit` against `fit` recomputing `layers`.
+
+    Each model's first `fit` (which traces and compiles) is not timed; then
+    `rounds` rounds of `fit` on `steps` samples each, the two alternating
+    which goes first; the medians over the rounds.
+    """
+    import statistics
+
+    import keras_memfit
+
+    kind, size, steps = config["call"], config["width"], config["steps"]
+    x, y = rung_data(kind, size, steps)
+    variants = {"plain": (rung_model(kind, size), list),
+                "memfit": (rung_model(kind, size),
+                           lambda: [keras_memfit.MemFit(remat=config["layers"])])}
+    times: Dict[str, List[float]] = {name: [] for name in variants}
+    for r in range(config["rounds"] + 1):  # round 0: the first fit of each, not timed
+        for name in variants if r % 2 == 0 else list(variants)[::-1]:
+            model, callbacks = variants[name]
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks())
+            _surface(model)
+            if r:
+                times[name].append((time.perf_counter() - start) / steps)
+    plain, memfit = (statistics.median(times[name]) for name in ("plain", "memfit"))
+    return {"ok": True, "plain": plain, "memfit": memfit, "ratio": memfit / plain,
+            "width": size, "layers": config["layers"], "times": times}
 
 
 # -------------------------------------------------------------------- peak
@@ -397,7 +528,7 @@ def part_versions(config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 PARTS = {"try": part_try, "peak": part_peak, "compiles": part_compiles,
-         "versions": part_versions}
+         "step-time": part_step_time, "versions": part_versions}
 
 
 def main(argv: List[str]) -> int:

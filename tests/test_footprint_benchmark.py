@@ -5,7 +5,9 @@ resolution, a small limit) must write its section with plausible numbers,
 and its bisections must pass their own checks: monotonic, both ends tried,
 plain Keras really out of memory just above its widest width. The checks
 themselves are tested on doctored results (a broken measurement must fail
-them) and the bisection on a known threshold. What the benchmark measures
+them) and the bisection on a known threshold. The one-sample rung's part
+(`--parts seq`, TensorFlow, toy size) must climb the rung: MemFit trains a
+sequence longer than plain Keras's longest by recomputing blocks. What the benchmark measures
 is recorded in benchmarks/RESULTS.md, never asserted here.
 """
 
@@ -36,11 +38,11 @@ requires_tensorflow = pytest.mark.skipif(
     "legs; tensorflow is not installed here, or the suite runs on another backend")
 
 
-def _quick(tmp_path, backend):
+def _quick(tmp_path, backend, *args):
     output, data = tmp_path / "RESULTS.md", tmp_path / "footprint.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.footprint", "--backend", backend, "--quick",
-         "--output", str(output), "--json", str(data)],
+         "--output", str(output), "--json", str(data), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -81,6 +83,23 @@ def test_quick_run_on_tensorflow_writes_a_checked_section(tmp_path):
 @requires_jax
 def test_quick_run_on_jax_writes_a_checked_section(tmp_path):
     _check_quick_run(tmp_path, "jax")
+
+
+@requires_tensorflow
+def test_quick_rung_run_on_tensorflow_trains_longer_than_plain_keras(tmp_path):
+    """The one-sample rung's part at toy size: plain Keras runs out of memory, MemFit
+    recomputes blocks and trains a longer sequence, and its step time is measured."""
+    text, data = _quick(tmp_path, "tensorflow", "--parts", "seq")
+    assert text.count("<!-- BEGIN benchmark: footprint-rung -->") == 1
+    seq = data["parts"]["seq"]
+    plain, mine = seq["1/plain"], seq["1/memfit"]
+    assert footprint.check_widest(plain, reference=True) == []
+    assert footprint.check_widest(mine, reference=False) == []
+    assert mine["widest"] > plain["widest"] > 0
+    assert seq["remat_layers"], seq  # MemFit got there by recomputing blocks
+    timing = seq["step_time"]
+    assert timing["ok"] and timing["plain"] > 0 and timing["memfit"] > 0
+    assert f"**{mine['widest'] / plain['widest']:.2f}**" in text
 
 
 def _known(threshold, oom=True):
