@@ -85,23 +85,6 @@ def test_quick_run_on_jax_writes_a_checked_section(tmp_path):
     _check_quick_run(tmp_path, "jax")
 
 
-@requires_tensorflow
-def test_quick_rung_run_on_tensorflow_trains_longer_than_plain_keras(tmp_path):
-    """The one-sample rung's part at toy size: plain Keras runs out of memory, MemFit
-    recomputes blocks and trains a longer sequence, and its step time is measured."""
-    text, data = _quick(tmp_path, "tensorflow", "--parts", "seq")
-    assert text.count("<!-- BEGIN benchmark: footprint-rung -->") == 1
-    seq = data["parts"]["seq"]
-    plain, mine = seq["1/plain"], seq["1/memfit"]
-    assert footprint.check_widest(plain, reference=True) == []
-    assert footprint.check_widest(mine, reference=False) == []
-    assert mine["widest"] > plain["widest"] > 0
-    assert seq["remat_layers"], seq  # MemFit got there by recomputing blocks
-    timing = seq["step_time"]
-    assert timing["ok"] and timing["plain"] > 0 and timing["memfit"] > 0
-    assert f"**{mine['widest'] / plain['widest']:.2f}**" in text
-
-
 def _known(threshold, oom=True):
     """A try that trains up to `threshold`, recording each width asked for."""
     asked = []

@@ -127,6 +127,17 @@ def test_forced_remat_trains_as_plain_fit(batch_norm, checkpoints):
     assert all("call" not in vars(layer) for layer in model.layers), "calls not put back"
 
 
+def test_without_memory_pressure_nothing_is_recomputed_or_analysed(checkpoints):
+    from keras_memfit.training import remat as _remat
+
+    reference = _fit(transformer(16, 16, 2, optimizer="sgd"), [], batch_size=4)
+    model = transformer(16, 16, 2, optimizer="sgd")
+    memfit = MemFit()  # remat="auto"
+    got = _fit(model, [memfit], batch_size=4)
+    assert checkpoints == [] and model not in _remat._BLOCKS and memfit.events == []
+    _assert_trained_alike(got, reference)
+
+
 def test_blocks_rank_the_transformer_blocks_first():
     model = transformer(32, 16, 3)
     found, flops = blocks(model)
