@@ -29,6 +29,7 @@ from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis import Row, analyse, short_device, sizes
 from keras_memfit.analysis import report_text as _report_text
 from keras_memfit.analysis.peak import DeviceMemory
+from keras_memfit.training.remat import blocks
 
 __all__ = ["DeviceMemory", "LayerMemory", "MemoryReport", "memory_report"]
 
@@ -60,7 +61,8 @@ class LayerMemory:
         remat_bytes: Bytes recomputing this call in the backward pass would
             free at the report's batch size (MemFit's rung after splitting,
             `MemFit(remat=...)`): what it produces inside beyond what is alive
-            after it; 0 for a call with nothing inside to recompute.
+            after it; in a `keras.Sequential`, on the first layer of each run
+            MemFit recomputes together, what the run frees; 0 for the rest.
         cut_bytes_per_sample: Bytes per sample that would cross the device
             boundary if everything up to and including this row ran on one
             device and the rest on another: every tensor produced at or before
@@ -440,9 +442,10 @@ def memory_report(
     sequence_length = _validate.positive_int("sequence_length", sequence_length)
     with _lengths.given(sequence_length):
         analysis = analyse(model, policy)
+        frees = {id(block.layers[0]): block.saving for block in blocks(model, analysis)[0]}
     chosen, estimate, per_device = analysis.peak(training=training, device=device)
     return MemoryReport(
-        [_layer_memory(row, batch_size) for row in analysis.rows],
+        [_layer_memory(row, batch_size, frees) for row in analysis.rows],
         model_name=model.name,
         batch_size=batch_size,
         training=training,
@@ -456,8 +459,9 @@ def memory_report(
     )
 
 
-def _layer_memory(row: Row, batch_size: int) -> LayerMemory:
-    """The table row of one analysed call, its activations and FLOPs at `batch_size`."""
+def _layer_memory(row: Row, batch_size: int, frees: Dict[int, int]) -> LayerMemory:
+    """The table row of one analysed call, its activations and FLOPs at `batch_size`
+    (`frees`: what recomputing each block frees per sample, by its first layer's id)."""
     return LayerMemory(
         name=row.name,
         class_name=row.class_name,
@@ -469,7 +473,7 @@ def _layer_memory(row: Row, batch_size: int) -> LayerMemory:
         flops=None if row.flops is None else row.flops * batch_size,
         device=",".join(row.devices) if row.devices else "-",
         cut_bytes_per_sample=row.cut,
-        remat_bytes=row.inside * batch_size,
+        remat_bytes=frees.pop(id(row.op), 0) * batch_size,  # a shared layer: its first call
         activation_bytes_per_sample=row.produced,
         working_bytes_per_sample=row.working,
         trainable_bytes=row.trainable_bytes,

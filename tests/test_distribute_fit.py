@@ -308,6 +308,25 @@ def test_no_oom_changes_nothing(monkeypatch):
 
 
 @pytest.mark.two_devices
+def test_recomputed_layers_train_as_keras(monkeypatch):
+    """`MemFit(remat=[name])`: the layer recomputed on every replica, the same training."""
+    from keras_memfit import MemFit
+    from keras_memfit import backend
+
+    module, made = backend.get(), []
+    checkpoint = module.checkpoint
+    monkeypatch.setattr(module, "checkpoint", lambda fn: made.append(fn) or checkpoint(fn))
+    strategy = _strategy()
+    x, y = _data(48)
+    ref = _model(strategy)
+    ref_history = ref.fit(x, y, **FIT)
+    model = _model(strategy)
+    history = model.fit(x, y, callbacks=[MemFit(remat=[model.layers[0].name])], **FIT)
+    assert made, "no layer was recomputed"
+    _assert_same_training(model, history, ref, ref_history)
+
+
+@pytest.mark.two_devices
 def test_evaluate_and_predict_with_memfit_equal_keras(monkeypatch):
     """`evaluate`/`predict` with `callbacks=[MemFit()]` under a strategy: Keras's results.
 

@@ -204,6 +204,30 @@ def child_memfit_accumulate():
             assert_same_training(model, history, reference, expected, iterations=6)
 
 
+def child_memfit_remat():
+    """MemFit recomputing a layer under DataParallel (`remat=[name]`): the same fit
+    as plain Keras under it, and the layer's call recomputed."""
+    import jax
+    import keras
+
+    import keras_memfit
+    from keras_memfit import backend
+
+    assert len(jax.devices()) == 2
+    module, made = backend.get(), []
+    checkpoint = module.checkpoint
+    module.checkpoint = lambda fn: made.append(fn) or checkpoint(fn)
+    x, y, _ = _data(64)
+    with keras.distribution.DataParallel().scope():
+        reference = _model()
+        expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        model = _model()
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[keras_memfit.MemFit(remat=[model.layers[1].name])]).history
+    assert made, "no layer was recomputed"
+    assert_same_training(model, history, reference, expected, iterations=8)
+
+
 def child_memfit_shrink():
     """MemFit(shrink) under DataParallel: one update per laid-out piece; equals plain
     Keras fit at the piece size under the same distribution."""
@@ -345,6 +369,10 @@ def test_safe_predict_and_safe_evaluate_split_over_two_devices_equal_the_unsplit
 
 def test_memfit_accumulate_under_data_parallel_equals_keras():
     run_in_jax(__file__, "child_memfit_accumulate", devices=2)
+
+
+def test_memfit_remat_under_data_parallel_equals_keras():
+    run_in_jax(__file__, "child_memfit_remat", devices=2)
 
 
 def test_memfit_shrink_under_data_parallel_one_update_per_piece():

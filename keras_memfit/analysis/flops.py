@@ -2,7 +2,8 @@
 
 A multiply-add counts as 2; bias adds and activations inside a layer are
 not counted. Layers of an unknown kind have unknown FLOPs (None), unless
-they have sublayers whose FLOPs are all known.
+they have sublayers whose FLOPs are all known (a MultiHeadAttention adds its
+two attention products to its projections').
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ _ZERO_FLOP_LAYERS = (
 )
 _MERGE_LAYERS = ("Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum")
 _ELEMENTWISE_LAYERS = ("Activation", "ReLU", "LeakyReLU", "ELU", "PReLU", "Softmax")
+_NORMALIZATION_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNormalization",
+                         "RMSNormalization", "UnitNormalization")
 
 
 def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
@@ -39,7 +42,21 @@ def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
     if not inner:
         return None
     parts = [flops_per_sample(graph, child) for child in inner]
-    return None if any(p is None for p in parts) else sum(parts)
+    return None if any(p is None for p in parts) else sum(parts) + _attention_flops(
+        graph.calls[index])
+
+
+def _attention_flops(call: Call) -> int:
+    """A MultiHeadAttention's scores and weighted sum (per sample); 0 for other layers."""
+    layer = call.op
+    if not isinstance(layer, keras.layers.MultiHeadAttention):
+        return 0
+    queries = call.outputs[0].shape[1:-1]
+    keys = call.inputs[-1].shape[1:-1] if call.inputs else queries
+    if None in queries or None in keys:
+        return 0
+    value_dim = layer.value_dim or layer.key_dim
+    return 2 * layer.num_heads * size(queries) * size(keys) * (layer.key_dim + value_dim)
 
 
 def layer_flops(call: Call) -> Optional[int]:
@@ -95,6 +112,13 @@ def layer_flops(call: Call) -> Optional[int]:
         return max(0, len(call.inputs) - 1) * out_size
     if name in _ELEMENTWISE_LAYERS:
         return out_size
-    if name == "BatchNormalization":
+    if name in _NORMALIZATION_LAYERS:
         return 2 * out_size
+    if isinstance(layer, keras.layers.EinsumDense) and kernel is not None:
+        # Each output element sums over the kernel's dimensions the output lacks.
+        kernel_labels = layer.equation.split(",")[1].split("->")[0]
+        output_labels = layer.equation.split("->")[1]
+        summed = [int(n) for label, n in zip(kernel_labels, kernel.shape)
+                  if label not in output_labels]
+        return 2 * size(summed) * sum(size(shape) for shape in outputs)
     return None

@@ -206,7 +206,7 @@ class Run:
                 if exc.cause != ONE_SAMPLE or self._pieces_run:
                     raise
                 drop_frames(exc)  # the failed piece's buffers, freed before anything else
-                if not self.remat.escalate(cut.signature):
+                if not self.remat.escalate(cut.signature, cut.x):
                     raise self._remat_error(exc, cut)
             self._remat_event(cut)
 
