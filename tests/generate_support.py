@@ -56,6 +56,24 @@ def gpt2_lm(preprocessor: bool = True, vocabulary_size: int = 64, seq: int = 16,
     return lm
 
 
+def gemma_lora_lm(layers: int, vocabulary_size: int):
+    """A Gemma causal LM from a small config (hidden 128), seeded, with LoRA
+    (`enable_lora(4)`: only the LoRA weights train), compiled with Adam."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=vocabulary_size, num_layers=layers, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=128, intermediate_dim=256, head_dim=64, dropout=0.0)
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    backbone.enable_lora(4)
+    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               weighted_metrics=[])
+    return lm
+
+
 def prompts(n: int, seed: int = 0):
     """`n` prompts of 1 to 4 words of the vocabulary."""
     rng = np.random.default_rng(seed)

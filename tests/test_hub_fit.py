@@ -28,7 +28,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.generate_support import requires_hub
+from tests.generate_support import gemma_lora_lm, requires_hub
 from tests.jax_support import OOMCounter, hide_address_space_limit, requires_jax, run_in_jax
 
 pytestmark = requires_hub
@@ -64,19 +64,7 @@ def _bert_data(rows, seq=SEQ, ids=VOCAB):
 
 
 def _gemma():
-    import keras
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=128, intermediate_dim=256, head_dim=64, dropout=0.0)
-    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    backbone.enable_lora(4)
-    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-               weighted_metrics=[])
-    return lm
+    return gemma_lora_lm(2, VOCAB)
 
 
 def _gemma_data(rows):

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.generate_support import requires_hub  # noqa: E402
+from tests.generate_support import gemma_lora_lm, requires_hub  # noqa: E402
 
 pytestmark = requires_hub
 
@@ -48,19 +48,7 @@ WEIGHT_TOL = dict(rtol=0, atol=1e-6)
 
 
 def _gemma():
-    import keras
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB, num_layers=4, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=128, intermediate_dim=256, head_dim=64, dropout=0.0)
-    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    backbone.enable_lora(4)
-    lm.compile(optimizer=keras.optimizers.Adam(1e-3),
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-               weighted_metrics=[])
-    return lm
+    return gemma_lora_lm(4, VOCAB)
 
 
 def _fit(model, callbacks):
