@@ -10,9 +10,9 @@ each top-level call that holds tensors inside beyond its outputs (a
 transformer layer, a residual block; in a nested functional model, such as
 a KerasHub task's backbone, its own) or, in a `keras.Sequential`, runs of
 about sqrt(n) consecutive layers (the outputs inside a run are what
-recomputing it frees), the largest saving first. Each OOM at one sample doubles how many
-are recomputed (1, 2, 4, ... all); the number is remembered per model and
-input signature, so a later `fit` starts there.
+recomputing it frees), the largest saving first. Each OOM at one sample
+doubles how many are recomputed (1, 2, 4, ... all); the number is
+remembered per model and input signature, so a later `fit` starts there.
 
 The update stays the one plain Keras makes. A recomputed call passes the
 layer's non-trainable state (seed generator states, BatchNormalization's
@@ -80,7 +80,8 @@ def blocks(model: keras.Model, analysis: Optional[ModelAnalysis] = None) -> Tupl
     Raises:
         ValueError: If the model has not been built.
     """
-    analysis = analysis or analyse(model)
+    if analysis is None:
+        analysis = analyse(model)
     rows = [row for row in analysis.rows if isinstance(row.op, keras.layers.Layer)]
     total = sum(row.flops or 0 for row in analysis.rows)
     if isinstance(model, keras.Sequential):
