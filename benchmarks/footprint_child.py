@@ -34,10 +34,16 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List
 
 FEATURES = 1024
+# Under an address-space limit, each Python thread (Keras's callbacks run on a
+# thread pool) reserves its stack: 8 MiB by default. Near the widest model,
+# plain Keras and MemFit alike then failed with "can't start new thread"
+# before any array ran out of memory. 256 KiB is far more than those threads use.
+THREAD_STACK = 256 * 2**10
 TF_COMPILE_LINE = "Compilation of XLA executable"
 """What TensorFlow's `device_compiler` logs (VLOG 1) once per XLA compilation."""
 JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -539,6 +545,8 @@ def main(argv: List[str]) -> int:
     elif limit_gb > 0 and os.environ.get("KERAS_BACKEND") == "torch":
         limit = _torch_baseline() + int(limit_gb * 2**30)  # headroom above torch's own
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if limit_gb > 0 and os.environ.get("KERAS_BACKEND") in ("jax", "torch"):
+        threading.stack_size(THREAD_STACK)
     result = PARTS[config["part"]](config)
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 from keras_memfit import backend as _backend
 
 __all__ = [
+    "ACCUMULATE",
     "CANNOT_SPLIT",
     "CAUSES",
     "ONE_SAMPLE",
@@ -165,9 +166,10 @@ def _message(exc: BaseException) -> str:
 # What ran out of memory (`OutOfMemoryError.cause`).
 ONE_SAMPLE = "one_sample"  # a piece of a single sample
 UPDATE = "update"  # the one optimizer update of a batch MemFit accumulated
+ACCUMULATE = "accumulate"  # the gradient sums of a batch MemFit would accumulate
 UPDATE_BEGAN = "update_began"  # a step whose optimizer update had begun
 CANNOT_SPLIT = "cannot_split"  # a batch MemFit cannot split, run by Keras's own step
-CAUSES = (ONE_SAMPLE, UPDATE, UPDATE_BEGAN, CANNOT_SPLIT)
+CAUSES = (ONE_SAMPLE, UPDATE, ACCUMULATE, UPDATE_BEGAN, CANNOT_SPLIT)
 
 # What an OOM in an optimizer update leaves of the weights, per backend.
 _UPDATE_STATE = {
@@ -203,6 +205,9 @@ class _OutOfMemoryErrorBody:
     - "update" (`UPDATE`): the one optimizer update of a batch of `rows`
       rows MemFit ran as micro-batches ran out of memory; the update cannot
       be split, and the weights may be partly updated;
+    - "accumulate" (`ACCUMULATE`): the sums MemFit accumulates a split
+      batch of `rows` rows in (the size of the trainable weights) did not
+      fit; nothing was applied;
     - "update_began" (`UPDATE_BEGAN`): a step on `rows` rows ran out of
       memory once its optimizer update had begun, so it is not run again;
     - "cannot_split" (`CANNOT_SPLIT`): a batch MemFit cannot split
@@ -289,6 +294,11 @@ class _OutOfMemoryErrorBody:
             return (f"{head} in the optimizer update of a batch of {rows} rows (one sample's "
                     f"input shape {shapes}): MemFit had summed the gradients of its "
                     "micro-batches, and their one update cannot be split.")
+        if self.cause == ACCUMULATE:
+            return (f"{head} making room to accumulate a batch of {rows} rows (one sample's "
+                    f"input shape {shapes}): the batch did not fit whole, and the sums MemFit "
+                    "adds its micro-batches' gradients into, the size of the trainable "
+                    "weights, do not fit either.")
         if self.cause == UPDATE_BEGAN:
             return (f"{head} once the optimizer update of a step on {rows} rows had begun "
                     f"(one sample's input shape {shapes}): in the update, or in the backward "
@@ -338,6 +348,11 @@ class _OutOfMemoryErrorBody:
             "keep oversized embedding/input layers (and their optimizer slots) on the CPU "
             "(`keras_memfit.place(model)`); " if self.can_place else ""
         )
+        if self.cause == ACCUMULATE:
+            return ("What to do next: train with MemFit(mode='shrink'), which runs such a "
+                    "batch as smaller batches, one optimizer update each, without these sums; "
+                    f"or use a batch_size that fits whole; {place}free other models or "
+                    "tensors held on the device; or use a smaller model.")
         if self.cause in (UPDATE, UPDATE_BEGAN):
             grows = self.cause == UPDATE_BEGAN or self.held is not None
             first = "use a smaller batch_size; " if grows else ""

@@ -136,6 +136,41 @@ def test_update_oom_names_the_batch_and_says_the_weights_may_be_updated(
     assert isinstance(err, oom_error_class())
 
 
+def test_sums_that_do_not_fit_name_the_batch_keep_the_weights_and_advise_shrink(
+    inject_oom, monkeypatch
+):
+    # Measured for real on JAX (benchmarks.footprint, 3 GiB address space,
+    # W=80,112 at batch 8): the batch did not fit, and then neither did the
+    # sums of its micro-batches' gradients (the size of the weights).
+    backend = backend_module()
+    made = []
+
+    def out_of_memory(self):
+        made.append(self)
+        raise oom_error()
+
+    monkeypatch.setattr(backend.training.GradientAccumulator, "reset", out_of_memory)
+    x, y, _ = _data()
+    model = _classifier()
+    before = [np.array(w) for w in model.get_weights()]
+    inject_oom(THRESHOLD, phases=("train",))  # the batch is split: sums are needed
+    with pytest.raises(OutOfMemoryError) as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
+    err = info.value
+    assert made, "the sums were never made: the test did not reach them"
+    assert err.cause == "accumulate" and err.rows == BATCH
+    first = first_sentence(err)
+    assert f"making room to accumulate a batch of {BATCH} rows" in first
+    assert f"(one sample's input shape (1, {FEATURES}))" in first
+    assert "The training state is as it was before this step" in str(err)
+    assert "MemFit(mode='shrink')" in str(err)
+    assert_advice_fits_backend(err)
+    assert isinstance(err, oom_error_class())
+    assert int(np.array(model.optimizer.iterations)) == 0  # as the message says
+    for got, expected in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_update_oom_that_held_rows_says_they_grow_with_the_batch():
     held = "80 rows of 'emb/embeddings' (1.2 KiB)"
     err = make(oom_module.UPDATE, held=held)

@@ -52,6 +52,7 @@ from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import (
+    ACCUMULATE,
     CANNOT_SPLIT,
     ONE_SAMPLE,
     UPDATE,
@@ -298,10 +299,16 @@ class Run:
         model = self.model
 
         def begin() -> None:
-            if parts.accumulator is None:
-                parts.accumulator = self.layout.accumulator(model)
+            try:
+                if parts.accumulator is None:
+                    parts.accumulator = self.layout.accumulator(model)
+                parts.accumulator.reset()
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                parts.accumulator = None  # what of the sums was made
+                raise self._oom_error(cut, planner, ACCUMULATE, cut.rows) from exc
             self._split_warnings.accumulated()
-            parts.accumulator.reset()
             if parts.counted is not None:
                 parts.counted.begin()
 
@@ -365,7 +372,7 @@ class Run:
     def _oom_error(
         self, cut: Cut, planner: BatchPlanner, cause: str, rows: int, held: Optional[str] = None
     ) -> OutOfMemoryError:
-        """The error for an OOM once the optimizer update of `rows` of `cut`'s batch began."""
+        """The error for an OOM in the update of `rows` of `cut`'s batch, or in its sums."""
         return OutOfMemoryError(
             self.model.name, "train", _data.shapes(_data.rows(cut.chunk[0], 0, 1)),
             planner.device, cause=cause, rows=rows, held=held,
