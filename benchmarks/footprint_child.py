@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List
 FEATURES = 1024
 # Under an address-space limit, each Python thread (Keras's callbacks run on a
 # thread pool) reserves its stack: 8 MiB by default. Near the widest model,
-# plain Keras and MemFit alike then failed with "can't start new thread"
+# plain Keras then failed with "can't start new thread" (JAX, 2026-12-02)
 # before any array ran out of memory. 256 KiB is far more than those threads use.
 THREAD_STACK = 256 * 2**10
 TF_COMPILE_LINE = "Compilation of XLA executable"

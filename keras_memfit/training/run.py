@@ -306,7 +306,7 @@ class Run:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                parts.accumulator = None  # what of the sums was made
+                parts.accumulator = None  # frees the sums made before the OOM
                 raise self._oom_error(cut, planner, ACCUMULATE, cut.rows) from exc
             self._split_warnings.accumulated()
             if parts.counted is not None:
