@@ -425,17 +425,32 @@ def child_batch_one_fit():
         json.dump(summary, f)
 
 
-def test_memfit_trains_at_batch_one_where_plain_keras_does_and_its_two_programs_do_not(
-        tmp_path):
-    results = {}
-    for mode in ("plain", "split", "memfit"):
-        out = str(tmp_path / f"{mode}.json")
+# Tries per run of the plain reference and of MemFit: both run Keras's fused step
+# there, whose peak under this limit varies from run to run (each has failed once in
+# a loaded CI run: plain at P / 2, MemFit's fused step), so each gets the same
+# number of fresh processes and must train in one of them.
+BATCH_ONE_TRIES = 3
+
+
+def _batch_one_run(tmp_path, mode, tries):
+    """The child's summary of the first of `tries` fresh runs that trained (else the last)."""
+    for attempt in range(tries):
+        out = str(tmp_path / f"{mode}-{attempt}.json")
         run_in_jax(__file__, "child_batch_one_fit",
                    env={"KERAS_MEMFIT_JAX_OUT": out, "KERAS_MEMFIT_WIDE_MODE": mode,
                         "MALLOC_ARENA_MAX": "1"})
         with open(out) as f:
-            results[mode] = json.load(f)
-    plain, split, memfit = results["plain"], results["split"], results["memfit"]
+            summary = json.load(f)
+        if "error" not in summary:
+            break
+    return summary
+
+
+def test_memfit_trains_at_batch_one_where_plain_keras_does_and_its_two_programs_do_not(
+        tmp_path):
+    plain = _batch_one_run(tmp_path, "plain", BATCH_ONE_TRIES)
+    split = _batch_one_run(tmp_path, "split", 1)
+    memfit = _batch_one_run(tmp_path, "memfit", BATCH_ONE_TRIES)
     assert "error" not in plain, plain  # plain Keras trains under this limit
     # the two programs do not fit there (MemFit before it ran Keras's step there)
     assert split.get("oom") and "OutOfMemoryError" in split["error"], split
