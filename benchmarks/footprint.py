@@ -104,8 +104,11 @@ FULL = {
     "tensorflow": dict(limit=500, fit=(12000, 16000), predict=(40000, 64000),
                        peak_width=8192, resolution=RESOLUTION,
                        rung_limit=128, seq=(512, 768), image=(160, 240), **RUNG),
+    # JAX: plain Keras's edge under the address-space limit is not sharp (it
+    # failed 1 try in 3 well below its widest width, 2026-12-04), so a width
+    # counts as failing after 3 fresh tries (plain and keras_memfit alike).
     "jax": dict(limit=3.0, fit=(30000, 60000), predict=(120000, 200000),
-                peak_width=8192, resolution=RESOLUTION,
+                peak_width=8192, resolution=RESOLUTION, confirm=3,
                 rung_limit=1.5, seq=(512, 1024), image=(256, 512), **RUNG),
     # torch: GiB of address space above what importing torch maps (the CUDA
     # build maps ~3.8 GB, the CPU build ~0.8 GB: see footprint_child.main).
@@ -194,7 +197,7 @@ def _round(width: float) -> int:
 
 
 def widest(trains: Callable[[int], Dict[str, Any]], lo: int, hi: int,
-           resolution: float) -> Dict[str, Any]:
+           resolution: float, confirm: int = 1) -> Dict[str, Any]:
     """The widest width that trains, by bisection between `lo` and `hi`.
 
     The bisection starts in the middle; the bracket's end on the other side
@@ -206,6 +209,8 @@ def widest(trains: Callable[[int], Dict[str, Any]], lo: int, hi: int,
         lo: A width expected to train.
         hi: A width expected to fail.
         resolution: Stop when `hi - lo <= resolution * lo` (and `STEP`).
+        confirm: Tries a width gets before it counts as failing; a width
+            trains if one of them trains.
 
     Returns:
         {"widest", "failed" (the narrowest width that failed), "resolution",
@@ -217,8 +222,11 @@ def widest(trains: Callable[[int], Dict[str, Any]], lo: int, hi: int,
 
     def attempt(width: int) -> bool:
         if width not in outcome:
-            result = trains(width)
-            tries.append(dict(width=width, **result))
+            for _ in range(confirm):
+                result = trains(width)
+                tries.append(dict(width=width, **result))
+                if result["ok"]:
+                    break
             outcome[width] = bool(result["ok"])
         return outcome[width]
 
@@ -258,7 +266,7 @@ def check_widest(result: Dict[str, Any], reference: bool) -> List[str]:
     problems = []
     tries = result["tries"]
     good = [t["width"] for t in tries if t["ok"]]
-    bad = [t for t in tries if not t["ok"]]
+    bad = [t for t in tries if not t["ok"] and t["width"] not in good]  # not retried into training
     if good and bad and max(good) >= min(t["width"] for t in bad):
         problems.append(f"not monotonic: {max(good)} trained, "
                         f"{min(t['width'] for t in bad)} failed")
@@ -302,7 +310,7 @@ def measure_widest(backend: str, call: str, batches: Sequence[int], settings: Di
             else:
                 lo, hi = settings[call.replace("-jit", "")]
             start = time.perf_counter()
-            result = widest(trains, lo, hi, settings["resolution"])
+            result = widest(trains, lo, hi, settings["resolution"], settings.get("confirm", 1))
             result["seconds"] = time.perf_counter() - start
             result["problems"] = check_widest(result, reference=not memfit)
             out[f"{batch}/{'memfit' if memfit else 'plain'}"] = result

@@ -36,6 +36,15 @@ def _limit(data: Dict[str, Any]) -> str:
             "see `benchmarks/footprint_child.py`)")
 
 
+def _confirm(settings: Dict[str, Any]) -> str:
+    """How many fresh tries a width gets before it counts as failing, where more than one."""
+    confirm = settings.get("confirm", 1)
+    if confirm == 1:
+        return ""
+    return (f" A width counts as failing after {confirm} fresh tries failed (plain and "
+            "keras_memfit alike): plain Keras's edge here is not sharp.")
+
+
 def _stopped_by(result: Dict[str, Any]) -> str:
     for t in result["tries"]:
         if t["width"] == result["failed"] and not t["ok"]:
@@ -164,7 +173,8 @@ def section(data: Dict[str, Any]) -> str:
              f"stops when the widest W that ran and the narrowest that failed are within "
              f"{settings['resolution']:.0%} of W (widths are multiples of 8). A try "
              "\"trains\" when `fit` (two steps: 2 x batch_size rows) returns; MemFit may "
-             "adapt. See `benchmarks/footprint.py`.", "", common.machine_line(machine)]
+             f"adapt.{_confirm(settings)} See `benchmarks/footprint.py`.", "",
+             common.machine_line(machine)]
     for part, title in (("fit", "### Widest model that trains: fit"),
                         ("predict", "### Widest model that predicts: predict "
                                     "(2 x batch_size rows)"),

@@ -105,6 +105,28 @@ def test_bisection_finds_a_known_threshold_even_outside_its_bracket(lo, hi):
     assert len(asked) == len(set(asked)) <= 14  # no width tried twice
 
 
+def test_a_width_that_fails_once_is_tried_again_before_it_counts_as_failing():
+    """A threshold at 1500 whose every width fails its first try (a non-sharp edge):
+    with one try the bisection's answer is wrong; with two it is the threshold."""
+    def flaky(threshold):
+        seen = set()
+
+        def trains(width):
+            first = width not in seen
+            seen.add(width)
+            ok = width <= threshold and not first
+            return {"ok": ok, "oom": not ok}
+        return trains
+
+    once = footprint.widest(flaky(1500), 1000, 2000, 0.01)
+    assert once["widest"] < 1000  # every first try failed: the answer is wrong
+    twice = footprint.widest(flaky(1500), 1000, 2000, 0.01, confirm=2)
+    assert twice["widest"] <= 1500 < twice["failed"]
+    assert twice["failed"] - twice["widest"] <= max(footprint.STEP, 0.01 * twice["widest"])
+    assert footprint.check_widest(twice, reference=True) == []
+    assert {t["width"] for t in twice["tries"] if not t["ok"]} >= {twice["widest"]}
+
+
 def test_a_broken_measurement_fails_the_checks():
     trains, _ = _known(1500)
     good = footprint.widest(trains, 1000, 2000, 0.01)
