@@ -21,16 +21,16 @@ Three models: the overhead benchmark's CNN (a step of several milliseconds
 on this CPU: the target there is MemFit's fit within 1.02x of Keras's), its
 MLP (784-256-128-10, adam) and a tiny Dense(1) model, whose step is almost
 all host time (the case of a small model on a GPU, where the host dispatches
-and the device waits: the target there is at most 30 us added per step). Reported per loop:
-median seconds, the ratio of medians to its reference, and the extra
-microseconds per step, in wall time and in the main thread's CPU time (host
-time, which a loaded machine stretches far less), and issue #20's verdict on
-`model.fit + MemFit`, judged by plain `model.fit`'s time per step; per
-model, MemFit's time outside its two-program step (the fit's extra less the
-step's extra: the callback, the step function and the bookkeeping of each
-batch; issue #38's target: at most 20 us on the tiny model). The CNN
-runs 20 steps a loop by default (about 0.145 s a step on JAX's CPU client),
-the others 1,000.
+and the device waits: the target there is at most 30 us added per step).
+Reported per loop: median seconds, the ratio of medians to its reference,
+and the extra microseconds per step, in wall time and in the main thread's
+CPU time (host time, which a loaded machine stretches far less), and issue
+#20's verdict on `model.fit + MemFit`, judged by plain `model.fit`'s time
+per step. Then MemFit's own host time per batch, by layer (`own_time`): the
+tiny model's `fit` with MemFit, its step made a no-op, with timers around
+each layer of MemFit's per-batch path (issue #38, item 4: at most 20 us).
+The CNN runs 20 steps a loop by default (about 0.27 s a step on JAX's CPU
+client here), the others 1,000.
 
 Usage (from the repository root; JAX needed, TensorFlow not):
     python -m benchmarks.jax_floor            # full run; writes its section
@@ -46,10 +46,12 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -69,8 +71,17 @@ LONG_STEP_S = 2e-3
 FIT_RATIO = 1.02
 HOST_US = 30.0
 # Issue #38, item 4: MemFit's own host time outside its two-program step
-# (`outside_step`) at most this many microseconds a step on the tiny model.
-OUTSIDE_US = 20.0
+# (`own_time`) at most this many microseconds a step on the tiny model.
+OWN_US = 20.0
+# `own_time`'s batches per fit (the tiny model) in a full run.
+OWN_STEPS = 2000
+# MemFit's own layers per batch, as `own_time` reports them.
+OWN_LAYERS = {
+    "begin": "`MemFit.on_train_batch_begin` (puts MemFit's train function in place)",
+    "function": "MemFit's train function, less Keras's iterator and `Run.train` "
+                "(the state tuple threaded and published, the function removed)",
+    "run": "`Run.train`, less the step (the cut, the remat check, the planner, `run_whole`)",
+}
 OVERHEAD_MODELS = {"cnn": "digit_cnn", "mlp": "mlp"}  # their names in benchmarks/overhead
 
 
@@ -212,16 +223,91 @@ def measure(name: str, steps: int, repeats: int) -> List[Tuple[str, float, float
     return rows
 
 
-def outside_step(rows: List[Tuple[str, float, float, float, float]]) -> Tuple[float, float]:
-    """MemFit's time per step outside its two-program step, in us: (wall, host CPU).
+@contextlib.contextmanager
+def _timed_layers(totals: Dict[str, float]) -> Iterator[None]:
+    """Within the block, MemFit's per-batch layers add their seconds to `totals`.
 
-    What `model.fit + MemFit` adds to `model.fit`, less what keras_memfit's
-    step adds to Keras's step: the callback, the step function, the run's
-    bookkeeping per batch (issue #38, item 4).
+    Timed: `MemFit.on_train_batch_begin` ("begin"), the train function
+    MemFit installs ("installed"), `Run.train` ("run"), Keras's iterator as
+    MemFit's function pulls from it ("next") and the step ("step"), which is
+    made a no-op returning fixed logs, so that only MemFit's own Python is
+    left once the iterator is subtracted.
     """
-    extra = {label: (wall, cpu) for label, _, _, wall, cpu in rows}
-    fit, step = extra["model.fit + MemFit"], extra["keras_memfit's step"]
-    return fit[0] - step[0], fit[1] - step[1]
+    from keras_memfit import callbacks
+    from keras_memfit._internal import batches
+    from keras_memfit.backend.jax import training
+    from keras_memfit.training import run
+
+    def timed(name: str, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    logs = {"loss": np.float32(0.0)}
+    build = callbacks.MemFit._build
+    patches = [
+        (callbacks.MemFit, "on_train_batch_begin",
+         timed("begin", callbacks.MemFit.on_train_batch_begin)),
+        (callbacks.MemFit, "_build",
+         lambda self, *args: timed("installed", build(self, *args))),
+        (run.Run, "train", timed("run", run.Run.train)),
+        (batches, "next_batches", timed("next", batches.next_batches)),
+        (training.TrainStep, "__call__", timed("step", lambda self, data: logs)),
+    ]
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    try:
+        for owner, name, patched in patches:
+            setattr(owner, name, patched)
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def own_time(steps: int, repeats: int) -> Dict[str, float]:
+    """MemFit's own host time per batch on the tiny model, by layer (us, medians of `repeats` fits).
+
+    Keys: the `OWN_LAYERS`, "own" (their sum: issue #38's item 4) and "next"
+    (Keras's iterator, for scale). Each layer's figure also holds the cost of
+    the timers nested in it (about 0.3 us each, three in all).
+    """
+    from keras_memfit import MemFit
+
+    x, y = _data("tiny", steps)
+    model = _model("tiny")
+    b = BATCH["tiny"]
+    model.fit(x[:b], y[:b], batch_size=b, verbose=0, callbacks=[MemFit()])  # compiles
+    samples: Dict[str, List[float]] = {key: [] for key in (*OWN_LAYERS, "own", "next")}
+    for r in range(repeats + 1):  # the first fit warms the timed path up; not counted
+        totals = dict.fromkeys(("begin", "installed", "run", "next", "step"), 0.0)
+        gc.collect()
+        with _timed_layers(totals):
+            model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[MemFit()])
+        if not all(totals.values()):  # a renamed layer would be timed as nothing
+            raise RuntimeError(f"own_time: a timed layer never ran ({totals}); MemFit's "
+                               "per-batch path changed: update `_timed_layers`")
+        us = {key: seconds / steps * 1e6 for key, seconds in totals.items()}
+        layers = {"begin": us["begin"],
+                  "function": us["installed"] - us["next"] - us["run"],
+                  "run": us["run"] - us["step"]}
+        if r == 0:
+            continue
+        for key, value in layers.items():
+            samples[key].append(value)
+        samples["own"].append(sum(layers.values()))
+        samples["next"].append(us["next"])
+    return {key: float(np.median(values)) for key, values in samples.items()}
+
+
+def own_verdict(own: Dict[str, float]) -> str:
+    """Issue #38 item 4's target on MemFit's own host time, and whether `own` meets it."""
+    return f"<= {OWN_US:.0f} us: " + ("pass" if own["own"] <= OWN_US else "FAIL")
 
 
 def verdict(rows: List[Tuple[str, float, float, float, float]], steps: int) -> str:
@@ -234,8 +320,9 @@ def verdict(rows: List[Tuple[str, float, float, float, float]], steps: int) -> s
     return f"<= +{HOST_US:.0f} us/step: " + ("pass" if extra <= HOST_US else "FAIL")
 
 
-def section_markdown(results: Dict[str, list], info: Dict[str, str], argv: List[str],
-                     steps: Dict[str, int], repeats: int) -> str:
+def section_markdown(results: Dict[str, list], own: Dict[str, float], own_steps: int,
+                     info: Dict[str, str], argv: List[str], steps: Dict[str, int],
+                     repeats: int) -> str:
     command = "python -m benchmarks.jax_floor" + ("" if not argv else " " + " ".join(argv))
     machine = common.machine_line(info)
     table = ["| Model | Batch | Steps | Loop | Median s | Ratio to its reference | Extra us/step "
@@ -247,8 +334,13 @@ def section_markdown(results: Dict[str, list], info: Dict[str, str], argv: List[
             table.append(f"| {name} | {BATCH[name]} | {steps[name]} | {label} | {median:.3f} | "
                          f"**{ratio:.3f}** | {extra:+.1f} | {extra_cpu:+.1f} | {target} |")
     table_text = "\n".join(table)
-    outside = "; ".join(f"{name} {wall:+.1f} us ({cpu:+.1f} us host CPU)"
-                        for name, rows in results.items() for wall, cpu in [outside_step(rows)])
+    own_table = "\n".join(
+        ["| MemFit's layer, per batch | us |", "|---|---:|"]
+        + [f"| {text} | {own[key]:.1f} |" for key, text in OWN_LAYERS.items()]
+        + [f"| **MemFit's own host time** (target, issue #38: {own_verdict(own)}) "
+           f"| **{own['own']:.1f}** |",
+           f"| Keras's iterator, as MemFit's function pulls from it (for scale) "
+           f"| {own['next']:.1f} |"])
     return f"""## Where MemFit's time per training step goes, JAX backend
 
 Generated by `{command}`: {repeats} interleaved runs of each loop, the loops and models
@@ -262,8 +354,13 @@ within 1.02x where a step takes 2 ms or more, else at most 30 us added per step.
 
 {table_text}
 
-MemFit outside its two-program step (`model.fit + MemFit`'s extra less keras_memfit's
-step's extra, per step; issue #38: at most {OUTSIDE_US:.0f} us on tiny): {outside}.
+### MemFit's own host time per batch, by layer
+
+The tiny model's `fit` (batch {BATCH["tiny"]}, {own_steps} batches) with MemFit, its step made a
+no-op, timers around each layer (`own_time`; medians of {repeats} fits). A layer's
+figure holds the cost of the timers nested in it (about 0.3 us each).
+
+{own_table}
 """
 
 
@@ -303,12 +400,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{name:5s} {label:22s} {median:8.3f} s  ratio {ratio:.3f}  "
                   f"extra {extra:+7.1f} us/step  host CPU {extra_cpu:+7.1f} us/step")
         print(f"{name:5s} target: {verdict(rows, steps[name])}")
-        wall, cpu = outside_step(rows)
-        print(f"{name:5s} MemFit outside its step: {wall:+7.1f} us/step  host CPU "
-              f"{cpu:+7.1f} us/step" + (f" (target <= {OUTSIDE_US:.0f})" if name == "tiny" else ""))
+    own_steps = args.steps or (QUICK_STEPS if args.quick else OWN_STEPS)
+    own = own_time(own_steps, repeats)
+    for key, text in OWN_LAYERS.items():
+        print(f"own   {own[key]:6.1f} us/batch  {text}")
+    print(f"own   {own['own']:6.1f} us/batch  MemFit's own host time ({own_verdict(own)}); "
+          f"Keras's iterator {own['next']:.1f}")
     if args.write or not args.quick:
         common.write_section(args.output, KEY, section_markdown(
-            results, info, argv, steps, repeats))
+            results, own, own_steps, info, argv, steps, repeats))
         print(f"\nwrote section '{KEY}' of {args.output}")
     return 0
 

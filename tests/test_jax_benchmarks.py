@@ -41,6 +41,11 @@ def test_jax_floor_quick_run_checks_its_loops_and_writes_its_section(tmp_path):
     assert len(fit_rows) == 3, fit_rows
     for line in fit_rows:
         assert re.search(r"\| <= (1\.02x|\+30 us/step): (pass|FAIL) \|$", line), line
+    # MemFit's own host time per batch, by layer, with issue #38's verdict (item 4).
+    assert "### MemFit's own host time per batch, by layer" in text
+    assert "| `Run.train`, less the step" in text
+    assert re.search(r"\| \*\*MemFit's own host time\*\* \(target, issue #38: <= 20 us: "
+                     r"(pass|FAIL)\) \| \*\*\d+\.\d\*\* \|", text), text[-1500:]
 
 
 def test_jax_floor_refuses_another_backend():
