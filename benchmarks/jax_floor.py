@@ -292,12 +292,12 @@ def own_time(steps: int, repeats: int) -> Dict[str, float]:
         if not all(totals.values()):  # a renamed layer would be timed as nothing
             raise RuntimeError(f"own_time: a timed layer never ran ({totals}); MemFit's "
                                "per-batch path changed: update `_timed_layers`")
+        if r == 0:
+            continue
         us = {key: seconds / steps * 1e6 for key, seconds in totals.items()}
         layers = {"begin": us["begin"],
                   "function": us["installed"] - us["next"] - us["run"],
                   "run": us["run"] - us["step"]}
-        if r == 0:
-            continue
         for key, value in layers.items():
             samples[key].append(value)
         samples["own"].append(sum(layers.values()))
