@@ -257,8 +257,9 @@ class MemFit(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         mode, fallback = self._check_supported()
         self._place_model()
-        if _backend.get().compiles_per_shape(self.model):
-            _shape_plan.prepare(self.model)  # while the variables are readable
+        model = self.model
+        if _backend.get().compiles_per_shape(model) and not _model_state.stateful_layers(model):
+            _shape_plan.prepare(model)  # while the variables are readable (traces the model)
         self._in_fit = True
         self._start(mode, fallback)
         self._epochs = 0

@@ -83,7 +83,9 @@ def safe_evaluate(
         ValueError: If the model is not compiled, or an argument is invalid
             or unknown.
         TypeError: If `model` is not a Keras model or `x` of an unsupported type.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or
+            a batch of a model with stateful layers does not (such a batch
+            runs whole, never split).
 
     Example:
         >>> loss, accuracy = safe_evaluate(model, x_test, y_test, batch_size=4096)
@@ -110,7 +112,8 @@ def safe_evaluate(
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
-    step, guard = _steps.test_step_and_guard(model, first, exact=exact_output_losses)
+    first_batch = first if requested is None else _data.rows(first, 0, requested)
+    step, guard = _steps.test_step_and_guard(model, first_batch, exact=exact_output_losses)
     batches = _output_losses.SplitBatches(model, exact_output_losses)
 
     loop = _loop.BatchLoop(

@@ -211,7 +211,9 @@ class _OutOfMemoryErrorBody:
     - "update_began" (`UPDATE_BEGAN`): a step on `rows` rows ran out of
       memory once its optimizer update had begun, so it is not run again;
     - "cannot_split" (`CANNOT_SPLIT`): a batch MemFit cannot split
-      (`received` names what it holds) ran out of memory in Keras's own step.
+      (`received` names what it holds) ran out of memory in Keras's own step,
+      or a batch of a model with stateful layers (`stateful`), which is never
+      split, ran out of memory.
 
     It subclasses the active backend's own out-of-memory error (with
     TensorFlow, `tf.errors.ResourceExhaustedError`; with JAX,
@@ -233,6 +235,7 @@ class _OutOfMemoryErrorBody:
         held: What the update held that grows with the batch, in words
             (cause "update"); None: memory that does not depend on the batch size.
         received: What the batch held that cannot be split (cause "cannot_split").
+        stateful: The names of the model's stateful layers (cause "cannot_split").
         can_place: Whether `keras_memfit.place` may be advised (see
             `can_place`); None: whether the active backend places layers.
 
@@ -245,6 +248,7 @@ class _OutOfMemoryErrorBody:
         rows: The rows of the batch that failed, when known.
         held: What the failed update held that grows with the batch, or None.
         received: What the batch held that MemFit cannot split, or None.
+        stateful: The names of the model's stateful layers, or ().
 
     Example:
         >>> try:
@@ -265,6 +269,7 @@ class _OutOfMemoryErrorBody:
         held: Optional[str] = None,
         received: Optional[str] = None,
         can_place: Optional[bool] = None,
+        stateful: Sequence[str] = (),
     ) -> None:
         if cause not in CAUSES:
             raise ValueError(f"cause must be one of {CAUSES}; received {cause!r}")
@@ -277,6 +282,7 @@ class _OutOfMemoryErrorBody:
         self.rows = rows
         self.held = held
         self.received = received
+        self.stateful = tuple(stateful)
         self.can_place = _backend.get().PLACES_LAYERS if can_place is None else can_place
         parts = [self._what(), self._held(), self._state(), detail.strip(), self._advice()]
         _backend.get().init_oom_error(self, " ".join(p for p in parts if p))
@@ -303,6 +309,13 @@ class _OutOfMemoryErrorBody:
             return (f"{head} once the optimizer update of a step on {rows} rows had begun "
                     f"(one sample's input shape {shapes}): in the update, or in the backward "
                     "pass while later layers' updates ran, as in Keras's own step.")
+        if self.stateful:
+            names = ", ".join(f"'{name}'" for name in self.stateful)
+            size = "" if self.rows is None else f" of {self.rows} rows"
+            return (f"{head} on a batch{size} of a model with stateful layers "
+                    f"({names}), whose batches MemFit never splits: a stateful layer "
+                    "carries its state from one batch to the next at the batch size it was "
+                    "built for, so the batch ran whole, as in Keras.")
         return (f"{head} on a batch that MemFit cannot split to retry it smaller, so it ran "
                 "through Keras's own step, without MemFit: MemFit splits numpy arrays and "
                 f"dense tensors (and None inputs). Received: {self.received}.")
@@ -339,6 +352,10 @@ class _OutOfMemoryErrorBody:
 
     def _advice(self) -> str:
         """What to do next, valid on the active backend."""
+        if self.cause == CANNOT_SPLIT and self.stateful:
+            return ("What to do next: build the model for a smaller batch size (its "
+                    "inputs' batch_shape) and pass that batch_size; free other models or "
+                    "tensors held on the device; or use a smaller model.")
         if self.cause == CANNOT_SPLIT:
             return ("What to do next: use a smaller batch_size, or make the input dense "
                     "before it reaches the model (e.g. tf.sparse.to_dense, "
@@ -370,7 +387,7 @@ class _OutOfMemoryErrorBody:
         return (
             type(self),
             (self.model_name, self.phase, self.batch_shape, self.device, self.detail,
-             self.cause, self.rows, self.held, self.received, self.can_place),
+             self.cause, self.rows, self.held, self.received, self.can_place, self.stateful),
         )
 
 

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import validate as _validate
 from keras_memfit.inference import loop as _loop
 from keras_memfit.inference import outputs as _outputs
@@ -95,7 +96,9 @@ def safe_predict(
         TypeError: If `model` is not a Keras model, `x` is of an unsupported
             type, `out` is not a numpy array, or `postprocess` returns
             something other than tensors.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or
+            a batch of a model with stateful layers does not (such a batch
+            runs whole, never split).
 
     Example:
         >>> probs = safe_predict(model, x_test, batch_size=28000)
@@ -130,7 +133,9 @@ def safe_predict(
 
     first = next(source.chunks, None)
     if first is not None:
-        spec = backend.output_spec(step, first[0])
+        spec = _backend.NO_SPEC  # a stateful layer cannot be traced at a batch of unknown size
+        if not _model_state.stateful_layers(model):
+            spec = backend.output_spec(step, first[0])
         if spec is not _backend.NO_SPEC:
             writer.check_spec(spec, postprocess)
         chunks = prepend(first, source.chunks)

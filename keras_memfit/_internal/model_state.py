@@ -2,12 +2,13 @@
 
 Backend-neutral helpers that every backend's steps and the analysis share:
 the reductions of the compiled losses, the small state a failed train step
-may have touched, and an optimizer's slot variables for one weight.
+may have touched, an optimizer's slot variables for one weight, and the
+stateful layers (whose batches keras_memfit never splits).
 """
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import keras
 import numpy as np
@@ -34,6 +35,21 @@ def loss_reductions(model: keras.Model) -> List[str]:
         else:  # strings and plain functions are wrapped with Keras's default
             reductions.append("sum_over_batch_size")
     return reductions
+
+
+def stateful_layers(model: keras.Model) -> Tuple[str, ...]:
+    """The names of the layers of `model` built with `stateful=True` (stateful RNNs).
+
+    Such a layer carries its state from one batch to the next at the batch
+    size it was built for, so its model runs only Keras's own batches.
+    Anything but a Keras layer or model has none.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        return ()
+    return tuple(
+        layer.name for layer in _keras_compat.all_layers(model)
+        if getattr(layer, "stateful", False) is True
+    )
 
 
 def train_state_variables(model: keras.Model) -> List[Any]:

@@ -12,6 +12,7 @@ import keras
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import model_state as _model_state
 from keras_memfit.planning import data as _data
 
 
@@ -34,13 +35,15 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
     """The compiled test step for `model` and a guard over its metric state.
 
     Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
-    chunk) first; both are cached per model, so repeated calls (and MemFit's
+    chunk: from its first row; from all of it, which must then be a Keras
+    batch, for a model with stateful layers) first; both are cached per model, so repeated calls (and MemFit's
     validation) trace once. `exact` is the backend's `make_test_step`'s:
     per-output loss trackers weighted by rows (True), or as Keras's own
     `evaluate` weights them (False).
     """
     backend = _backend.get()
-    sample = _data.rows(batch, 0, 1) if _data.splittable(batch) else batch
+    whole = _model_state.stateful_layers(model) or not _data.splittable(batch)
+    sample = batch if whole else _data.rows(batch, 0, 1)
     backend.prepare_test(model, sample)
     key = (
         "evaluate",

@@ -59,6 +59,10 @@ In `fit`, MemFit tells the planner where each Keras batch begins and ends
 (`start_batch`, `finish_batch`): growth then counts batches (not pieces), and
 happens only when it lowers the number of pieces a batch is run as (the size
 goes to the smallest one giving that split, so the pieces are even).
+
+A model with stateful layers (`model_state.stateful_layers`) runs every
+piece at the requested size (Keras's batch): no probe, no estimate, and an
+OOM is final.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ import math
 from typing import Any, Hashable, List, Optional, Tuple
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal.model_state import stateful_layers
 from keras_memfit.planning.records import Event, Knowledge, forget, knowledge_for
 from keras_memfit.planning.replica_memory import ReplicaMemory
 from keras_memfit.planning.shape_plan import analytic_estimate, blind_size, even_size
@@ -116,6 +121,7 @@ class BatchPlanner:
         self.requested = requested
         self.events = events if events is not None else []
         self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
+        self.stateful = stateful_layers(model)  # its batches run as Keras runs them, whole
         # Under a strategy, every replica runs a share of each piece: plan for the worst.
         devices = self._backend.replica_devices(model) or (self._backend.compute_device(),)
         self._memory = ReplicaMemory(self._backend, devices)
@@ -137,7 +143,7 @@ class BatchPlanner:
         self._xla = bool(self._backend.compiles_per_shape(model))
         self._even = self._xla  # the next size is evened against the rows left
         k = self._k
-        if self._xla and not k.analysed:
+        if self._xla and not k.analysed and not self.stateful:
             k.analysed = True
             analytic = analytic_estimate(model, phase)
             if analytic is not None and not k.bytes_per_sample:
@@ -150,7 +156,9 @@ class BatchPlanner:
         # Steps compiled per shape (XLA) never probe: each probe size would
         # compile the step again; the analytic estimate stands in for them.
         self._probe_after_oom = probe == "after_oom" and fresh and self._stats_ok and not self._xla
-        if fresh and big and self._stats_ok and probe == "first" and not self._xla:
+        if self.stateful:
+            self._size = self.requested_or_inf()
+        elif fresh and big and self._stats_ok and probe == "first" and not self._xla:
             self._probes = list(PROBE_SIZES)
             self._size = self._probes[0]
         else:
@@ -380,8 +388,10 @@ class BatchPlanner:
 
         Returns:
             True if a smaller size will be tried, False if `size` was 1 (or
-            one sample per device, see `_granular`).
+            one sample per device, see `_granular`) or the model is stateful.
         """
+        if self.stateful:
+            return False
         k = self._k
         self._note_floor()
         self._learn_budget()

@@ -42,7 +42,7 @@ import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from keras_memfit.backend.base import Guard, StartedPiece
-from keras_memfit.oom import OutOfMemoryError, can_place, is_retryable_oom
+from keras_memfit.oom import CANNOT_SPLIT, ONE_SAMPLE, OutOfMemoryError, can_place, is_retryable_oom
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 
@@ -144,7 +144,8 @@ def run_in_pieces(
         the loop: the pieces started ahead are undone.
 
     Raises:
-        OutOfMemoryError: If a piece of a single sample runs out of memory.
+        OutOfMemoryError: If a piece of a single sample runs out of memory,
+            or any piece of a model with stateful layers (cause "cannot_split").
 
     Example:
         >>> for piece in run_in_pieces(model, "predict", chunks, step, requested=32):
@@ -427,12 +428,16 @@ def drop_frames(exc: BaseException) -> None:
 def _final_error(
     model: Any, phase: str, chunk: Any, planner: BatchPlanner, detail: str
 ) -> OutOfMemoryError:
-    """The error for a single sample of `chunk` that does not fit."""
+    """The error for a single sample of `chunk` that does not fit (a stateful model: `chunk`)."""
+    stateful = planner.stateful  # its batches are never split
     return OutOfMemoryError(
         getattr(model, "name", type(model).__name__),
         phase,
         _data.shapes(_data.rows(chunk[0], 0, 1)),
         planner.device,
         detail=detail,
+        cause=CANNOT_SPLIT if stateful else ONE_SAMPLE,
+        rows=_data.num_rows(chunk) if stateful else None,
         can_place=can_place(model),
+        stateful=stateful,
     )

@@ -34,6 +34,8 @@ Batches MemFit cannot split (sparse or ragged tensors, optional inputs that
 arrive as `tf.experimental.Optional`, anything but arrays and dense tensors)
 go to Keras's own step function (`Run.keras_function`), untouched; only when
 one of those runs out of memory does MemFit raise, naming what it received.
+So do all the batches of a model with stateful layers
+(`model_state.stateful_layers`), which must run at Keras's batch size.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class Run:
         layout: How a batch is cut into pieces and run: on one device, or on
             every replica of a `tf.distribute` strategy alike
             (`keras_memfit.training.layout`).
+        stateful: The names of the model's stateful layers; with any, every
+            batch runs through `keras_call`.
         events: One `Event` per adaptation, located at `epoch` and `step`.
         epoch: The current epoch of `fit` (0 outside `fit`).
         step: The index of the current training batch in its epoch.
@@ -151,6 +155,7 @@ class Run:
         self.keras_function = keras_function
         self.fallback = fallback
         self.layout = layout_of(model)
+        self.stateful = _model_state.stateful_layers(model)  # its batches go to Keras's steps
         self._split_warnings = SplitWarnings(model)  # once per run, at the first split
         self.events: List[Event] = []
         self.epoch = 0
@@ -175,6 +180,8 @@ class Run:
 
     def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
         """Each Keras batch as the layout cuts it, or None when one cannot be split."""
+        if self.stateful:
+            return None
         cuts = [self.layout.cut(batch) for batch in batches]
         return None if None in cuts else cuts
 
@@ -477,7 +484,7 @@ class Run:
             if not is_oom_error(exc):
                 raise
             raise _cannot_split_error(
-                self.model, kind, self.layout.unsplittable(batches)) from exc
+                self.model, kind, self.layout.unsplittable(batches), self.stateful) from exc
 
     # --------------------------------------------------------------- shared
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
@@ -521,8 +528,9 @@ class Run:
 
 
 def _cannot_split_error(
-    model: keras.Model, kind: str, received: Optional[str]
+    model: keras.Model, kind: str, received: Optional[str], stateful: Tuple[str, ...]
 ) -> OutOfMemoryError:
     """The error for an OOM in Keras's own `kind` function on a batch MemFit cannot split."""
     return OutOfMemoryError(
-        model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT, received=received)
+        model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT, received=received,
+        stateful=stateful)
