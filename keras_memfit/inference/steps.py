@@ -35,11 +35,11 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
     """The compiled test step for `model` and a guard over its metric state.
 
     Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
-    chunk: from its first row; from all of it, which must then be a Keras
-    batch, for a model with stateful layers) first; both are cached per model, so repeated calls (and MemFit's
-    validation) trace once. `exact` is the backend's `make_test_step`'s:
-    per-output loss trackers weighted by rows (True), or as Keras's own
-    `evaluate` weights them (False).
+    chunk) first: from its first row, or, for a model with stateful layers,
+    from all of it (a Keras batch); both are cached per model, so repeated
+    calls (and MemFit's validation) trace once. `exact` is the backend's
+    `make_test_step`'s: per-output loss trackers weighted by rows (True), or
+    as Keras's own `evaluate` weights them (False).
     """
     backend = _backend.get()
     whole = _model_state.stateful_layers(model) or not _data.splittable(batch)

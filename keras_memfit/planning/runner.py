@@ -42,7 +42,9 @@ import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from keras_memfit.backend.base import Guard, StartedPiece
-from keras_memfit.oom import CANNOT_SPLIT, ONE_SAMPLE, OutOfMemoryError, can_place, is_retryable_oom
+from keras_memfit.oom import (
+    CANNOT_SPLIT, ONE_SAMPLE, OutOfMemoryError, can_place, is_retryable_oom,
+)
 from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 
