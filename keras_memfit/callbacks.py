@@ -118,8 +118,8 @@ class MemFit(keras.callbacks.Callback):
     - The `keras_memfit` logger: a WARNING per OOM caught, an INFO per
       estimate and growth, and at the end of a call that adapted anything
       one INFO summary line (`MemFit: fit on model 'm' adapted: ...`).
-    - Epoch logs (progress bar, History, TensorBoard), from the first epoch
-      in which something was adapted: `memfit_ooms` (OOMs caught that epoch,
+    - Epoch logs (every callback's: MemFit runs its hooks first), from the
+      first epoch in which something was adapted: `memfit_ooms` (OOMs caught that epoch,
       in training and validation) and `memfit_split` (the most pieces one
       training batch was run as that epoch; 1 when none was split). History
       gets them for the earlier epochs of that `fit` too (0 and 1), so its
@@ -256,6 +256,7 @@ class MemFit(keras.callbacks.Callback):
     # are back in place.
     def on_train_begin(self, logs=None):
         mode, fallback = self._check_supported()
+        self._go_first()
         self._place_model()
         model = self.model
         if _backend.get().compiles_per_shape(model) and not _model_state.stateful_layers(model):
@@ -263,6 +264,12 @@ class MemFit(keras.callbacks.Callback):
         self._in_fit = True
         self._start(mode, fallback)
         self._epochs = 0
+
+    def _go_first(self) -> None:
+        """Be the first of `fit`'s callbacks, so that every other one sees MemFit's epoch logs."""
+        callbacks = _keras_compat.calling_callback_list(self)
+        if callbacks is not None:  # a new list: Keras's loop over the old one goes on
+            callbacks.callbacks = [self] + [c for c in callbacks.callbacks if c is not self]
 
     def on_train_end(self, logs=None):
         self._run.release()

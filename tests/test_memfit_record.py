@@ -94,6 +94,30 @@ def test_memfit_entries_appear_from_the_first_adaptation_and_history_stays_align
     assert f"{ooms} OOM" in line
 
 
+def test_every_callback_gets_the_memfit_entries_whatever_its_place(inject_oom, tmp_path):
+    x, y = _data(64)
+    model = _classifier()
+    seen = {"before": [], "after": []}
+
+    class Logs(keras.callbacks.Callback):
+        def __init__(self, where):
+            super().__init__()
+            self.where = where
+
+        def on_epoch_end(self, epoch, logs=None):
+            seen[self.where].append(dict(logs))
+
+    csv = tmp_path / "log.csv"
+    inject_oom(5)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_split=0.25,
+              callbacks=[Logs("before"), keras.callbacks.CSVLogger(str(csv)), MemFit(),
+                         Logs("after")])
+    assert inject_oom.ooms("train")
+    assert seen["before"] == seen["after"]
+    assert all(MEMFIT_KEYS <= set(logs) for logs in seen["before"])
+    assert MEMFIT_KEYS <= set(csv.read_text().splitlines()[0].split(","))
+
+
 def test_no_summary_and_no_records_when_nothing_is_adapted(inject_oom, caplog):
     x, y = _data(48)
     model = _classifier()

@@ -9,6 +9,7 @@ here, so that a Keras release that moves something breaks one module, and
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Iterable, Optional, Tuple, Type
 
 import keras
@@ -32,6 +33,24 @@ def keras_version() -> tuple:
 def all_layers(model: keras.Model) -> Iterable[Any]:
     """The model and every layer nested in it (`Layer._flatten_layers`)."""
     return model._flatten_layers(include_self=True, recursive=True)
+
+
+def calling_callback_list(callback: Any) -> Optional[Any]:
+    """The `keras.callbacks.CallbackList` whose hook is calling `callback`'s, or None.
+
+    Keras's `fit` wraps its callbacks in a `CallbackList` that no callback
+    can reach; the list's hook (`on_train_begin`, say) is a few frames up.
+    """
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, keras.callbacks.CallbackList) and any(
+                c is callback for c in caller.callbacks):
+            return caller
+    return None
 
 
 def symbolic_build(model: keras.Model, data_batch: Any) -> None:
