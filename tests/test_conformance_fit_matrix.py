@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from keras_memfit import MemFit, OutOfMemoryError
-from support import BACKEND
+from support import BACKEND, oom_error
 
 SEED = 5
 N, BATCH, FEATURES, CLASSES = 48, 16, 6, 3
@@ -234,8 +234,13 @@ def _policy(name: Optional[str]):
         keras.config.set_dtype_policy(previous)
 
 
-def _fit(model_name: str, option: Option, tmp_path, memfit: Optional[MemFit]):
-    """A fresh model of the case fit once; returns (model, History)."""
+def _fit(model_name: str, option: Option, tmp_path, memfit: Optional[MemFit],
+         keras_step_fails: bool = False):
+    """A fresh model of the case fit once; returns (model, History).
+
+    `keras_step_fails`: Keras's own train function runs out of memory (the
+    one a stateful model's batches run through).
+    """
     keras.utils.set_random_seed(SEED)
     with _policy(option.policy):
         model = (option.model or MODELS[model_name])()
@@ -244,6 +249,8 @@ def _fit(model_name: str, option: Option, tmp_path, memfit: Optional[MemFit]):
         data = _data(option)
         if model_name == "stateful":
             data["x"] = data["x"].reshape(N, 2, FEATURES // 2)
+        if keras_step_fails:
+            model.train_function = _out_of_memory
         fit_kwargs = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         if "sample_weight" not in data and option.data != "two_outputs":
             fit_kwargs["validation_split"] = 1 / 3
@@ -253,6 +260,10 @@ def _fit(model_name: str, option: Option, tmp_path, memfit: Optional[MemFit]):
         callbacks = option.callbacks(run_dir) + ([memfit] if memfit else [])
         history = model.fit(**data, callbacks=callbacks, **fit_kwargs)
     return model, history
+
+
+def _out_of_memory(*args):
+    raise oom_error(BATCH)
 
 
 def _state(model, history):
@@ -297,7 +308,7 @@ def test_under_pressure_fit_is_kerass_unsplit_training(model_name, option_name, 
     memfit = MemFit()
     if model_name == "stateful":  # a stateful model's batch cannot be split: refused, documented
         with pytest.raises(OutOfMemoryError) as raised:
-            _fit(model_name, option, tmp_path, memfit)
+            _fit(model_name, option, tmp_path, memfit, keras_step_fails=True)
         assert raised.value.cause == "cannot_split" and "stateful_lstm" in str(raised.value)
         return
     got_weights, got_iterations, got_history = _state(*_fit(model_name, option, tmp_path, memfit))
