@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from keras_memfit import MemFit, OutOfMemoryError
-from support import BACKEND, oom_error
+from support import BACKEND, keras_trains_stateful_rnns, oom_error
 
 SEED = 5
 N, BATCH, FEATURES, CLASSES = 48, 16, 6, 3
@@ -196,7 +196,8 @@ def _regularized():
     return keras.Model(inputs, keras.layers.Dense(CLASSES, activation="softmax")(x))
 
 
-CASES = [(model, "default") for model in MODELS] + [
+CASES = [(model, "default") for model in MODELS if model != "stateful"] + [
+    pytest.param("stateful", "default", marks=keras_trains_stateful_rnns)] + [
     (model, option) for option in OPTIONS if option != "default"
     for model in (("two_outputs",) if OPTIONS[option].model is _two_outputs
                   else ("skips",) if OPTIONS[option].model is not None
@@ -276,11 +277,7 @@ def _skip_if_unavailable(option: Option):
         pytest.skip(option.skip[BACKEND])
 
 
-def _case_id(case):
-    return "-".join(case)
-
-
-@pytest.mark.parametrize("model_name, option_name", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("model_name, option_name", CASES)
 def test_with_no_pressure_fit_is_bitwise_kerass(model_name, option_name, tmp_path, inject_oom):
     option = OPTIONS[option_name]
     _skip_if_unavailable(option)
@@ -297,7 +294,7 @@ def test_with_no_pressure_fit_is_bitwise_kerass(model_name, option_name, tmp_pat
         np.testing.assert_array_equal(got, expected, err_msg=f"weight {i}")
 
 
-@pytest.mark.parametrize("model_name, option_name", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("model_name, option_name", CASES)
 def test_under_pressure_fit_is_kerass_unsplit_training(model_name, option_name, tmp_path,
                                                       inject_oom):
     option = OPTIONS[option_name]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from keras_memfit import MemFit, OutOfMemoryError, safe_evaluate, safe_predict
-from support import backend_module, oom_error, oom_error_class
+from support import backend_module, keras_trains_stateful_rnns, oom_error, oom_error_class
 
 # At least the planner's MIN_PROBE_REQUEST: where memory statistics exist it
 # would probe a batch this large with 16 and 64 rows.
@@ -59,6 +59,7 @@ def _assert_equal_arrays(got, want):
         np.testing.assert_array_equal(a, b)
 
 
+@keras_trains_stateful_rnns
 def test_fit_evaluate_and_predict_with_memfit_are_plain_keras_s_bitwise():
     history, evaluated, predicted, weights = _run([MemFit()])
     want_history, want_evaluated, want_predicted, want_weights = _run([])
@@ -110,6 +111,7 @@ def test_safe_predict_and_safe_evaluate_refuse_to_split_a_stateful_batch(phase, 
     assert inject_oom.rows(phase) == [BATCH]  # tried once, whole: no probe, no smaller piece
 
 
+@keras_trains_stateful_rnns
 def test_fit_with_memfit_refuses_to_split_a_stateful_batch():
     x, y = _data(2)
     model = _model()
