@@ -38,7 +38,9 @@ class CountedOnce:
 
     Call `begin()` before the batch's first piece (after any failed try was
     undone) and `settle()` after its last: each tracker's contribution since
-    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`.
+    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`,
+    on each replica's copy of it (under a `tf.distribute` strategy Keras's
+    step counts each replica's batch once; the backend's `variable_copies`).
     Nothing to do (no trackers) on a backend whose Keras weights batches by
     rows, or for a model run eagerly (static shapes: Keras weights by rows).
     """
@@ -49,28 +51,34 @@ class CountedOnce:
             exact: Per-output losses are wanted as means over samples
                 (`safe_evaluate(exact_output_losses=True)`): nothing to settle.
         """
+        backend = _backend.get()
         counts_once = (
             not exact
-            and _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE
+            and backend.KERAS_COUNTS_EACH_BATCH_ONCE
             and not getattr(model, "run_eagerly", False)
         )
         self.trackers = _keras_compat.per_output_loss_trackers(model) if counts_once else []
+        # Per tracker copy: its total and count variables.
+        self._copies = [
+            pair for t in self.trackers
+            for pair in zip(backend.variable_copies(t.total), backend.variable_copies(t.count))
+        ]
         self.before: Optional[List[Tuple[Any, Any]]] = None
 
     def begin(self) -> None:
         """Note the trackers' state before a split batch."""
         if self.trackers:
-            self.before = [(_value(t.total), _value(t.count)) for t in self.trackers]
+            self.before = [(_value(total), _value(count)) for total, count in self._copies]
 
     def settle(self) -> None:
         """Count what the pieces added since `begin()` as one batch."""
         if self.before is None:
             return
-        for tracker, (total, count) in zip(self.trackers, self.before):
-            added = _value(tracker.count) - count
+        for (total_now, count_now), (total, count) in zip(self._copies, self.before):
+            added = _value(count_now) - count
             if added > 0:
-                tracker.total.assign(total + (_value(tracker.total) - total) / added)
-                tracker.count.assign(count + 1)
+                total_now.assign(total + (_value(total_now) - total) / added)
+                count_now.assign(count + 1)
         self.before = None
 
 
