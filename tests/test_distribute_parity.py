@@ -50,7 +50,8 @@ def _strategy():
 def _assert_same_state(model, reference):
     for w, r in zip(model.weights, reference.weights):
         np.testing.assert_allclose(np.array(w), np.array(r), err_msg=w.path, **TOL)
-    assert int(np.array(model.optimizer.iterations)) == int(np.array(reference.optimizer.iterations)) > 0
+    iterations = [int(np.array(m.optimizer.iterations)) for m in (model, reference)]
+    assert iterations[0] == iterations[1] > 0
     for v, r in zip(model.optimizer.variables, reference.optimizer.variables):
         want = np.array(r)
         np.testing.assert_allclose(

@@ -351,10 +351,6 @@ class Steps(Protocol):
     def guard_variables(self, variables: Sequence[Any]) -> Guard:
         """A `Guard` over `variables`: snapshot before a step, restored if it fails."""
 
-    def variable_copies(self, variable: Any) -> Tuple[Any, ...]:
-        """The copies of `variable` that steps update separately, each one readable and
-        assignable: one per replica under a `tf.distribute` strategy, else `(variable,)`."""
-
 
 class Training(Protocol):
     """MemFit's train steps and gradient accumulation (module `training`).

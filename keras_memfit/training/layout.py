@@ -47,7 +47,7 @@ from keras_memfit._internal.batches import (
     as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
 )
 from keras_memfit.backend.base import Accumulator, Guard, TrainStep
-from keras_memfit.inference.output_losses import SplitBatches
+from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
 from keras_memfit.planning import data as _data
 
@@ -145,6 +145,10 @@ class OneDevice:
     def accumulator(self, model: keras.Model) -> Accumulator:
         """A gradient accumulator (sums the size of the weights)."""
         return _backend.get().make_accumulator(model)
+
+    def counted(self, model: keras.Model) -> CountedOnce:
+        """What counts an accumulated batch once for the per-output losses, as Keras's step does."""
+        return CountedOnce(model)
 
     def test_parts(
         self, model: keras.Model, cut: Rows
@@ -269,6 +273,10 @@ class Replicated:
         """A gradient accumulator over the replicas (one all-reduce when applied)."""
         return self.replicas.accumulator(model)
 
+    def counted(self, model: keras.Model) -> CountedOnce:
+        """What counts an accumulated batch once for each replica's per-output losses."""
+        return CountedOnce(model, copies=self.replicas.copies)
+
     def test_parts(
         self, model: keras.Model, cut: Slots
     ) -> Tuple[Callable[[Any], Any], Guard, SplitBatches]:
@@ -279,7 +287,7 @@ class Replicated:
             model, self._test_key(model, "evaluate"),
             lambda: (self.replicas.test_step(model), self.replicas.guard(model.metrics_variables)),
         )
-        return step, guard, SplitBatches(model, False)
+        return step, guard, SplitBatches(model, False, self.replicas.copies)
 
     def exact_test_step(self, model: keras.Model, cut: Slots) -> Callable[[Any], Any]:
         """The test step whose per-output loss trackers weight a piece by its rows, cached."""

@@ -360,7 +360,7 @@ class Run:
                 return TrainParts(
                     step=step,
                     guard=layout.guard(_model_state.train_state_variables(model)),
-                    counted=CountedOnce(model),
+                    counted=layout.counted(model),
                 )
 
             self._train_parts = _cache.per_model(model, key, build)

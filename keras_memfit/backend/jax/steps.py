@@ -278,10 +278,6 @@ def guard_variables(variables: Sequence[Any]) -> VariableGuard:
     return VariableGuard(variables)
 
 
-def variable_copies(variable: Any) -> Tuple[Any, ...]:
-    return (variable,)
-
-
 def prepare_test(model: keras.Model, batch: Any) -> None:
     x, y, sample_weight = batch
     _keras_compat.symbolic_build(model, (x, y, sample_weight))

@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
+from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy, variable_copies
 from keras_memfit.backend.tensorflow.accumulation import (
     add_gradients, apply_gradients, kept_rows_text, sparse_gradients, sums_sparse_exactly,
 )
@@ -170,6 +170,10 @@ class Replicas:
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
         )
+
+    def copies(self, variable: Any) -> Sequence[Any]:
+        """Each replica's copy of `variable` (a `tf.Variable` each)."""
+        return variable_copies(variable)
 
     def guard(self, variables: Sequence[Any]) -> "ReplicaGuard":
         """A guard over every replica's copy of `variables`."""

@@ -192,9 +192,6 @@ def guard_variables(variables: Sequence[Any]) -> Any:
     return VariableGuard(variables)
 
 
-variable_copies = replicas.variable_copies
-
-
 def prepare_test(model: keras.Model, batch: Any) -> None:
     """Under a `MirroredStrategy`, inside its scope (as Keras builds them), so
     that the metrics get one copy per replica."""

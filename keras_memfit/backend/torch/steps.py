@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import keras
 import numpy as np
@@ -237,10 +237,6 @@ class VariableGuard:
 
 def guard_variables(variables: Sequence[Any]) -> VariableGuard:
     return VariableGuard(variables)
-
-
-def variable_copies(variable: Any) -> Tuple[Any, ...]:
-    return (variable,)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
