@@ -199,3 +199,28 @@ def test_sparse_gradients_give_kerass_unsplit_update(inject_oom, optimizer):
     inject_oom(None)
     assert inject_oom.ooms("train") and max(inject_oom.ok_rows("train")) <= 3
     _assert_same_state(model, reference)
+
+
+def test_an_oom_in_the_update_of_kept_rows_says_what_it_held(inject_oom, monkeypatch):
+    """As on one device (tests/test_sparse_accumulation.py): every replica's rows, named."""
+    from support import oom_error
+
+    from keras_memfit import OutOfMemoryError
+
+    model = _embedding_model(_strategy(), "adam")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(24, LENGTH)).astype("int32")
+
+    def out_of_memory(grads_and_vars):
+        raise oom_error()
+
+    monkeypatch.setattr(model.optimizer, "apply_gradients", out_of_memory)
+    inject_oom(3)
+    with pytest.raises(OutOfMemoryError) as caught:
+        model.fit(x, rng.normal(size=(24, 2)), batch_size=24, verbose=0, callbacks=[MemFit()])
+    inject_oom(None)
+    rows = 24 * LENGTH  # one per lookup, on both replicas together
+    assert f"held {rows} rows of 'emb/embeddings' ({rows * 4 * 4 / 1024:.1f} KiB)" in str(
+        caught.value)
+    assert "Adam updates them row by row" in str(caught.value)
+    assert caught.value.cause == "update" and caught.value.rows == 24
