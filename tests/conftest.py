@@ -27,7 +27,9 @@ Fault injection
     succeeded, so there a late OOM is raised before it). It logs every
     call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
     raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
-    `inject_oom.rows(phase)` (all), the phase being optional. Other fault
+    `inject_oom.rows(phase)` (all), the phase being optional. Under a
+    `tf.distribute` strategy (`two_devices`) MemFit's replica steps fail
+    alike, a batch's rows being its largest replica's. Other fault
     fixtures swap the backend's steps with `support.wrap_factory` too.
 
 Shared models, data, callbacks and comparisons are in `support.py`.
@@ -477,7 +479,6 @@ def _inject_replica_steps(monkeypatch, injector, distribute):
     plans). A train step that ran has applied its update: a late OOM is
     raised before it, as on JAX.
     """
-
     import keras
 
     def rows_of(data):

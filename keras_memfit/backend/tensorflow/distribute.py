@@ -301,12 +301,10 @@ class ReplicaAccumulator:
     weighted by its own share; `apply` calls `apply_gradients` once on every
     replica with its local sums, which the optimizer all-reduces: the same
     update as Keras's step on the whole batch, where each replica's loss is
-    its rows' mean scaled by the number of replicas. A sparse gradient (an
-    `Embedding`'s) is kept as each piece's rows on its replica, as on one
-    device (`accumulation.GradientAccumulator`), unless the optimizer sums
-    them exactly (`sums_sparse_exactly`: then summed densely): each replica
-    hands the optimizer its rows in order, and Keras's all-reduce gathers
-    every replica's, as for the unsplit step.
+    its rows' mean scaled by the number of replicas. A sparse gradient is
+    kept as each replica's rows, as on one device (`accumulation.py`), unless
+    the optimizer sums them exactly: Keras's all-reduce then gathers every
+    replica's rows, as for the unsplit step.
     """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
