@@ -27,7 +27,9 @@ Fault injection
     succeeded, so there a late OOM is raised before it). It logs every
     call; ask it with `inject_oom.ooms(phase)` (rows of the calls that
     raised), `inject_oom.ok_rows(phase)` (rows of those that succeeded) and
-    `inject_oom.rows(phase)` (all), the phase being optional. Other fault
+    `inject_oom.rows(phase)` (all), the phase being optional. Under a
+    `tf.distribute` strategy (`two_devices`) MemFit's replica steps fail
+    alike, a batch's rows being its largest replica's. Other fault
     fixtures swap the backend's steps with `support.wrap_factory` too.
 
 Shared models, data, callbacks and comparisons are in `support.py`.
@@ -302,16 +304,20 @@ class OOMInjector:
         """Rows of the calls that succeeded, in order; only `phase`'s when given."""
         return [c.rows for c in self.calls if not c.raised and phase in (None, c.phase)]
 
-    def wrap(self, phase, step, late_runs_step=True):
+    def wrap(self, phase, step, late_runs_step=True, rows_of=None):
         """`step`, counted in `calls` and failing as configured, under `phase`.
 
         `late_runs_step=False`: an OOM injected `after` the step is raised
         before it runs, for steps whose computation and state write are one
         (JAX's train steps write nothing unless the whole step succeeded, so
-        a late OOM leaves them exactly as an early one does).
+        a late OOM leaves them exactly as an early one does). `rows_of`: a
+        batch's rows (default `support.rows_of`).
         """
         from keras_memfit.backend.base import StartableStep
-        from support import oom_error, rows_of
+        from support import oom_error
+        from support import rows_of as batch_rows
+
+        rows_of = rows_of or batch_rows
 
         def wrapped(data):
             rows = rows_of(data)
@@ -404,11 +410,11 @@ class _InjectedTrainStep:
     A custom step cannot tell (`last_outcome` stays None).
     """
 
-    def __init__(self, injector, step, late_runs_step):
+    def __init__(self, injector, step, late_runs_step, rows_of=None):
         self._step = step
         self.snapshots_itself = step.snapshots_itself
         self.last_outcome = None
-        self._call = injector.wrap("train", self._run, late_runs_step)
+        self._call = injector.wrap("train", self._run, late_runs_step, rows_of)
 
     def _run(self, data):
         self._ran = True
@@ -459,9 +465,40 @@ def inject_oom(monkeypatch):
         injector.wrap("train", lambda d: add(self, d, weight), late_runs_step)(data)
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_micro_batch)
+    if BACKEND == "tensorflow":
+        _inject_replica_steps(monkeypatch, injector, backend.distribute)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()
+
+
+def _inject_replica_steps(monkeypatch, injector, distribute):
+    """The injection on MemFit's steps under a `tf.distribute` strategy (its `Replicas`).
+
+    A distributed batch's rows are its largest replica's (the rows MemFit
+    plans). A train step that ran has applied its update: a late OOM is
+    raised before it, as on JAX.
+    """
+    import keras
+
+    def rows_of(data):
+        leaf = next(leaf for leaf in keras.tree.flatten(data) if leaf is not None)
+        return max(int(value.shape[0]) for value in leaf.values)
+
+    replicas, accumulator = distribute.Replicas, distribute.ReplicaAccumulator
+    train_step, test_step = replicas.train_step, replicas.test_step
+    predict_step, add = replicas.predict_step, accumulator.add
+
+    def add_micro_batch(self, data, weight):
+        injector.wrap("train", lambda d: add(self, d, weight), True, rows_of)(data)
+
+    monkeypatch.setattr(replicas, "train_step", lambda self, *a: _InjectedTrainStep(
+        injector, train_step(self, *a), False, rows_of))
+    monkeypatch.setattr(replicas, "test_step", lambda self, *a, **k: injector.wrap(
+        "evaluate", test_step(self, *a, **k), True, rows_of))
+    monkeypatch.setattr(replicas, "predict_step", lambda self, *a: injector.wrap(
+        "predict", predict_step(self, *a), True, rows_of))
+    monkeypatch.setattr(accumulator, "add", add_micro_batch)
 
 
 @pytest.fixture

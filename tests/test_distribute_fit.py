@@ -136,8 +136,8 @@ class OneReplicaInjector:
         )
         make_test = distribute.Replicas.test_step
 
-        def test_step(self_, model):
-            step = make_test(self_, model)
+        def test_step(self_, model, exact=False):
+            step = make_test(self_, model, exact)
             return lambda data: wrap("test", lambda _, d: step(d))(None, data)
 
         monkeypatch.setattr(distribute.Replicas, "test_step", test_step)

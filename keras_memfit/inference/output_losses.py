@@ -24,7 +24,7 @@ Keras's default reduction ("sum_over_batch_size"), as the total `"loss"`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import keras
 
@@ -32,22 +32,30 @@ from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.planning import data as _data
 
+Copies = Callable[[Any], Sequence[Any]]
+
 
 class CountedOnce:
     """Settles a split batch's per-output loss trackers to the one count Keras gives a batch.
 
     Call `begin()` before the batch's first piece (after any failed try was
     undone) and `settle()` after its last: each tracker's contribution since
-    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`.
+    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`,
+    on each of its `copies` (a strategy's replicas: Keras counts each
+    replica's batch once).
     Nothing to do (no trackers) on a backend whose Keras weights batches by
     rows, or for a model run eagerly (static shapes: Keras weights by rows).
     """
 
-    def __init__(self, model: keras.Model, exact: bool = False) -> None:
+    def __init__(
+        self, model: keras.Model, exact: bool = False, copies: Optional[Copies] = None
+    ) -> None:
         """Args:
             model: The compiled model being run.
             exact: Per-output losses are wanted as means over samples
                 (`safe_evaluate(exact_output_losses=True)`): nothing to settle.
+            copies: A variable's copies that pieces update separately, each
+                one readable and assignable (default: the variable itself).
         """
         counts_once = (
             not exact
@@ -55,22 +63,26 @@ class CountedOnce:
             and not getattr(model, "run_eagerly", False)
         )
         self.trackers = _keras_compat.per_output_loss_trackers(model) if counts_once else []
+        copies = copies or (lambda variable: (variable,))
+        self._copies = [  # (total, count) of each copy of each tracker
+            pair for t in self.trackers for pair in zip(copies(t.total), copies(t.count))
+        ]
         self.before: Optional[List[Tuple[Any, Any]]] = None
 
     def begin(self) -> None:
         """Note the trackers' state before a split batch."""
         if self.trackers:
-            self.before = [(_value(t.total), _value(t.count)) for t in self.trackers]
+            self.before = [(_value(total), _value(count)) for total, count in self._copies]
 
     def settle(self) -> None:
         """Count what the pieces added since `begin()` as one batch."""
         if self.before is None:
             return
-        for tracker, (total, count) in zip(self.trackers, self.before):
-            added = _value(tracker.count) - count
+        for (total_now, count_now), (total, count) in zip(self._copies, self.before):
+            added = _value(count_now) - count
             if added > 0:
-                tracker.total.assign(total + (_value(tracker.total) - total) / added)
-                tracker.count.assign(count + 1)
+                total_now.assign(total + (_value(total_now) - total) / added)
+                count_now.assign(count + 1)
         self.before = None
 
 
@@ -82,14 +94,15 @@ class SplitBatches:
     call `finished(rows)` after each successful piece.
     """
 
-    def __init__(self, model: keras.Model, exact: bool) -> None:
+    def __init__(self, model: keras.Model, exact: bool, copies: Optional[Copies] = None) -> None:
         """Args:
             model: The compiled model being evaluated.
             exact: Whether per-output losses are exact means over samples
                 (nothing to settle then).
+            copies: As `CountedOnce`'s.
         """
         self.model = model
-        self.counted = CountedOnce(model, exact)
+        self.counted = CountedOnce(model, exact, copies)
         self.rows = 0
         self.done = 0
 

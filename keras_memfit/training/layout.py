@@ -146,13 +146,13 @@ class OneDevice:
         """A gradient accumulator (sums the size of the weights)."""
         return _backend.get().make_accumulator(model)
 
-    def counted(self, model: keras.Model) -> Optional[CountedOnce]:
+    def counted(self, model: keras.Model) -> CountedOnce:
         """What counts an accumulated batch once for the per-output losses, as Keras's step does."""
         return CountedOnce(model)
 
     def test_parts(
         self, model: keras.Model, cut: Rows
-    ) -> Tuple[Callable[[Any], Any], Guard, Optional[SplitBatches]]:
+    ) -> Tuple[Callable[[Any], Any], Guard, SplitBatches]:
         """The test step, traced as Keras's `evaluate` traces its own, a guard over the metric
         state, and what counts a split batch once for the per-output losses."""
         step, guard = test_step_and_guard(model, cut.chunk, exact=False)
@@ -273,26 +273,30 @@ class Replicated:
         """A gradient accumulator over the replicas (one all-reduce when applied)."""
         return self.replicas.accumulator(model)
 
-    def counted(self, model: keras.Model) -> Optional[CountedOnce]:
-        """None: each replica's per-output loss trackers count every piece as Keras counts a batch."""
-        return None
+    def counted(self, model: keras.Model) -> CountedOnce:
+        """What counts an accumulated batch once for each replica's per-output losses."""
+        return CountedOnce(model, copies=self.replicas.copies)
 
     def test_parts(
         self, model: keras.Model, cut: Slots
-    ) -> Tuple[Callable[[Any], Any], Guard, Optional[SplitBatches]]:
-        """Keras's test step on a distributed batch and a guard over the metric state, cached.
-
-        No `SplitBatches`: each replica's per-output loss trackers count every
-        piece as Keras counts a batch.
-        """
+    ) -> Tuple[Callable[[Any], Any], Guard, SplitBatches]:
+        """Keras's test step on a distributed batch and a guard over the metric state, cached,
+        and what counts a split batch once for each replica's per-output losses."""
         self.prepare(model, cut)
-        key = ("evaluate", self.key, tuple(id(v) for v in model.metrics_variables),
-               bool(getattr(model, "run_eagerly", False)), model.jit_compile)
         step, guard = _cache.per_model(
-            model, key,
+            model, self._test_key(model, "evaluate"),
             lambda: (self.replicas.test_step(model), self.replicas.guard(model.metrics_variables)),
         )
-        return step, guard, None
+        return step, guard, SplitBatches(model, False, self.replicas.copies)
+
+    def exact_test_step(self, model: keras.Model, cut: Slots) -> Callable[[Any], Any]:
+        """The test step whose per-output loss trackers weight a piece by its rows, cached."""
+        return _cache.per_model(model, self._test_key(model, "exact evaluate"),
+                                lambda: self.replicas.test_step(model, exact=True))
+
+    def _test_key(self, model: keras.Model, kind: str) -> Hashable:
+        return (kind, self.key, tuple(id(v) for v in model.metrics_variables),
+                bool(getattr(model, "run_eagerly", False)), model.jit_compile)
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
         """`model.predict_step` on a distributed batch: each replica's outputs, cached."""

@@ -89,15 +89,14 @@ class TrainParts:
         step: The compiled train step.
         guard: Guards the small state a step updates (steps not snapshotting it).
         counted: Counts an accumulated batch once for the per-output loss
-            trackers, as Keras's step counts a batch (None: the layout's
-            pieces count as Keras counts batches, see `Replicated.counted`).
+            trackers, as Keras's step counts a batch.
         accumulator: The gradient accumulator (the size of the weights),
             made when a batch is first split, dropped by `Run.release`.
     """
 
     step: TrainStep
     guard: Guard
-    counted: Optional[CountedOnce]
+    counted: CountedOnce
     accumulator: Optional[Accumulator] = None
 
 
@@ -166,7 +165,7 @@ class Run:
         self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
-        self._test_parts: Optional[Tuple[Callable, Guard, Optional[SplitBatches]]] = None
+        self._test_parts: Optional[Tuple[Callable, Guard, SplitBatches]] = None
         self._predict_step: Optional[Callable[[Any], Any]] = None
         # phase -> (the most pieces one batch was run as, that batch's rows)
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
@@ -316,8 +315,7 @@ class Run:
                 parts.accumulator = None  # frees the sums made before the OOM
                 raise self._oom_error(cut, planner, ACCUMULATE, cut.rows) from exc
             self._split_warnings.accumulated()
-            if parts.counted is not None:
-                parts.counted.begin()
+            parts.counted.begin()
 
         def add(piece: tuple, share: float) -> None:
             parts.accumulator.add(*cut.micro_batch(piece, share))
@@ -330,8 +328,7 @@ class Run:
                     raise
                 raise self._oom_error(
                     cut, planner, UPDATE, cut.rows, held=parts.accumulator.held()) from exc
-            if parts.counted is not None:
-                parts.counted.settle()
+            parts.counted.settle()
             return model.get_metrics_result()
 
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
@@ -404,8 +401,7 @@ class Run:
                     self.model, "evaluate", [cut.chunk], run,
                     requested=None, guard=guard, planner=planner,
                 ):
-                    if split is not None:  # a split batch counts once for the per-output losses
-                        split.finished(piece.rows)
+                    split.finished(piece.rows)  # a split batch counts once for per-output losses
                     logs = piece.result
                     count += 1
                 planner.finish_batch()
@@ -417,16 +413,14 @@ class Run:
         return logs
 
     def _test_runner(
-        self, step: Callable[[Any], Any], split: Optional[SplitBatches], cut: Cut
+        self, step: Callable[[Any], Any], split: SplitBatches, cut: Cut
     ) -> Callable[[tuple], Any]:
-        """`step` on a piece of `cut`; with `split`, a split batch counts once for the
-        per-output losses (its pieces run the layout's exact test step)."""
+        """`step` on a piece of `cut`; a split batch counts once for the per-output losses
+        (its pieces run the layout's exact test step)."""
 
         def run(piece: tuple) -> Any:
             return step(cut.batch(piece))
 
-        if split is None:
-            return run
         split.begin_batch(cut.slots)
 
         def make_exact(first: tuple) -> Callable[[tuple], Any]:  # at the first split

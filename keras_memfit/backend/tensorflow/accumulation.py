@@ -102,11 +102,22 @@ def sums_sparse_exactly(optimizer: Any) -> bool:
     return type(optimizer) is keras.optimizers.SGD and not clipped
 
 
-def _rows_text(slices: Sequence[tf.IndexedSlices], weight: Any) -> str:
-    """The rows `slices` hold of `weight`'s gradient and their bytes, in words."""
-    rows = sum(int(s.values.shape[0]) for s in slices)
-    row_bytes = slices[0].values.shape[1:].num_elements() * slices[0].values.dtype.size
-    return f"{rows} rows of '{weight.path}' ({format_bytes(rows * row_bytes)})"
+def kept_rows_text(optimizer: Any, kept: Sequence[Tuple[Sequence[Any], Any]]) -> Optional[str]:
+    """The sparse gradients' rows an update holds, in words; None when there are none.
+
+    Args:
+        optimizer: The optimizer that updates them row by row.
+        kept: Per weight, its pieces' rows (`tf.IndexedSlices.values`) and the weight.
+    """
+    if not kept:
+        return None
+    texts = []
+    for values, weight in kept:
+        rows = sum(int(v.shape[0]) for v in values)
+        row_bytes = values[0].shape[1:].num_elements() * values[0].dtype.size
+        texts.append(f"{rows} rows of '{weight.path}' ({format_bytes(rows * row_bytes)})")
+    return (f"{', '.join(texts)}: the sparse gradients' rows, one per lookup, all kept "
+            f"because {type(optimizer).__name__} updates them row by row")
 
 
 class AccumulationSteps:
@@ -327,12 +338,9 @@ class GradientAccumulator:
         kept, self._kept = self._kept, []
         steps = self.steps
         sparse = steps.traced["sparse"]
-        rows = [] if steps.sums_sparse else [  # SGD's kept rows: at most its weights' size
-            _rows_text(k, steps.weights[i]) for i, k in zip(sparse, kept)]
-        self._held = None if not rows else (
-            f"{', '.join(rows)}: the sparse gradients' rows, one per lookup, all kept "
-            f"because {type(self._model().optimizer).__name__} updates them row by row"
-        )
+        self._held = None if steps.sums_sparse else kept_rows_text(  # SGD: at most the weights
+            self._model().optimizer,
+            [([k.values for k in pieces], steps.weights[i]) for i, pieces in zip(sparse, kept)])
         gradients: List[Optional[tf.IndexedSlices]] = []
         for j in range(len(sparse)):
             pieces, kept[j] = kept[j], []  # only their concatenation is needed now

@@ -34,8 +34,11 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy
-from keras_memfit.backend.tensorflow.accumulation import add_gradients, apply_gradients
+from keras_memfit.backend.tensorflow.replicas import ReplicaGuard, active_strategy, variable_copies
+from keras_memfit.backend.tensorflow.accumulation import (
+    add_gradients, apply_gradients, kept_rows_text, sparse_gradients, sums_sparse_exactly,
+)
+from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch, traced_as_keras
 from keras_memfit.backend.tensorflow.training import flagged_train_step
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
@@ -168,6 +171,10 @@ class Replicas:
             lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
         )
 
+    def copies(self, variable: Any) -> Sequence[Any]:
+        """Each replica's copy of `variable` (a `tf.Variable` each)."""
+        return variable_copies(variable)
+
     def guard(self, variables: Sequence[Any]) -> "ReplicaGuard":
         """A guard over every replica's copy of `variables`."""
         return ReplicaGuard(variables)
@@ -180,8 +187,13 @@ class Replicas:
         """A gradient accumulator over the replicas."""
         return ReplicaAccumulator(model, self.strategy)
 
-    def test_step(self, model: keras.Model) -> Callable[[Any], Any]:
-        """Keras's `model.test_step` on a distributed batch; returns the reduced logs."""
+    def test_step(self, model: keras.Model, exact: bool = False) -> Callable[[Any], Any]:
+        """Keras's `model.test_step` on a distributed batch; returns the reduced logs.
+
+        Traced as Keras traces its own: each replica's per-output loss
+        trackers count a batch once; with `exact`, once per piece size (they
+        weight a piece by its rows).
+        """
         model_ref = weakref.ref(model)
         strategy = self.strategy
 
@@ -189,7 +201,9 @@ class Replicas:
             outputs = strategy.run(lambda d: model_ref().test_step(d), args=(data,))
             return reduce_per_replica(outputs, strategy, "auto")
 
-        return _compile(model, step)
+        if exact:
+            return _compile(model, step, static_shapes=_needs_static_batch(model))
+        return traced_as_keras(_compile(model, step))
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
         """`model.predict_step` on a distributed batch; returns each replica's outputs."""
@@ -211,12 +225,6 @@ class Replicas:
             ]
 
         return run
-
-
-def _compile(model: keras.Model, fn: Callable) -> Callable:
-    if getattr(model, "run_eagerly", False):
-        return fn
-    return tf.function(fn, reduce_retracing=True, jit_compile=bool(model.jit_compile))
 
 
 def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = None) -> Any:
@@ -272,7 +280,7 @@ class ReplicaTrainStep:
             outputs = strategy.run(replica_step, args=(data,))
             return reduce_per_replica(outputs, strategy, "auto")
 
-        self._step = _compile(model, step)
+        self._step = traced_as_keras(_compile(model, step))
 
     def __call__(self, data: Any) -> Dict[str, Any]:
         try:
@@ -287,53 +295,80 @@ class ReplicaTrainStep:
 class ReplicaAccumulator:
     """Sums each replica's weighted micro-batch gradients; applies them as one step.
 
-    The sums are `ON_READ`/`SUM` variables made under the strategy's scope
-    (one copy per replica, created on first use). `add` runs one piece on
-    every replica, each replica's gradient weighted by its own share;
-    `apply` calls `apply_gradients` once on every replica with its local
-    sums, which the optimizer all-reduces: the same update as Keras's step
-    on the whole batch, where each replica's loss is its rows' mean scaled
-    by the number of replicas.
+    Made when a batch is first split; the sums are `ON_READ`/`SUM` variables
+    made under the strategy's scope at the first micro-batch (one copy per
+    replica). `add` runs one piece on every replica, each replica's gradient
+    weighted by its own share; `apply` calls `apply_gradients` once on every
+    replica with its local sums, which the optimizer all-reduces: the same
+    update as Keras's step on the whole batch, where each replica's loss is
+    its rows' mean scaled by the number of replicas. A sparse gradient is
+    kept as each replica's rows, as on one device (`accumulation.py`), unless
+    the optimizer sums them exactly: Keras's all-reduce then gathers every
+    replica's rows, as for the unsplit step.
     """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        model_ref = weakref.ref(model)
+        self._model = weakref.ref(model)
+        self._strategy = strategy
         self._weights = list(model.trainable_weights)
-        self._sums = [_sync_on_read(strategy, tf.zeros_like(w.value)) for w in self._weights]
-        sums = self._sums
-        traced = {"mask": tuple(False for _ in self._weights)}
-        self._traced = traced
+        self._sums: Optional[List[Any]] = None  # per weight; None: a sparse gradient kept as rows
+        self._kept: List[List[List[Any]]] = []  # per kept gradient, per replica: (values, indices)
+        self._held: Optional[str] = None
+        self._traced = {"mask": tuple(False for _ in self._weights)}
+
+    def _make(self, data: Any) -> None:
+        """The sums (none for the sparse gradients kept as rows) and the compiled steps."""
+        model, strategy, traced = self._model(), self._strategy, self._traced
+        model_ref, weights = self._model, self._weights
+        keeps_rows = not sums_sparse_exactly(model.optimizer)
+        local = keras.tree.map_structure(lambda v: _local(strategy, v)[0], data)
+        sparse = sparse_gradients(model, local) if keeps_rows else [False] * len(self._weights)
+        sums = self._sums = [
+            None if kept else _sync_on_read(strategy, tf.zeros_like(w.value))
+            for w, kept in zip(weights, sparse)
+        ]
+        rows = [i for i, total in enumerate(sums) if total is None]
 
         def replica_add(data, weight):
-            traced["mask"] = add_gradients(
-                model_ref(), data, weight,
-                lambda i, g: sums[i].assign_add(tf.convert_to_tensor(g)),
-            )
+            kept = {}
+
+            def add(i, g):
+                if sums[i] is None:
+                    kept[i] = (g.values, g.indices)
+                else:
+                    sums[i].assign_add(tf.convert_to_tensor(g))
+
+            traced["mask"] = add_gradients(model_ref(), data, weight, add)
+            return tuple(kept[i] for i in rows)
 
         def add(data, weight):
-            strategy.run(replica_add, args=(data, weight))
+            return strategy.run(replica_add, args=(data, weight))
 
-        def replica_apply(mask):
-            apply_gradients(
-                model_ref(),
-                [None if missing else s.read_value() for s, missing in zip(sums, mask)],
-            )
+        def replica_apply(mask, kept):
+            gradients = [None if missing or s is None else s.read_value()
+                         for s, missing in zip(sums, mask)]
+            for i, (values, indices) in zip(rows, kept):
+                gradients[i] = tf.IndexedSlices(values, indices, tf.shape(weights[i].value))
+            apply_gradients(model_ref(), gradients)
 
-        def apply(mask):
-            strategy.run(replica_apply, args=(mask,))
+        def apply(mask, kept):
+            strategy.run(replica_apply, args=(mask, kept))
 
         @tf.function
         def reset():
             for total in sums:
-                total.assign(tf.zeros_like(total))
+                if total is not None:
+                    total.assign(tf.zeros_like(total))
 
-        self._add = _compile(model, add)
+        self._add = _compile(model, add, static_shapes=_needs_static_batch(model))
         self._apply = _compile(model, apply)
         self._reset = reset
 
     def reset(self) -> None:
-        """Start a new batch: zero the sums on every replica."""
-        self._reset()
+        """Start a new batch: zero the sums on every replica, drop the kept rows."""
+        self._kept = []
+        if self._sums is not None:
+            self._reset()
 
     def add(self, data: Any, weight: Any) -> None:
         """Add each replica's `weight` times its gradient on its rows of `data`.
@@ -342,12 +377,37 @@ class ReplicaAccumulator:
             data: A distributed batch (`Replicas.distribute`).
             weight: A distributed float per replica (`Replicas.scalars`).
         """
-        self._add(data, weight)
+        if self._sums is None:
+            self._make(data)
+        kept = self._add(data, weight)
+        if not self._kept:
+            self._kept = [[[] for _ in range(self._strategy.num_replicas_in_sync)] for _ in kept]
+        for pieces, (values, indices) in zip(self._kept, kept):
+            for replica, pair in enumerate(zip(_local(self._strategy, values),
+                                               _local(self._strategy, indices))):
+                pieces[replica].append(pair)
 
     def held(self) -> Optional[str]:
-        """None: the sums, sparse gradients' too, are the size of the weights."""
-        return None
+        """What the last update held that grows with the batch (kept rows), in words; else None."""
+        return self._held
 
     def apply(self) -> None:
-        """Apply the summed gradients as one optimizer step (one all-reduce)."""
-        self._apply(self._traced["mask"])
+        """Apply the summed gradients (and each replica's kept rows) as one optimizer step."""
+        kept, self._kept = self._kept, []
+        sparse = [i for i, total in enumerate(self._sums) if total is None]
+        self._held = kept_rows_text(self._model().optimizer, [
+            ([values for pieces in per_replica for values, _ in pieces], self._weights[i])
+            for i, per_replica in zip(sparse, kept)
+        ])
+        joined = []
+        for replica, device in enumerate(self._strategy.extended.worker_devices):
+            with tf.device(device):  # each replica's rows, in order, on its device
+                joined.append(tuple(
+                    (tf.concat([v for v, _ in per_replica[replica]], 0),
+                     tf.concat([i for _, i in per_replica[replica]], 0))
+                    for per_replica in kept
+                ))
+        del kept
+        rows = () if not joined[0] else self._strategy.experimental_distribute_values_from_function(
+            lambda context: joined[context.replica_id_in_sync_group])
+        self._apply(self._traced["mask"], rows)

@@ -237,7 +237,7 @@ def distributed_step(
     return tf.function(step, reduce_retracing=not static_shapes)
 
 
-def _components(variable: Any) -> Tuple[Any, ...]:
+def variable_copies(variable: Any) -> Tuple[Any, ...]:
     """The per-replica `tf.Variable`s of a (Keras) variable; itself when not distributed."""
     value = variable._value if isinstance(variable, keras.Variable) else variable
     if isinstance(value, tf.distribute.DistributedValues):
@@ -265,7 +265,7 @@ class ReplicaGuard:
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
-        self._copies = [c for v in variables for c in _components(v)]
+        self._copies = [c for v in variables for c in variable_copies(v)]
         self._saved: Optional[List[Any]] = None
         copies = self._copies
 

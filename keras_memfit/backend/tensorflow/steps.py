@@ -90,20 +90,23 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
 
     if exact:
         return compile_step(static_shapes=_needs_static_batch(model))
-    compiled = compile_step()
-    if not isinstance(compiled, tf.types.experimental.PolymorphicFunction):
-        # run eagerly: shapes are always static
-        return compiled
+    return traced_as_keras(compile_step())
+
+
+def traced_as_keras(step: Callable) -> Callable:
+    """Compiled `step`, traced on its first call as Keras traces its own (`trace_as_keras`)."""
+    if not isinstance(step, tf.types.experimental.PolymorphicFunction):
+        return step  # run eagerly: shapes are always static
     traced = []
 
-    def relaxed_test_step(data):
+    def relaxed_step(data):
         if not traced:
-            trace_as_keras(compiled, data)
+            trace_as_keras(step, data)
             traced.append(True)
-        return compiled(data)
+        return step(data)
 
-    relaxed_test_step.__wrapped__ = compiled
-    return relaxed_test_step
+    relaxed_step.__wrapped__ = step
+    return relaxed_step
 
 
 def trace_as_keras(step: Callable, data: Any) -> None:
@@ -123,12 +126,15 @@ def trace_as_keras(step: Callable, data: Any) -> None:
 def relaxed_spec(value: Any) -> Any:
     """The type spec of `value` (a structure) with an unknown batch dimension.
 
-    Numpy object arrays (strings) are string tensors; None stays None.
+    Numpy object arrays (strings) are string tensors; None stays None; a
+    `tf.distribute` value, each replica's.
     """
 
     def spec(leaf):
         if leaf is None:
             return None
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            return type(tf.type_spec_from_value(leaf))(*[spec(v) for v in leaf.values])
         if isinstance(leaf, np.ndarray) and leaf.dtype == object:
             return tf.TensorSpec((None,) + leaf.shape[1:], tf.string)
         if not isinstance(leaf, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
