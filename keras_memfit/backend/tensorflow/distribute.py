@@ -304,14 +304,14 @@ class ReplicaAccumulator:
         traced = {"mask": tuple(False for _ in self._weights)}
         self._traced = traced
 
-        def replica_add(data, weight):
+        def replica_add(data, weight, loss_factor):
             traced["mask"] = add_gradients(
-                model_ref(), data, weight,
+                model_ref(), data, weight, loss_factor,
                 lambda i, g: sums[i].assign_add(tf.convert_to_tensor(g)),
             )
 
-        def add(data, weight):
-            strategy.run(replica_add, args=(data, weight))
+        def add(data, weight, loss_factor):
+            strategy.run(replica_add, args=(data, weight, loss_factor))
 
         def replica_apply(mask):
             apply_gradients(
@@ -335,14 +335,16 @@ class ReplicaAccumulator:
         """Start a new batch: zero the sums on every replica."""
         self._reset()
 
-    def add(self, data: Any, weight: Any) -> None:
+    def add(self, data: Any, weight: Any, loss_factor: Any) -> None:
         """Add each replica's `weight` times its gradient on its rows of `data`.
 
         Args:
             data: A distributed batch (`Replicas.distribute`).
             weight: A distributed float per replica (`Replicas.scalars`).
+            loss_factor: Likewise, what each replica's loss tracker
+                multiplies its loss by.
         """
-        self._add(data, weight)
+        self._add(data, weight, loss_factor)
 
     def held(self) -> Optional[str]:
         """None: the sums, sparse gradients' too, are the size of the weights."""
