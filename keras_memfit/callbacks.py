@@ -33,9 +33,11 @@ Either way MemFit's step holds no more memory than Keras's own.
 
 Not exact, by nature: layers that compute batch statistics (BatchNormalization
 in training) see each micro-batch on its own, and their moving statistics are
-updated once per micro-batch; dropout masks are drawn per micro-batch. An OOM
-inside the optimizer update itself (whose memory does not depend on the
-batch size) cannot be split and raises `OutOfMemoryError`.
+updated once per micro-batch; dropout masks are drawn per micro-batch; under
+mixed precision, float16 overflow (which makes a `LossScaleOptimizer` skip a
+step and halve its scale) depends on the batch size. An OOM inside the
+optimizer update itself (whose memory does not depend on the batch size)
+cannot be split and raises `OutOfMemoryError`.
 
 When nothing runs out of memory, nothing changes: every batch runs whole, as
 Keras runs it, and what `fit`, `evaluate` and `predict` return, log and pass
