@@ -346,18 +346,15 @@ class ShardedAccumulator:
         self.__wrapped__ = accumulator
         self._distribution = data_parallel()
         self._multiple = piece_multiple()
-        self._how: Optional[str] = None  # the model's weighting, at the first split piece
+        self._how: Optional[str] = None  # the model's weighting, at the first micro-batch
 
     def reset(self) -> None:
         self.__wrapped__.reset()
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
-        head, tail, _, _ = split_rows(data, self._multiple)
-        if tail is None:
-            self.__wrapped__.add(_lay_out(head, self._distribution), weight, loss_factor)
-            return
         if self._how is None:
             self._how = _reductions.weighting(self.__wrapped__.model)[0]
+        head, tail, _, _ = split_rows(data, self._multiple)
         whole = as_chunk(data)
         for part, put in ((head, _lay_out), (tail, _replicate)):
             if part is not None:
