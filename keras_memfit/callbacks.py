@@ -10,11 +10,11 @@ convention; it pulls the batches itself and hands them to MemFit's private
 of memory. Then:
 
 - `mode="accumulate"` (default): the same batch is run as micro-batches
-  whose gradients, weighted by `rows / batch_rows`, are summed and applied
-  once. The optimizer takes one step per batch, as without the OOM: the same
-  update (for the default `sum_over_batch_size` loss reduction, with sample
-  and class weights), the same `optimizer.iterations`, learning-rate schedule
-  and metrics, up to float rounding.
+  whose gradients, weighted by their weight in the batch's loss
+  (`keras_memfit._internal.reductions`), are summed and applied once. The
+  optimizer takes one step per batch, as without the OOM: the same update
+  (with sample and class weights), the same `optimizer.iterations`,
+  learning-rate schedule and metrics, up to float rounding.
 - `mode="shrink"`: the batch is run as smaller batches, one optimizer step
   each: Keras's native behaviour with a smaller `batch_size`, for custom
   `train_step`s and for users who prefer it. The number of optimizer steps
@@ -33,9 +33,11 @@ Either way MemFit's step holds no more memory than Keras's own.
 
 Not exact, by nature: layers that compute batch statistics (BatchNormalization
 in training) see each micro-batch on its own, and their moving statistics are
-updated once per micro-batch; dropout masks are drawn per micro-batch. An OOM
-inside the optimizer update itself (whose memory does not depend on the
-batch size) cannot be split and raises `OutOfMemoryError`.
+updated once per micro-batch; dropout masks are drawn per micro-batch; under
+mixed precision, float16 overflow (which makes a `LossScaleOptimizer` skip a
+step and halve its scale) depends on the batch size. An OOM inside the
+optimizer update itself (whose memory does not depend on the batch size)
+cannot be split and raises `OutOfMemoryError`.
 
 When nothing runs out of memory, nothing changes: every batch runs whole, as
 Keras runs it, and what `fit`, `evaluate` and `predict` return, log and pass
@@ -57,7 +59,7 @@ import keras
 from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import legacy as _legacy
-from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
 from keras_memfit.planning import shape_plan as _shape_plan
 from keras_memfit.training.remat import check_setting as check_remat
@@ -125,7 +127,8 @@ class MemFit(keras.callbacks.Callback):
       gets them for the earlier epochs of that `fit` too (0 and 1), so its
       lists stay one entry per epoch.
 
-    A custom `train_step`, or a loss not reduced with "sum_over_batch_size",
+    A custom `train_step`, or losses whose reductions cannot share one weight
+    per micro-batch ("sum" beside "sum_over_batch_size"; docs/training.md),
     cannot be accumulated exactly: `mode="accumulate"` then trains as
     `mode="shrink"` for that model, with a warning at its first OOM. Batches
     MemFit cannot split (sparse or ragged tensors, optional inputs) run
@@ -152,7 +155,7 @@ class MemFit(keras.callbacks.Callback):
             other than `DataParallel` (`ModelParallel`), or across several
             JAX processes in any mode but "accumulate", with a custom
             `train_step` or a loss reduction other than
-            `sum_over_batch_size`, the message naming why.
+            `sum_over_batch_size` or "mean", the message naming why.
         keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
             not fit (the training state is as it was before that step), when
             an optimizer update ran out of memory (the weights may be partly
@@ -345,14 +348,12 @@ class MemFit(keras.callbacks.Callback):
                 "MemFit(mode='shrink'): a batch that does not fit runs as smaller "
                 "batches, one optimizer step each. Pass MemFit(mode='shrink') to say so."
             )
-        reductions = sorted(set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
-        if reductions:
+        how, why = _reductions.weighting(model)
+        if how is None:
             return "shrink", (
-                "MemFit(mode='accumulate') keeps the update exact for losses reduced with "
-                f"'sum_over_batch_size' (Keras's default); model '{model.name}' has "
-                f"losses reduced with {reductions}, so it trains as MemFit(mode='shrink'): "
-                "a batch that does not fit runs as smaller batches, one optimizer step "
-                "each. Pass MemFit(mode='shrink') to say so, or use the default reduction."
+                f"MemFit(mode='accumulate') cannot weight the micro-batches exactly: {why}. "
+                "So it trains as MemFit(mode='shrink'): a batch that does not fit runs as "
+                "smaller batches, one optimizer step each. Pass MemFit(mode='shrink') to say so."
             )
         return self.mode, None
 

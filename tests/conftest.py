@@ -461,8 +461,8 @@ def inject_oom(monkeypatch):
         )
     add = backend.training.GradientAccumulator.add
 
-    def add_micro_batch(self, data, weight):
-        injector.wrap("train", lambda d: add(self, d, weight), late_runs_step)(data)
+    def add_micro_batch(self, data, weight, loss_factor):
+        injector.wrap("train", lambda d: add(self, d, weight, loss_factor), late_runs_step)(data)
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_micro_batch)
     if BACKEND == "tensorflow":

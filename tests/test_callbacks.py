@@ -80,7 +80,7 @@ def test_functions_restored_after_non_oom_error_in_fit(inject_oom, monkeypatch):
     memfit = MemFit()
     add = backend.training.GradientAccumulator.add
 
-    def failing_add(self, data, weight):
+    def failing_add(self, data, weight, loss_factor):
         raise runtime_error("not an OOM")
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", failing_add)
@@ -175,11 +175,11 @@ def test_non_oom_error_in_retry_propagates_unchanged(inject_oom, monkeypatch, er
     add = backend.training.GradientAccumulator.add  # the injector's
     calls = []
 
-    def add_then_fail(self, data, weight):
+    def add_then_fail(self, data, weight, loss_factor):
         calls.append(weight)
         if len(calls) == 2:  # the first micro-batch after the 8-row one ran out
             raise error
-        add(self, data, weight)
+        add(self, data, weight, loss_factor)
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_then_fail)
     inject_oom(THRESHOLD)
@@ -197,12 +197,12 @@ def test_keyboard_interrupt_in_retry_leaves_the_step_undone(inject_oom, monkeypa
     add = backend.training.GradientAccumulator.add  # the injector's
     per_step = {}
 
-    def add_then_interrupt(self, data, weight):
+    def add_then_interrupt(self, data, weight, loss_factor):
         key = (record.epoch, record.batch)
         per_step[key] = per_step.get(key, 0) + 1
         if key == (0, 1) and per_step[key] == 3:  # step 1, after two micro-batches ran
             raise KeyboardInterrupt
-        add(self, data, weight)
+        add(self, data, weight, loss_factor)
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_then_interrupt)
     inject_oom(THRESHOLD)

@@ -64,7 +64,7 @@ def _strategy():
     return tf.distribute.MirroredStrategy(devices)
 
 
-def _model(strategy, seed=3, optimizer="adam", custom=False):
+def _model(strategy, seed=3, optimizer="adam", custom=False, loss="mse"):
     """Dense(16, relu), Dense(2) under `strategy`; `custom`: with its own `train_step`."""
     import keras
 
@@ -82,7 +82,7 @@ def _model(strategy, seed=3, optimizer="adam", custom=False):
             keras.optimizers.Adam(0.01) if optimizer == "adam"
             else keras.optimizers.SGD(0.05, momentum=0.9)
         )
-        model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+        model.compile(optimizer=opt, loss=loss, metrics=["mae"])
     return model
 
 
@@ -212,6 +212,28 @@ def test_accumulate_on_one_replica_oom_equals_the_unsplit_fit(monkeypatch, after
     phases = {(e["phase"], e["kind"]) for e in memfit.events}
     assert ("train", "oom") in phases and ("evaluate", "oom") in phases
     assert history.history["memfit_split"][0] > 1
+
+
+@pytest.mark.two_devices
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
+def test_accumulate_weighs_each_replica_s_pieces_by_the_loss_reduction(monkeypatch, reduction):
+    """As above, with a loss reduced with "sum" or "mean_with_sample_weight" and
+    sample weights: each replica's micro-batches weighted within its own rows as
+    the reduction says (1 each; their sample weights over the replica's)."""
+    import keras
+
+    from keras_memfit import MemFit
+
+    strategy = _strategy()
+    x, y = _data(45)
+    weights = np.random.default_rng(2).uniform(0.2, 2.0, size=45).astype("float32")
+    ref = _model(strategy, loss=keras.losses.MeanSquaredError(reduction=reduction))
+    ref_history = ref.fit(x, y, sample_weight=weights, **FIT)
+    OneReplicaInjector(monkeypatch, strategy, threshold=3)
+    model = _model(strategy, loss=keras.losses.MeanSquaredError(reduction=reduction))
+    history = model.fit(x, y, sample_weight=weights, callbacks=[MemFit()], **FIT)
+    assert history.history["memfit_split"][0] > 1
+    _assert_same_training(model, history, ref, ref_history)
 
 
 @pytest.mark.two_devices

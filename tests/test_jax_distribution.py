@@ -30,14 +30,14 @@ pytestmark = requires_jax
 _ALLOC = "RESOURCE_EXHAUSTED: Out of memory allocating 6400000000 bytes."
 
 
-def _model(seed=0):
+def _model(seed=0, loss="sparse_categorical_crossentropy"):
     import keras
 
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
-    model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile("adam", loss, metrics=["accuracy"])
     return model
 
 
@@ -204,6 +204,51 @@ def child_memfit_accumulate():
             assert_same_training(model, history, reference, expected, iterations=6)
 
 
+def child_memfit_accumulate_reductions():
+    """MemFit(accumulate) under DataParallel with losses reduced with "sum" and
+    "mean_with_sample_weight": the fit of plain Keras under it; a piece of odd rows
+    (which Keras's own batches under DataParallel never are) added as its laid-out
+    rows and its last row, each part weighted within the piece: Keras's step on
+    one device on those rows."""
+    import jax
+    import keras
+
+    import keras_memfit
+    from keras_memfit import backend
+
+    assert len(jax.devices()) == 2
+    x, y, w = _data(232)  # batches of 100, 100 and 32
+    for reduction in ("sum", "mean_with_sample_weight"):
+        loss = lambda: keras.losses.SparseCategoricalCrossentropy(reduction=reduction)  # noqa: E731
+        with keras.distribution.DataParallel().scope():
+            reference = _model(loss=loss())
+            expected = reference.fit(x, y, sample_weight=w, batch_size=100, epochs=2,
+                                     shuffle=False, verbose=0).history
+            model = _model(loss=loss())
+            calls = _inject(above=40)
+            history = model.fit(x, y, sample_weight=w, batch_size=100, epochs=2, shuffle=False,
+                                verbose=0, callbacks=[keras_memfit.MemFit()]).history
+            _assert_laid_out(calls, 40)
+            assert history["memfit_split"][0] >= 3
+            history = {k: v for k, v in history.items() if not k.startswith("memfit_")}
+            assert_same_training(model, history, reference, expected, iterations=6)
+            model.reset_metrics()
+            accumulator = backend.get().make_accumulator(model)
+            accumulator.reset()
+            accumulator.add((x[:31], y[:31], w[:31]), 1.0, 1.0)
+            accumulator.apply()
+            logs = model.get_metrics_result()
+        single = _model(loss=loss())  # on one device, in the state of the reference
+        single.set_weights(reference.get_weights())
+        single.optimizer.build(single.trainable_variables)
+        for mine, theirs in zip(single.optimizer.variables, reference.optimizer.variables):
+            mine.assign(np.asarray(theirs.value))
+        expected = single.train_on_batch(x[:31], y[:31], sample_weight=w[:31], return_dict=True)
+        for a, b in zip(model.get_weights(), single.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(logs["loss"], expected["loss"], rtol=1e-5)
+
+
 def child_memfit_remat():
     """MemFit recomputing a layer under DataParallel (`remat=[name]`): the same fit
     as plain Keras under it, and the layer's call recomputed."""
@@ -298,6 +343,23 @@ def child_memfit_refuses_other_distributions():
             assert distribution.piece_multiple() == 2  # each process's local devices
         finally:
             jax.process_count = real
+    # Several processes sum every process's rows' mean gradients: the reductions
+    # that weigh a piece by its rows only ("mean" too), the rest refused by name.
+    from keras_memfit.backend.jax import processes, training
+
+    multi, data_parallel = processes.multi_process, processes.is_data_parallel
+    processes.multi_process = processes.is_data_parallel = lambda: True
+    try:
+        for reduction in ("sum_over_batch_size", "mean"):
+            training.check_training_mode(
+                _model(loss=keras.losses.MeanSquaredError(reduction=reduction)), "accumulate")
+        for reduction in ("sum", "mean_with_sample_weight"):
+            with pytest.raises(NotImplementedError, match=f"reduced with '{reduction}'"):
+                training.check_training_mode(
+                    _model(loss=keras.losses.MeanSquaredError(reduction=reduction)),
+                    "accumulate")
+    finally:
+        processes.multi_process, processes.is_data_parallel = multi, data_parallel
         distribution.check_trainable(model)  # one process: trains
 
 
@@ -369,6 +431,10 @@ def test_safe_predict_and_safe_evaluate_split_over_two_devices_equal_the_unsplit
 
 def test_memfit_accumulate_under_data_parallel_equals_keras():
     run_in_jax(__file__, "child_memfit_accumulate", devices=2)
+
+
+def test_memfit_accumulate_under_data_parallel_with_sum_and_sample_weight_reductions():
+    run_in_jax(__file__, "child_memfit_accumulate_reductions", devices=2)
 
 
 def test_memfit_remat_under_data_parallel_equals_keras():

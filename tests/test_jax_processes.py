@@ -162,7 +162,7 @@ def child_fit_two_devices(process, out):
     seen.clear()
     accumulator = keras_memfit.backend.get().make_accumulator(model)
     accumulator.reset()
-    accumulator.add((x[:ODD], y[:ODD], None), 1.0)
+    accumulator.add((x[:ODD], y[:ODD], None), 1.0, 1.0)
     accumulator.apply()
     found["odd_pieces"] = seen
     _save(out, f"odd{process}.npz", model)

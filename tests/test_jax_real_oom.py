@@ -153,7 +153,7 @@ def child_train_step_and_accumulator_oom_leave_the_model():
     accumulator = jax_backend.make_accumulator(model)
     accumulator.reset()
     try:
-        accumulator.add((x, y, None), 1.0)
+        accumulator.add((x, y, None), 1.0, 1.0)
     except jax.errors.JaxRuntimeError as err:
         assert is_oom_error(err), str(err)[:300]
     else:

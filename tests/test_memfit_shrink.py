@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import re
 
-import keras
 import numpy as np
 import pytest
 
@@ -156,23 +155,6 @@ def test_accumulate_with_custom_train_step_says_nothing_without_oom(inject_oom, 
     with caplog.at_level(logging.DEBUG, logger="keras_memfit"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[MemFit()])
     assert [r.getMessage() for r in caplog.records if r.name == "keras_memfit"] == []
-
-
-def test_sum_reduction_trains_as_shrink_with_a_warning(inject_oom, caplog):
-    build = lambda: _classifier(  # noqa: E731
-        loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
-    x, y, _ = _data(n=64)
-    reference = build()
-    ref_history = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    model = build()
-    inject_oom(8)
-    with caplog.at_level(logging.WARNING, logger="keras_memfit"):
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                            callbacks=[MemFit()])
-    assert inject_oom.ooms("train")
-    _assert_same_training(reference, ref_history, model, history)
-    fallback = [r for r in caplog.records if "mode='shrink'" in r.getMessage()]
-    assert len(fallback) == 1 and "sum" in fallback[0].getMessage()
 
 
 def test_invalid_mode():

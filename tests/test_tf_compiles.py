@@ -138,14 +138,14 @@ def child_accumulate_after_xla_oom():
     accumulator = backend.get().make_accumulator(model)
     accumulator.reset()
     try:
-        accumulator.add((x, y), 1.0)  # the whole batch: XLA runs out of memory
+        accumulator.add((x, y), 1.0, 1.0)  # the whole batch: XLA runs out of memory
         raise AssertionError("the whole batch fitted: the cap is too high")
     except Exception as err:  # noqa: BLE001
         assert keras_memfit.is_oom_error(err), str(err)[:300]
     accumulator.reset()
     for start in range(0, ROWS, ORACLE_BATCH):
         accumulator.add((x[start:start + ORACLE_BATCH], y[start:start + ORACLE_BATCH]),
-                        ORACLE_BATCH / ROWS)
+                        ORACLE_BATCH / ROWS, 1.0)
     accumulator.apply()
     trained = [w.numpy() for w in model.trainable_weights]
     tracked = float(model.metrics[0].result())  # the loss tracker, after the failed micro-batch

@@ -262,7 +262,7 @@ def test_the_accumulator_is_made_when_a_batch_is_split_and_freed_when_fit_ends(i
     again = keras_memfit.backend.get().make_accumulator(model)
     assert again.steps is steps
     again.reset()
-    again.add((x[:piece], y[:piece]), 1.0)
+    again.add((x[:piece], y[:piece]), 1.0, 1.0)
     again.apply()
     assert steps.add.experimental_get_tracing_count() == traces
     assert [s.numpy().size for s in steps.sums] == weights

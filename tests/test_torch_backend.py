@@ -50,9 +50,9 @@ class _BackwardOOM:
         self.threshold, self.rows, self.raised = threshold, 0, 0
         forward, backward = training._forward_loss, torch.Tensor.backward
 
-        def recording_forward(model, x, y, sample_weight):
+        def recording_forward(model, x, y, sample_weight, *args):
             self.rows = training._rows(x)
-            return forward(model, x, y, sample_weight)
+            return forward(model, x, y, sample_weight, *args)
 
         def failing_backward(tensor, *args, **kwargs):
             if self.threshold is not None and self.rows > self.threshold:

@@ -147,7 +147,7 @@ def child_train_step_and_accumulator_oom_leave_the_model():
     accumulator.reset()
     guard.snapshot()
     try:
-        accumulator.add((x, y, None), 1.0)
+        accumulator.add((x, y, None), 1.0, 1.0)
     except RuntimeError as err:
         assert is_oom_error(err), str(err)[:300]
         guard.restore()

@@ -1,9 +1,9 @@
 """What a compiled Keras model holds, read through Keras's public API alone.
 
 Backend-neutral helpers that every backend's steps and the analysis share:
-the reductions of the compiled losses, the small state a failed train step
-may have touched, an optimizer's slot variables for one weight, and the
-stateful layers (whose batches keras_memfit never splits).
+the small state a failed train step may have touched, an optimizer's slot
+variables for one weight, and the stateful layers (whose batches
+keras_memfit never splits).
 """
 
 from __future__ import annotations
@@ -14,27 +14,6 @@ import keras
 import numpy as np
 
 from keras_memfit._internal import keras_compat as _keras_compat
-
-
-def loss_reductions(model: keras.Model) -> List[str]:
-    """The reductions of the losses `model` was compiled with.
-
-    Args:
-        model: A compiled Keras model.
-
-    Returns:
-        One reduction name per loss; strings and plain functions count as
-        Keras's default, "sum_over_batch_size".
-    """
-    reductions = []
-    for loss in keras.tree.flatten(getattr(model, "loss", None)):
-        if loss is None:
-            continue
-        if isinstance(loss, keras.losses.Loss):
-            reductions.append(loss.reduction)
-        else:  # strings and plain functions are wrapped with Keras's default
-            reductions.append("sum_over_batch_size")
-    return reductions
 
 
 def stateful_layers(model: keras.Model) -> Tuple[str, ...]:

@@ -224,8 +224,9 @@ class Accumulator(Protocol):
     def reset(self) -> None:
         """Start a new batch: zero the sums."""
 
-    def add(self, data: Any, weight: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`."""
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
+        """Add `weight` times the gradient of the loss on micro-batch `data`; the loss
+        tracker records its loss times `loss_factor` (`_internal.reductions.weights`)."""
 
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
@@ -368,8 +369,8 @@ class Training(Protocol):
 
         Under several processes every batch is one agreement of every
         process, so one update of all: only "accumulate", with Keras's
-        default `train_step` and losses reduced with "sum_over_batch_size".
-        Nothing elsewhere.
+        default `train_step` and losses reduced with "sum_over_batch_size" or
+        "mean". Nothing elsewhere.
 
         Raises:
             NotImplementedError: Naming what was received and what to do.
@@ -407,7 +408,8 @@ class Training(Protocol):
 
         Example:
             >>> acc = backend.get().make_accumulator(model)
-            >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
+            >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5, 1.0)
+            >>> acc.add((x[32:], y[32:]), 0.5, 1.0)
             >>> acc.apply()
         """
 

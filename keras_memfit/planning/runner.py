@@ -74,7 +74,7 @@ class Accumulation:
 
     When the size planned for a chunk's first piece is smaller than the
     chunk, the chunk is run as: `begin()`, `guard.snapshot()`, then
-    `add(piece, num_rows / chunk_rows)` for consecutive pieces, then
+    `add(piece)` for consecutive pieces, then
     `finish()`, whose result is the chunk's. When a piece runs out of memory,
     `guard.restore()` undoes the attempt, the planner chooses a smaller size
     and the chunk starts over; any other exception from a piece (a
@@ -89,14 +89,14 @@ class Accumulation:
 
     Attributes:
         begin: Starts an attempt (zeroes the gradient sums).
-        add: Runs one piece with its share of the chunk's rows.
+        add: Runs one piece (its gradients added to the chunk's).
         finish: Completes the chunk (applies the summed gradients).
         guard: The state the pieces update (metrics, counters), restored
             after a failed attempt.
     """
 
     begin: Callable[[], None]
-    add: Callable[[Any, float], None]
+    add: Callable[[Any], None]
     finish: Callable[[], Any]
     guard: Guard
 
@@ -393,7 +393,7 @@ def _all_or_nothing(
                 size = int(min(planned, n - offset))
                 piece = _data.rows(chunk, offset, offset + size)
                 planner.started(size)
-                accumulation.add(piece, size / n)
+                accumulation.add(piece)
                 planner.succeeded(size, full=size >= planned)
                 offset += size
                 parts += 1

@@ -14,6 +14,9 @@ whole batch:
   depends on the other rows in its batch, so no split (and no other
   batch_size, in plain Keras too) gives the unsplit batch's result.
 
+A loss-scale optimizer (mixed precision) also sees a split batch otherwise:
+float16 overflow depends on the batch size (`warn_loss_scale`).
+
 `SplitWarnings` logs each of them once per MemFit run, when a batch is first
 split. A coupled model is still split, warned: the coupling is usually a bug
 in the model (plain Keras already computes it differently on every epoch's
@@ -190,10 +193,12 @@ class SplitWarnings:
         self._coupling = False
 
     def accumulated(self) -> None:
-        """A training batch is accumulated as micro-batches: name the batch-dependent layers."""
+        """A training batch is accumulated as micro-batches: name the batch-dependent layers,
+        and say what a loss-scale optimizer sees."""
         if not self._batch_statistics:
             self._batch_statistics = True
             warn_batch_statistics(self.model)
+            warn_loss_scale(self.model)
 
     def split(self, x: Any) -> None:
         """A batch with inputs `x` is run as pieces: warn if the model couples its rows."""
@@ -218,6 +223,21 @@ def warn_batch_statistics(model: keras.Model) -> None:
         "MemFit(mode=\"shrink\") would instead train each piece as its own step, as Keras "
         "does with that smaller batch_size (more optimizer steps).",
         model.name, names,
+    )
+
+
+def warn_loss_scale(model: keras.Model) -> None:
+    """One WARNING when a batch is first accumulated with a `LossScaleOptimizer`."""
+    if not isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer):
+        return
+    logger.warning(
+        "MemFit: model '%s' trains with a LossScaleOptimizer (mixed precision), and its "
+        "batch is now accumulated as micro-batches. Their summed gradient goes through the "
+        "optimizer's own rule (not finite: the update is skipped and the loss scale "
+        "halved), but whether float16 overflows depends on the batch size: a micro-batch "
+        "may stay finite where the whole batch would overflow, so the skipped steps and "
+        "the loss scale can differ from the unsplit batch's.",
+        model.name,
     )
 
 

@@ -23,10 +23,11 @@ them for the largest replica, proportionally for a smaller one: the last
 batch can divide unevenly). So the planner plans the rows of the largest
 replica, and the split is agreed before any replica runs it; the sizes in
 MemFit's events are rows per replica (the largest replica's). In
-`mode="accumulate"` each replica's micro-batch gradient is weighted by its
-share of that replica's rows, summed per replica and applied once (one
+`mode="accumulate"` each replica's micro-batch gradient is weighted within
+that replica's rows (by its share of them, for Keras's default reduction:
+`_internal.reductions`), summed per replica and applied once (one
 all-reduce, one optimizer step): the same update as Keras's step on the
-whole batch, whose loss on each replica is the mean of its rows. Every
+whole batch, whose loss each replica computes on its own rows. Every
 replica's copy of the small state is snapshotted before an attempt and
 restored after a failed one. The backend's `training_replicas(model)` gives
 the replicas (see `keras_memfit.backend.tensorflow.distribute`).
@@ -43,6 +44,7 @@ import numpy as np
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import (
     as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
 )
@@ -73,8 +75,9 @@ class Cut(Protocol):
     def batch(self, piece: tuple) -> Any:
         """The Keras batch of `piece`'s rows, as the layout's steps take it."""
 
-    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
-        """`piece`'s batch and its weight, for `Accumulator.add` (`share`: its share of the slots)."""
+    def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
+        """`piece`'s batch, its weight and loss factor, for `Accumulator.add` (`how`: the
+        model's `reductions.weighting`)."""
 
     def rows_in(self, piece: tuple) -> int:
         """The rows `piece` runs, on every device."""
@@ -98,8 +101,8 @@ class Rows:
     def batch(self, piece: tuple) -> Any:
         return as_batch(piece, self.form)
 
-    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
-        return as_batch(piece, self.form), share
+    def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
+        return (as_batch(piece, self.form), *_reductions.weights(how, piece, self.chunk))
 
     def rows_in(self, piece: tuple) -> int:
         return _data.num_rows(piece)
@@ -198,30 +201,29 @@ class Slots:
         self.chunk = (shapes, np.arange(self.slots), None)
         self.signature = (_data.signature(largest[0]), "replicas", replicas.count)
 
-    def _parts(self, piece: tuple) -> Tuple[List[tuple], List[float]]:
-        """Each replica's rows for the slots of `piece`, and their share of its rows."""
+    def _parts(self, piece: tuple) -> List[tuple]:
+        """Each replica's rows for the slots of `piece`."""
         slots = piece[1]
         a, b = (int(slots[0]), int(slots[-1]) + 1) if len(slots) else (0, 0)
-        chunks, shares = [], []
-        for chunk, n in zip(self.local, self.counts):
-            lo, hi = a * n // self.slots, b * n // self.slots
-            chunks.append(_data.rows(chunk, lo, hi))
-            shares.append((hi - lo) / n if n else 0.0)
-        return chunks, shares
+        return [
+            _data.rows(chunk, a * n // self.slots, b * n // self.slots)
+            for chunk, n in zip(self.local, self.counts)
+        ]
 
     def batch(self, piece: tuple) -> Any:
         if len(piece[1]) == self.slots:
             return self.distributed  # the whole batch, as Keras distributed it
-        chunks, _ = self._parts(piece)
-        return self.replicas.distribute([as_batch(c, self.form) for c in chunks])
+        return self.replicas.distribute([as_batch(c, self.form) for c in self._parts(piece)])
 
-    def micro_batch(self, piece: tuple, share: float) -> Tuple[Any, Any]:
-        chunks, shares = self._parts(piece)  # each replica weighted by its own share
+    def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
+        chunks = self._parts(piece)  # each replica weighted in its own rows
+        weights, factors = zip(*(
+            _reductions.weights(how, part, whole) for part, whole in zip(chunks, self.local)))
         return (self.replicas.distribute([as_batch(c, self.form) for c in chunks]),
-                self.replicas.scalars(shares))
+                self.replicas.scalars(weights), self.replicas.scalars(factors))
 
     def rows_in(self, piece: tuple) -> int:
-        return sum(_data.num_rows(chunk) for chunk in self._parts(piece)[0])
+        return sum(_data.num_rows(chunk) for chunk in self._parts(piece))
 
     def join(self, outputs: List[Any]) -> Any:
         """Each replica's pieces joined in order, then the replicas in order, as Keras joins them."""

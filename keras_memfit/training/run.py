@@ -49,6 +49,7 @@ import keras
 from keras_memfit import backend as _backend
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import concatenate
 from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
@@ -165,6 +166,7 @@ class Run:
         self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
+        self._weighting: Optional[str] = None  # `reductions.weighting`, at the first split
         self._test_parts: Optional[Tuple[Callable, Guard, SplitBatches]] = None
         self._predict_step: Optional[Callable[[Any], Any]] = None
         # phase -> (the most pieces one batch was run as, that batch's rows)
@@ -303,6 +305,9 @@ class Run:
     def _accumulation(self, parts: TrainParts, cut: Cut, planner: BatchPlanner) -> Accumulation:
         """`cut`'s batch as micro-batches whose summed gradients make one update."""
         model = self.model
+        if self._weighting is None:  # how a micro-batch is weighted (see `MemFit`'s fallback)
+            self._weighting = _reductions.weighting(model)[0]
+        how = self._weighting
 
         def begin() -> None:
             try:
@@ -317,8 +322,8 @@ class Run:
             self._split_warnings.accumulated()
             parts.counted.begin()
 
-        def add(piece: tuple, share: float) -> None:
-            parts.accumulator.add(*cut.micro_batch(piece, share))
+        def add(piece: tuple) -> None:
+            parts.accumulator.add(*cut.micro_batch(piece, how))
 
         def finish() -> Any:
             try:

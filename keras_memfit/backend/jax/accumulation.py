@@ -29,9 +29,10 @@ def accumulation_programs(
 ) -> Tuple[Any, Any]:
     """The compiled programs of gradient accumulation: `(add, apply)`.
 
-    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight)`
-    returns `(sums + weight * gradients, non_trainable, metrics)` (the sums
-    donated: added to in place); `apply(trainable, optimizer, sums)` returns
+    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight,
+    loss_factor)` returns `(sums + weight * gradients, non_trainable,
+    metrics)` (the sums donated: added to in place; the loss tracker given
+    the loss times `loss_factor`); `apply(trainable, optimizer, sums)` returns
     the optimizer's `stateless_apply` (trainable and optimizer donated).
     `wrap`, if given, transforms `add`'s function before it is compiled (the
     multi-process accumulator maps it over the local devices:
@@ -39,7 +40,7 @@ def accumulation_programs(
     """
     model_ref = weakref.ref(model)
 
-    def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight):
+    def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor):
         model = model_ref()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
 
@@ -53,7 +54,8 @@ def accumulation_programs(
         (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
         unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
         _, new_metrics = JAXTrainer._update_metrics_variables(
-            model, new_metrics, unscaled_loss, x, y, y_pred, sample_weight
+            model, new_metrics, unscaled_loss * loss_factor.astype(unscaled_loss.dtype),
+            x, y, y_pred, sample_weight,
         )
         sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
         return sums, new_non_trainable, new_metrics
@@ -94,16 +96,21 @@ class GradientAccumulator:
         self._sums: Optional[List[Any]] = None
         self._add, self._apply = accumulation_programs(model)
 
+    @property
+    def model(self) -> keras.Model:
+        """The model whose gradients it sums."""
+        return self._model_ref()
+
     def reset(self) -> None:
         model = self._model_ref()
         self._sums = None  # before the new ones are made: never two sets at once
         self._sums = [jnp.zeros(v.shape, v.dtype) for v in model.trainable_variables]
 
-    def add(self, data: Any, weight: float) -> None:
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
         model = self._model_ref()
         sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
             self._sums, *_state.get(model, TRAIN_STATE), data,
-            jnp.asarray(weight, jnp.float32),
+            jnp.asarray(weight, jnp.float32), jnp.asarray(loss_factor, jnp.float32),
         ))
         self._sums = sums
         _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))

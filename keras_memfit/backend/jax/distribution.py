@@ -67,6 +67,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_memfit._internal import reductions as _reductions
+from keras_memfit._internal.batches import as_chunk
 from keras_memfit.backend.jax import processes
 from keras_memfit.backend.jax import state as _state
 
@@ -332,28 +334,32 @@ class ShardedAccumulator:
     """An `Accumulator` whose micro-batches are laid out over the devices.
 
     A micro-batch whose rows are not a multiple of the devices is added as
-    two parts, each with its share of the weight.
+    two parts, each with its own weights in the micro-batch
+    (`_internal.reductions.weights`) times the micro-batch's.
 
     Example:
         >>> acc = ShardedAccumulator(GradientAccumulator(model))
-        >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0); acc.apply()
+        >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0, 1.0); acc.apply()
     """
 
     def __init__(self, accumulator: Any) -> None:
         self.__wrapped__ = accumulator
         self._distribution = data_parallel()
         self._multiple = piece_multiple()
+        self._how: Optional[str] = None  # the model's weighting, at the first micro-batch
 
     def reset(self) -> None:
         self.__wrapped__.reset()
 
-    def add(self, data: Any, weight: float) -> None:
-        head, tail, head_rows, tail_rows = split_rows(data, self._multiple)
-        n = head_rows + tail_rows
-        if head is not None:
-            self.__wrapped__.add(_lay_out(head, self._distribution), weight * head_rows / n)
-        if tail is not None:
-            self.__wrapped__.add(_replicate(tail, self._distribution), weight * tail_rows / n)
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
+        if self._how is None:
+            self._how = _reductions.weighting(self.__wrapped__.model)[0]
+        head, tail, _, _ = split_rows(data, self._multiple)
+        whole = as_chunk(data)
+        for part, put in ((head, _lay_out), (tail, _replicate)):
+            if part is not None:
+                w, f = _reductions.weights(self._how, as_chunk(part), whole)
+                self.__wrapped__.add(put(part, self._distribution), weight * w, loss_factor * f)
 
     def held(self) -> Optional[str]:
         return self.__wrapped__.held()

@@ -45,7 +45,8 @@ different pieces.
 Under several processes every step is accumulated (`mode="shrink"`, one
 update per piece, would need every process to run the same number of
 pieces), Keras's default `train_step` only, losses reduced with
-`sum_over_batch_size`: `training.check_training_mode` refuses the rest.
+`sum_over_batch_size` or `mean`: `training.check_training_mode` refuses
+the rest.
 
 `safe_predict` and `safe_evaluate` need no step of their own: their compiled
 steps take the replicated weights and this process's rows as host arrays and
@@ -92,10 +93,11 @@ def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable]
     per, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
 
     def wrap(add_fn: Callable) -> Callable:
-        def body(sums, trainable, non_trainable, optimizer, metrics, data, weight):
+        def body(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor):
             own = tuple(jax.tree_util.tree_map(lambda a: a[0], group)
                         for group in (sums, non_trainable, metrics))
-            new = tuple(add_fn(own[0], trainable, own[1], optimizer, own[2], data, weight))
+            new = tuple(add_fn(own[0], trainable, own[1], optimizer, own[2], data, weight,
+                               loss_factor))
             if tail:
                 keep = jax.lax.axis_index(axis) == 0
                 new = jax.tree_util.tree_map(
@@ -105,7 +107,8 @@ def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable]
         # check_vma=False: with JAX's varying-axis types, the gradient of the
         # replicated weights would be summed over the devices (a psum).
         return jax.shard_map(
-            body, mesh=mesh, in_specs=(per, whole, per, whole, per, whole if tail else per, whole),
+            body, mesh=mesh,
+            in_specs=(per, whole, per, whole, per, whole if tail else per, whole, whole),
             out_specs=(per, per, per), check_vma=False)
 
     return wrap
@@ -118,7 +121,8 @@ class ProcessAccumulator:
 
     Example:
         >>> acc = ProcessAccumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5); acc.add((x[32:], y[32:]), 0.5)
+        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5, 1.0)
+        >>> acc.add((x[32:], y[32:]), 0.5, 1.0)
         >>> acc.apply()  # every process calls it once per batch
     """
 
@@ -151,8 +155,9 @@ class ProcessAccumulator:
         self._sums = [processes.zeros_per_device(v.shape, v.dtype, mesh) for v in trainable]
         self._rows = [0] * self._devices
 
-    def add(self, data: Any, weight: float) -> None:
-        """Add the gradient of a piece of this process's rows (weighted by its rows).
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
+        """Add the gradient of a piece of this process's rows (weighted by its rows:
+        the losses are reduced with `sum_over_batch_size`, `check_training_mode`).
 
         The rows are laid out over the local devices, an equal share each
         (`piece_multiple`); the rest (fewer rows than devices,
@@ -176,7 +181,7 @@ class ProcessAccumulator:
         trainable, optimizer = self._weights
         sums, non_trainable, metrics = jax.block_until_ready(program(
             self._sums, trainable, self._non_trainable, optimizer, self._metrics, data,
-            jnp.asarray(rows, jnp.float32),
+            jnp.asarray(rows, jnp.float32), jnp.asarray(1.0, jnp.float32),
         ))
         self._sums, self._non_trainable, self._metrics = list(sums), non_trainable, metrics
 
@@ -244,7 +249,7 @@ class ProcessTrainStep:
         accumulator = self._accumulator
         try:
             accumulator.reset()
-            accumulator.add(data, 1.0)
+            accumulator.add(data, 1.0, 1.0)
             accumulator.apply()
         except Exception:
             self.last_outcome = (StepOutcome.UPDATE_BEGAN if accumulator.update_began

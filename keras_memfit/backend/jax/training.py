@@ -58,7 +58,7 @@ import jax
 import keras
 from keras.src.backend.jax.trainer import JAXTrainer
 
-from keras_memfit._internal import model_state as _model_state
+from keras_memfit._internal import reductions as _reductions
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax.accumulation import TRAIN_STATE, GradientAccumulator
 from keras_memfit.backend.jax.oom import is_oom_error
@@ -409,16 +409,15 @@ def check_training_mode(model: keras.Model, mode: str) -> None:
     elif not has_default_train_step(model):
         why = f"model '{model.name}' ({type(model).__name__}) has its own train_step"
         fix = "Train it without MemFit"
-    else:
-        reductions = sorted(set(_model_state.loss_reductions(model)) - {"sum_over_batch_size"})
-        if reductions:
-            why = f"model '{model.name}' has losses reduced with {reductions}"
-            fix = "Use the default reduction"
+    elif _reductions.weighting(model)[0] != _reductions.ROWS:
+        names = sorted({repr(r) for r in _reductions.loss_reductions(model)})
+        why = f"model '{model.name}' has losses reduced with {', '.join(names)}"
+        fix = "Use the default reduction"
     if why is not None:
         raise NotImplementedError(
             f"MemFit across {jax.process_count()} processes trains each batch as one update "
             "of every process (mode='accumulate', Keras's default train_step, losses reduced "
-            f"with 'sum_over_batch_size'); {why}. {fix}, or train in one process."
+            f"with 'sum_over_batch_size' or 'mean'); {why}. {fix}, or train in one process."
         )
 
 

@@ -26,15 +26,17 @@ from keras_memfit.backend.tensorflow.holds import XlaHolds
 
 
 def add_gradients(
-    model: keras.Model, data: Any, weight: Any, add: Callable[[int, Any], None]
+    model: keras.Model, data: Any, weight: Any, loss_factor: Any,
+    add: Callable[[int, Any], None],
 ) -> Tuple[bool, ...]:
     """One micro-batch of Keras's default train step, its gradients handed to `add`.
 
     Forward pass and loss; `add(i, gradient)` for each trainable weight `i`
     that got a gradient, the gradient of the loss scaled by `weight` (the
-    micro-batch's share of the batch) as the tape gives it (a sparse one as a
-    `tf.IndexedSlices`); the loss tracker and metrics updated. Traced inside a
-    step (on one device, or per replica).
+    micro-batch's weight in the batch) as the tape gives it (a sparse one as a
+    `tf.IndexedSlices`); the loss tracker (given the loss times
+    `loss_factor`) and metrics updated. Traced inside a step (on one device,
+    or per replica).
 
     Returns:
         For each trainable weight, whether it got no gradient.
@@ -47,7 +49,7 @@ def add_gradients(
     for i, g in enumerate(gradients):
         if g is not None:
             add(i, g)
-    track_loss(model, loss, x)
+    track_loss(model, loss * tf.cast(loss_factor, loss.dtype), x)
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return tuple(g is None for g in gradients)
 
@@ -154,7 +156,7 @@ class AccumulationSteps:
         self.traced = traced
         sums = self.sums
 
-        def add_step(data, weight):
+        def add_step(data, weight, loss_factor):
             sparse = {}
 
             def add(i, g):
@@ -163,7 +165,7 @@ class AccumulationSteps:
                 else:
                     sums[i].assign_add(tf.convert_to_tensor(g))
 
-            traced["mask"] = add_gradients(model_ref(), data, weight, add)
+            traced["mask"] = add_gradients(model_ref(), data, weight, loss_factor, add)
             traced["sparse"] = tuple(sorted(sparse))
             return tuple(
                 tf.IndexedSlices(
@@ -301,14 +303,15 @@ class GradientAccumulator:
         if self._filled:
             self.steps.reset()
 
-    def add(self, data: Any, weight: float) -> None:
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
         steps = self.steps
         if not self._filled:
             steps.fill(self._model(), data)
             self._filled = True
         signature, held = steps.holds.hold(data)
-        try:  # the weight is cast to the loss dtype inside
-            slices = steps.add(data, tf.constant(weight, tf.float64))
+        try:  # the weights are cast to the loss dtype inside
+            slices = steps.add(
+                data, tf.constant(weight, tf.float64), tf.constant(loss_factor, tf.float64))
         finally:
             held.clear()  # before a retry resets the sums
         steps.holds.ran(signature)

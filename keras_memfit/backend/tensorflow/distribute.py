@@ -329,7 +329,7 @@ class ReplicaAccumulator:
         ]
         rows = [i for i, total in enumerate(sums) if total is None]
 
-        def replica_add(data, weight):
+        def replica_add(data, weight, loss_factor):
             kept = {}
 
             def add(i, g):
@@ -338,11 +338,11 @@ class ReplicaAccumulator:
                 else:
                     sums[i].assign_add(tf.convert_to_tensor(g))
 
-            traced["mask"] = add_gradients(model_ref(), data, weight, add)
+            traced["mask"] = add_gradients(model_ref(), data, weight, loss_factor, add)
             return tuple(kept[i] for i in rows)
 
-        def add(data, weight):
-            return strategy.run(replica_add, args=(data, weight))
+        def add(data, weight, loss_factor):
+            return strategy.run(replica_add, args=(data, weight, loss_factor))
 
         def replica_apply(mask, kept):
             gradients = [None if missing or s is None else s.read_value()
@@ -370,16 +370,18 @@ class ReplicaAccumulator:
         if self._sums is not None:
             self._reset()
 
-    def add(self, data: Any, weight: Any) -> None:
+    def add(self, data: Any, weight: Any, loss_factor: Any) -> None:
         """Add each replica's `weight` times its gradient on its rows of `data`.
 
         Args:
             data: A distributed batch (`Replicas.distribute`).
             weight: A distributed float per replica (`Replicas.scalars`).
+            loss_factor: Likewise, what each replica's loss tracker
+                multiplies its loss by.
         """
         if self._sums is None:
             self._make(data)
-        kept = self._add(data, weight)
+        kept = self._add(data, weight, loss_factor)
         if not self._kept:
             self._kept = [[[] for _ in range(self._strategy.num_replicas_in_sync)] for _ in kept]
         for pieces, (values, indices) in zip(self._kept, kept):

@@ -48,14 +48,17 @@ def _rows(x: Any) -> int:
     return int(next(i for i in keras.tree.flatten(x) if i is not None).shape[0])
 
 
-def _forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tuple:
-    """Keras's torch train step up to the loss, the loss tracker updated as it does."""
+def _forward_loss(
+    model: keras.Model, x: Any, y: Any, sample_weight: Any, loss_factor: float = 1.0
+) -> tuple:
+    """Keras's torch train step up to the loss, the loss tracker updated as it does
+    (given the loss times `loss_factor`)."""
     if _keras_compat.call_has_training_arg(model):
         y_pred = model(x, training=True)
     else:
         y_pred = model(x)
     loss = _keras_compat.compute_loss(model, x, y, y_pred, sample_weight)
-    _keras_compat.loss_tracker(model).update_state(loss, sample_weight=_rows(x))
+    _keras_compat.loss_tracker(model).update_state(loss * loss_factor, sample_weight=_rows(x))
     return y_pred, loss
 
 
@@ -212,14 +215,14 @@ class GradientAccumulator:
         self._sums = None
         self._after_oom.before_call()
 
-    def add(self, data: Any, weight: float) -> None:
+    def add(self, data: Any, weight: float, loss_factor: float) -> None:
         model = self._model_ref()
         weights = model.trainable_weights
         self._after_oom.before_call()
         try:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
             drop_gradients(weights)
-            y_pred, loss = _forward_loss(model, x, y, sample_weight)
+            y_pred, loss = _forward_loss(model, x, y, sample_weight, loss_factor)
             scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
             del loss
             if weights:

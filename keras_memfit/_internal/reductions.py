@@ -1,0 +1,154 @@
+"""How a part of a batch weighs in the batch's loss, by the model's loss reductions.
+
+MemFit accumulates a batch that does not fit as micro-batches whose
+gradients, each times its weight, add up to the whole batch's. The weight
+follows from how the compiled losses reduce (Keras's `Loss.reduction`,
+`keras/src/losses/loss.py`):
+
+- "sum_over_batch_size" (Keras's default) and "mean" divide by the values
+  counted: a part weighs its rows over the batch's (`ROWS`);
+- "sum" adds the values up, and so, on TensorFlow, does None ("none"): the
+  loss stays unreduced and the gradient is its sum's (JAX and torch refuse
+  a loss that is not a scalar, in plain Keras too): each part weighs 1
+  (`ONE`);
+- "mean_with_sample_weight" divides by the sum of the sample weights: a
+  part weighs its sum of sample weights over the batch's (without sample
+  weights, its rows) (`SAMPLE_WEIGHTS`).
+
+`loss_weights` only scale each loss, so they need nothing. Regularization
+(a weight's or an activity regularizer) counts once per batch: the parts'
+weights must add up to 1, which `ONE` breaks. One weight per part serves
+every loss only when they all weigh a part alike; `weighting` says how, or
+why not (MemFit then trains such a model as `mode="shrink"`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import keras
+import numpy as np
+
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal.batches import leaves
+
+ROWS = "rows"
+ONE = "one"
+SAMPLE_WEIGHTS = "sample weights"
+_HOW = {
+    "sum_over_batch_size": ROWS,
+    "mean": ROWS,
+    "sum": ONE,
+    None: ONE,
+    "none": ONE,
+    "mean_with_sample_weight": SAMPLE_WEIGHTS,
+}
+
+
+def loss_reductions(model: keras.Model) -> List[Optional[str]]:
+    """The reductions of the losses `model` was compiled with.
+
+    Args:
+        model: A compiled Keras model.
+
+    Returns:
+        One reduction per loss; strings and plain functions count as
+        Keras's default, "sum_over_batch_size".
+    """
+    reductions = []
+    for loss in keras.tree.flatten(getattr(model, "loss", None)):
+        if loss is None:
+            continue
+        if isinstance(loss, keras.losses.Loss):
+            reductions.append(loss.reduction)
+        else:  # strings and plain functions are wrapped with Keras's default
+            reductions.append("sum_over_batch_size")
+    return reductions
+
+
+def _regularized(model: keras.Model) -> bool:
+    """Whether `model` has a weight or activity regularizer (a loss counted once per batch)."""
+    if any(getattr(w, "regularizer", None) is not None for w in model.trainable_weights):
+        return True
+    return any(
+        getattr(layer, "activity_regularizer", None) is not None
+        for layer in _keras_compat.all_layers(model)
+    )
+
+
+def weighting(model: keras.Model) -> Tuple[Optional[str], Optional[str]]:
+    """How a part of `model`'s batch is weighted, or why no one weight per part is exact.
+
+    Args:
+        model: A compiled Keras model.
+
+    Returns:
+        `(how, None)`, `how` one of `ROWS`, `ONE`, `SAMPLE_WEIGHTS`; or
+        `(None, why)`, `why` a sentence naming the losses.
+    """
+    reductions = loss_reductions(model)
+    kinds = {_HOW[r] for r in reductions} or {ROWS}
+    if len(kinds) > 1:
+        return None, (
+            f"model '{model.name}' has losses reduced with {_names(reductions)}, which weigh "
+            "a micro-batch differently (by its rows, by 1, by its sample weights), and one "
+            "weight per micro-batch cannot serve them all"
+        )
+    how = kinds.pop()
+    if how == SAMPLE_WEIGHTS and len(reductions) > 1:
+        return None, (
+            f"model '{model.name}' has {len(reductions)} losses reduced with "
+            "'mean_with_sample_weight', each divided by its own output's sample weights, "
+            "which one weight per micro-batch matches only when they are the same"
+        )
+    if how == ONE and _regularized(model):
+        return None, (
+            f"model '{model.name}' has losses reduced with {_names(reductions)}, whose "
+            "micro-batches add up (weight 1 each), and regularizers, which count once per "
+            "batch and would count once per micro-batch"
+        )
+    return how, None
+
+
+def _names(reductions: List[Optional[str]]) -> str:
+    return ", ".join(sorted({repr(r) for r in reductions}))
+
+
+def _rows(chunk: tuple) -> int:
+    return next(int(leaf.shape[0]) for leaf in leaves(chunk[0]) if leaf is not None)
+
+
+def _sample_weights(chunk: tuple) -> Optional[float]:
+    """The sum of `chunk`'s sample weights, or None without any."""
+    found = [leaf for leaf in leaves(chunk[2]) if leaf is not None] if chunk[2] is not None else []
+    if not found:
+        return None
+    return float(sum(np.sum(keras.ops.convert_to_numpy(leaf), dtype=np.float64)
+                     for leaf in found))
+
+
+def weights(how: str, part: tuple, whole: tuple) -> Tuple[float, float]:
+    """`part`'s weight in `whole`'s loss, and the factor its loss is tracked with.
+
+    Args:
+        how: `weighting(model)`'s `how`.
+        part: Rows of `whole`, an `(x, y, sample_weight)` chunk.
+        whole: The batch, an `(x, y, sample_weight)` chunk.
+
+    Returns:
+        `(weight, loss_factor)`: the weight of `part`'s gradient in the
+        batch's, and `weight x whole's rows / part's rows`, what the loss
+        tracker (weighted by rows) multiplies `part`'s loss by so that it
+        records the batch's loss as Keras's step would. A part of a part
+        has the product of both pairs.
+    """
+    rows, total = _rows(part), _rows(whole)
+    if not rows:
+        return 0.0, 0.0
+    if how == ROWS:
+        return rows / total, 1.0
+    if how == ONE:
+        return 1.0, total / rows
+    own, summed = _sample_weights(part), _sample_weights(whole)
+    weight = rows / total if summed is None else (own / summed if summed else 0.0)
+    return weight, weight * total / rows
