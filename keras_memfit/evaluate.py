@@ -131,7 +131,7 @@ def safe_evaluate(
             start=run.start if isinstance(run, _backend.StartableStep) else None,
         ):
             logs = piece.result
-            if batches.finished(piece.rows):  # a split batch was counted as one: current values
+            if batches.finished(piece):  # a split batch was counted as one: current values
                 logs = _metrics_result(model, logs)
             if loop.shows_logs:
                 logs = _pythonify(logs)

@@ -489,8 +489,8 @@ def _inject_replica_steps(monkeypatch, injector, distribute):
     train_step, test_step = replicas.train_step, replicas.test_step
     predict_step, add = replicas.predict_step, accumulator.add
 
-    def add_micro_batch(self, data, weight):
-        injector.wrap("train", lambda d: add(self, d, weight), True, rows_of)(data)
+    def add_micro_batch(self, data, weight, loss_factor):
+        injector.wrap("train", lambda d: add(self, d, weight, loss_factor), True, rows_of)(data)
 
     monkeypatch.setattr(replicas, "train_step", lambda self, *a: _InjectedTrainStep(
         injector, train_step(self, *a), False, rows_of))

@@ -118,7 +118,7 @@ def _rows(chunk: tuple) -> int:
     return next(int(leaf.shape[0]) for leaf in leaves(chunk[0]) if leaf is not None)
 
 
-def _sample_weights(chunk: tuple) -> Optional[float]:
+def sample_weight_sum(chunk: tuple) -> Optional[float]:
     """The sum of `chunk`'s sample weights, or None without any."""
     found = [leaf for leaf in leaves(chunk[2]) if leaf is not None] if chunk[2] is not None else []
     if not found:
@@ -149,6 +149,6 @@ def weights(how: str, part: tuple, whole: tuple) -> Tuple[float, float]:
         return rows / total, 1.0
     if how == ONE:
         return 1.0, total / rows
-    own, summed = _sample_weights(part), _sample_weights(whole)
+    own, summed = sample_weight_sum(part), sample_weight_sum(whole)
     weight = rows / total if summed is None else (own / summed if summed else 0.0)
     return weight, weight * total / rows

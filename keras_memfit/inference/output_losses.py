@@ -18,8 +18,10 @@ piece is done, each tracker's contribution is rescaled to the one Keras's
 whole batch would have made: `(batch mean, weight 1)`. That costs two reads
 of the trackers per split batch, and nothing for a batch run whole. The mean
 loss of a batch is its pieces' means weighted by their rows, which holds for
-Keras's default reduction ("sum_over_batch_size"), as the total `"loss"`
-(always weighted by rows) already assumes.
+Keras's default reduction ("sum_over_batch_size"). For losses reduced with
+"sum" or "mean_with_sample_weight" the total `"loss"` of a split batch is
+settled too (`SplitLoss`): the pieces' sum, or their mean weighted by their
+sample weights, recorded with the batch's rows.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import keras
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import reductions as _reductions
 from keras_memfit.planning import data as _data
 
 Copies = Callable[[Any], Sequence[Any]]
@@ -86,12 +89,59 @@ class CountedOnce:
         self.before = None
 
 
+class SplitLoss:
+    """Settles a split batch's total loss where its pieces' mean by rows is not it.
+
+    Keras's loss tracker weights each batch's loss by its rows. Reduced with
+    "sum" the batch's loss is its pieces' sum; with "mean_with_sample_weight"
+    their mean weighted by their sample weights (by rows without any).
+    `begin()` before the first piece, `piece(data)` after each, `settle()`
+    after the last.
+    """
+
+    def __init__(self, model: keras.Model, how: str, copies: Copies) -> None:
+        tracker = _keras_compat.loss_tracker(model)
+        self.model = model
+        self.how = how
+        self._copies = list(zip(copies(tracker.total), copies(tracker.count)))
+        self.before: Optional[List[Tuple[Any, Any]]] = None
+
+    def _read(self) -> List[Tuple[Any, Any]]:
+        return [(_value(total), _value(count)) for total, count in self._copies]
+
+    def begin(self) -> None:
+        _backend.get().materialize(self.model)  # on JAX, inside Keras's loop: the variables
+        self.before = self._last = self._read()
+        self._sums = [[0.0, 0.0] for _ in self._copies]  # (sum of weight x loss, of weights)
+
+    def piece(self, data: Any) -> None:
+        now = self._read()
+        sample_weights = _reductions.sample_weight_sum(data)
+        for (total, count), (total0, count0), sums in zip(now, self._last, self._sums):
+            rows = count - count0
+            if rows > 0:
+                weight = rows if sample_weights is None else sample_weights
+                weight = 1.0 if self.how == _reductions.ONE else weight
+                sums[0] += weight * (total - total0) / rows
+                sums[1] += weight
+        self._last = now
+
+    def settle(self) -> None:
+        for (total, count), (total0, count0), (weighted, weights) in zip(
+                self._copies, self.before, self._sums):
+            rows = _value(count) - count0
+            if rows > 0 and weights:
+                loss = weighted if self.how == _reductions.ONE else weighted / weights
+                total.assign(total0 + rows * loss)
+        self.before = None
+
+
 class SplitBatches:
     """Tracks the batch being run, and settles the per-output losses of a split one.
 
     Use: `begin_batch(rows)` as each of Keras's batches starts (or run the
     chunks from `tag(chunks)`), run it with the step from `step(...)`, and
-    call `finished(rows)` after each successful piece.
+    call `finished(piece)` after each successful piece.
     """
 
     def __init__(self, model: keras.Model, exact: bool, copies: Optional[Copies] = None) -> None:
@@ -103,8 +153,13 @@ class SplitBatches:
         """
         self.model = model
         self.counted = CountedOnce(model, exact, copies)
+        how = _reductions.weighting(model)[0]
+        self.loss = None
+        if how in (_reductions.ONE, _reductions.SAMPLE_WEIGHTS):
+            self.loss = SplitLoss(model, how, copies or (lambda variable: (variable,)))
         self.rows = 0
         self.done = 0
+        self.split = False  # whether the current batch runs as pieces
 
     @property
     def trackers(self) -> List[Any]:
@@ -113,7 +168,8 @@ class SplitBatches:
 
     def begin_batch(self, rows: int) -> None:
         """A batch of `rows` (one of Keras's) begins."""
-        self.rows, self.done, self.counted.before = rows, 0, None
+        self.rows, self.done, self.split = rows, 0, False
+        self.counted.before = None
 
     def tag(self, chunks: Iterable[Any], batch_size: Optional[int]) -> Iterator[Any]:
         """The batches Keras would run, noting each one's rows as it starts.
@@ -126,7 +182,7 @@ class SplitBatches:
         """
         for chunk in chunks:
             n = _data.num_rows(chunk)
-            step = batch_size if self.trackers and batch_size else n
+            step = batch_size if (self.trackers or self.loss) and batch_size else n
             for start in range(0, n, step or 1):
                 batch = _data.rows(chunk, start, start + step)
                 self.begin_batch(_data.num_rows(batch))
@@ -142,7 +198,7 @@ class SplitBatches:
             make_exact: Returns the exact step (traced per piece size), given
                 a piece; called once, at the first split.
         """
-        if not self.trackers:
+        if not self.trackers and self.loss is None:
             return keras_step
         exact_step = None
 
@@ -150,20 +206,33 @@ class SplitBatches:
             nonlocal exact_step
             if _data.num_rows(piece) >= self.rows:
                 return keras_step(piece)
-            if self.counted.before is None:  # the state before the batch (a failed try was undone)
+            if not self.split:  # the state before the batch (a failed try was undone)
+                self.split = True
                 self.counted.begin()
+                if self.loss is not None:
+                    self.loss.begin()
+            if not self.trackers:
+                return keras_step(piece)
             if exact_step is None:
                 exact_step = make_exact(piece)
             return exact_step(piece)
 
         return run
 
-    def finished(self, rows: int) -> bool:
-        """Note a successful piece of `rows`; True when it ended a split batch (now settled)."""
-        self.done += rows
-        if self.counted.before is None or self.done < self.rows:
+    def finished(self, piece: Any) -> bool:
+        """Note a successful piece (its `rows` and `data`); True when it ended a split batch
+        (now settled)."""
+        self.done += piece.rows
+        if not self.split:
+            return False
+        if self.loss is not None:
+            self.loss.piece(piece.data)
+        if self.done < self.rows:
             return False
         self.counted.settle()
+        if self.loss is not None:
+            self.loss.settle()
+        self.split = False
         return True
 
 

@@ -406,7 +406,7 @@ class Run:
                     self.model, "evaluate", [cut.chunk], run,
                     requested=None, guard=guard, planner=planner,
                 ):
-                    split.finished(piece.rows)  # a split batch counts once for per-output losses
+                    split.finished(piece)  # a split batch counts once for per-output losses
                     logs = piece.result
                     count += 1
                 planner.finish_batch()
