@@ -3,11 +3,14 @@
 - `keras_memfit.app.digits`: shapes, dtypes, determinism, speed, Kaggle's CSV
   formats (train.csv and test.csv read back, submission.csv as written).
 - `python -m keras_memfit demo`, end to end in a subprocess: the plain
-  `model.predict(x_test, batch_size=28000)` really runs out of memory under
-  the demo's capped allocator, `safe_predict` recovers, and submission.csv is
-  in Kaggle's format with labels that agree with the generated ground truth
-  (recomputed here, independently of what the demo reports). It takes about
-  a minute: training, one real OOM (~10 s) and 28,000 predictions on CPU.
+  `model.fit(batch_size=768)` and `model.predict(x_test, batch_size=28000)`
+  really run out of memory under the demo's capped allocator, MemFit trains
+  at that batch and `safe_predict` recovers; submission.csv is in Kaggle's
+  format with labels that agree with the generated ground truth and with
+  those of plain Keras's `fit` of the same model, data and seed here, without
+  the cap (both recomputed here, independently of what the demo reports). It
+  takes about a minute and a half: three real OOMs (~10 s each), two fits
+  and 28,000 predictions on CPU.
 - The command line's errors: one line on stderr, a non-zero exit, no traceback.
 """
 
@@ -239,11 +242,21 @@ def _run_cli_demo(tmp_path, *extra):
 
 
 def _check_demo(output, stdout):
-    # The plain call really ran out of memory ...
+    # The plain calls really ran out of memory ...
+    batch = demo.FIT_BATCH_SIZE
+    assert re.search(rf"plain model\.fit\(batch_size={batch}\):\s+FAILED with "
+                     r"ResourceExhaustedError: OOM when allocating tensor", stdout), stdout
     plain = re.search(r"plain model\.predict\(batch_size=28000\):\s+FAILED in [\d.]+ s with "
                       r"(ResourceExhaustedError: OOM when allocating tensor with shape\[[^\]]+\])",
                       stdout)
     assert plain, stdout
+    # ... MemFit trained at that batch (one optimizer step per batch of 768),
+    # and said how ...
+    steps = -(-demo.DEFAULT_TRAIN_SAMPLES // batch)
+    fitted = re.search(rf"model\.fit\(batch_size={batch}, callbacks=\[MemFit\(\)\]\):\s+OK, "
+                       rf"{steps} optimizer steps in [\d.]+ s, (\d+) OOM\(s\) caught", stdout)
+    assert fitted and int(fitted.group(1)) >= 1, stdout
+    assert re.search(r"event: epoch 0 step 0 train oom: split 1 -> \d+", stdout), stdout
     # ... safe_predict recovered at a smaller batch size, and said how.
     assert re.search(r"keras_memfit\.safe_predict\(batch_size=28000\):\s+OK, 28000 labels", stdout)
     used = int(re.search(r"batch size used: (\d+)", stdout).group(1))
@@ -251,7 +264,8 @@ def _check_demo(output, stdout):
     assert re.search(r"adapted: predict on model 'digits_cnn'", stdout), stdout
     reported = float(re.search(r"accuracy against the generated test labels: ([\d.]+)",
                                stdout).group(1))
-    assert reported >= 0.9, stdout
+    # TensorFlow's allocator dump (on the worker's stderr) stays out of the report.
+    assert "bfc_allocator" not in stdout and "BFCAllocator" not in stdout
 
     # submission.csv: Kaggle's format ...
     with open(output) as f:
@@ -262,27 +276,51 @@ def _check_demo(output, stdout):
     np.testing.assert_array_equal(rows[:, 0], np.arange(1, 28001))
     assert rows[:, 1].min() >= 0 and rows[:, 1].max() <= 9
     # ... with labels that agree with the generated ground truth, recomputed
-    # here from the seed rather than taken from the demo's report.
+    # here from the seed rather than taken from the demo's report ...
     *_, y_test = digits.load_digits(0, 28000, seed=0, return_test_labels=True)
     accuracy = float(np.mean(rows[:, 1] == y_test))
-    assert accuracy >= 0.9
+    assert accuracy >= 0.8
     assert abs(accuracy - reported) < 1e-4
-    return used
+    return rows[:, 1], used
+
+
+def _plain_fit_labels(rows):
+    """The labels of the first `rows` test digits by plain Keras's fit, without the cap."""
+    import keras
+
+    x_train, y_train, x_test = digits.load_digits(demo.DEFAULT_TRAIN_SAMPLES, 28000, seed=0)
+    keras.utils.set_random_seed(0)
+    model = demo.build_cnn()
+    keras.utils.set_random_seed(0)
+    model.fit((x_train[..., None] / 255.0).astype("float32"), y_train,
+              batch_size=demo.FIT_BATCH_SIZE, epochs=demo.DEFAULT_EPOCHS, verbose=0)
+    probs = model.predict((x_test[:rows, ..., None] / 255.0).astype("float32"), verbose=0)
+    return probs.argmax(axis=-1)
 
 
 @pytest.mark.tensorflow(
     reason="the application's worker runs Keras on TensorFlow (app/env.py), capped"
 )
-def test_demo_plain_predict_ooms_and_safe_predict_writes_the_submission(tmp_path):
-    output, stdout = _run_cli_demo(tmp_path, "--device", "cpu")
-    used = _check_demo(output, stdout)
+def test_demo_plain_calls_oom_and_memfit_and_safe_predict_write_the_submission(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # the reference trains while the demo waits on OOMs
+        run = pool.submit(_run_cli_demo, tmp_path, "--device", "cpu")
+        expected = _plain_fit_labels(2000)
+        output, stdout = run.result()
+    labels, used = _check_demo(output, stdout)
     # The CPU cap makes ~0.3 MiB per sample: a few hundred samples per batch.
     assert used < 2000
-    assert "[1/4]" in stdout and "[4/4]" in stdout
+    assert "[1/5]" in stdout and "[5/5]" in stdout
+    # MemFit trained the model plain Keras trains where memory is enough: its
+    # labels are those of the uncapped plain fit (a model trained otherwise,
+    # e.g. on another shuffle, disagrees on about one in 25).
+    agree = float(np.mean(labels[:2000] == expected))
+    assert agree >= 0.995, agree
 
 
 @pytest.mark.gpu
 def test_demo_on_gpu_with_a_logical_device_memory_limit(tmp_path):
     output, stdout = _run_cli_demo(tmp_path, "--device", "gpu", "--quiet")
     _check_demo(output, stdout)
-    assert "GPU, 1024 MiB" in stdout
+    assert f"GPU, {demo.DEFAULT_GPU_MEMORY_LIMIT_MB} MiB" in stdout

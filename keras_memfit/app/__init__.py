@@ -11,6 +11,8 @@ from here. Modules, each one concept:
 - `outputs`: writing `.npy`/`.csv` atomically.
 - `models`: checking and loading saved models.
 - `demo`: the Digit Recognizer OOM demo.
+- `reference`: plain Keras's `fit` without the memory cap, in a process of
+  its own, for comparing MemFit's weights with (the demo, the notebook).
 - `digits`: the generated Kaggle-shaped digits the demo (and the notebooks
   and benchmarks) use; reading Kaggle's CSVs, writing its submission.
 - `worker`: running work in a child process and turning any failure into one

@@ -1,8 +1,9 @@
 """The `keras-memfit` command line (also `python -m keras_memfit`).
 
 Subcommands:
-    demo: The Digit Recognizer demo: plain `model.predict` dies of OOM,
-        `keras_memfit.safe_predict` recovers and writes `submission.csv`.
+    demo: The Digit Recognizer demo: plain `model.fit` and `model.predict`
+        die of OOM, `MemFit` and `keras_memfit.safe_predict` recover and
+        write `submission.csv`.
     predict: `safe_predict` a saved model over a `.npy`, `.npz` or Kaggle
         `.csv` file, streaming the outputs to a `.npy` or `.csv` file (the
         file handling lives in `keras_memfit.app.inputs`, `outputs` and
@@ -73,18 +74,21 @@ def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
         DEFAULT_EPOCHS,
         DEFAULT_GPU_MEMORY_LIMIT_MB,
         DEFAULT_TRAIN_SAMPLES,
+        FIT_BATCH_SIZE,
         MIN_CPU_MEMORY_LIMIT_MB,
     )
 
     parser = subparsers.add_parser(
         "demo",
-        help="show plain model.predict dying of OOM and safe_predict recovering",
+        help="show plain fit and predict dying of OOM, MemFit and safe_predict recovering",
         description=(
-            "Train a small CNN on generated Kaggle Digit Recognizer data, show "
-            "model.predict(x_test, batch_size=28000) failing with a real "
-            "ResourceExhaustedError under a memory limit, then "
+            "On generated Kaggle Digit Recognizer data, under a memory limit: show "
+            f"a small CNN's model.fit(batch_size={FIT_BATCH_SIZE}) failing with a real "
+            "ResourceExhaustedError, then fit(..., callbacks=[MemFit()]) training at "
+            "that batch to plain Keras's weights without the limit; show "
+            "model.predict(x_test, batch_size=28000) failing, then "
             "keras_memfit.safe_predict succeeding, and write submission.csv. "
-            "No download; about a minute on two CPU cores."
+            "No download; a minute or two on two CPU cores."
         ),
     )
     parser.add_argument(

@@ -1,21 +1,24 @@
-"""The Digit Recognizer demo: `model.predict` dies of OOM, `safe_predict` does not.
+"""The Digit Recognizer demo: plain Keras dies of OOM where keras_memfit does not.
 
-A Kaggle user trains a small CNN on the Digit Recognizer data, then
-`model.predict(x_test)` on the 28,000 test images fails with
-`ResourceExhaustedError: OOM when allocating tensor with shape[28000,...]`.
-`run_demo` (and `python -m keras_memfit demo`) replays that story on any
-machine, with no download:
+A Kaggle user trains a small CNN on the Digit Recognizer data at a batch that
+does not fit, then predicts the 28,000 test images in one batch: both die
+with `ResourceExhaustedError` on a small device. `run_demo` (and `python -m
+keras_memfit demo`) replays that story on any machine, with no download:
 
-1. draws Kaggle-shaped digits (`keras_memfit.app.digits`) and trains the usual
-   CNN (Conv2D 32 > Conv2D 64 > MaxPool > Flatten > Dense 10) briefly;
-2. calls the plain `model.predict(x_test, batch_size=28000)` under a memory
-   limit, which fails with TensorFlow's real `ResourceExhaustedError`;
-3. calls `keras_memfit.safe_predict(model, x_test, batch_size=28000,
-   postprocess=argmax)`, which adapts its batch size and succeeds;
-4. writes `submission.csv` in Kaggle's format (`ImageId,Label`), and reports
-   what failed, what safe_predict adapted (the `keras_memfit` logger's
-   records), the batch sizes it ran, the times, and the accuracy against the
-   generated test labels.
+1. draws Kaggle-shaped digits (`keras_memfit.app.digits`);
+2. plain `model.fit(x_train, y_train, batch_size=768)` under a memory limit
+   fails with TensorFlow's real `ResourceExhaustedError`;
+3. `model.fit(..., callbacks=[MemFit()])` trains at that batch, and its
+   weights are compared with plain Keras's `fit` of the same model, data and
+   seed in a process without the limit (`keras_memfit.app.reference`, run
+   beside it);
+4. plain `model.predict(x_test, batch_size=28000)` fails the same way;
+5. `keras_memfit.safe_predict(..., postprocess=argmax)` adapts its batch and
+   writes `submission.csv` in Kaggle's format (`ImageId,Label`).
+
+It reports what failed, what keras_memfit adapted (MemFit's events, the
+`keras_memfit` logger's records), the times and the accuracy against the
+generated test labels.
 
 The memory limit must be in place before TensorFlow is imported, and
 `import keras_memfit` imports TensorFlow, so the work runs in a child process
@@ -23,15 +26,17 @@ The memory limit must be in place before TensorFlow is imported, and
 the limit in its environment (`keras_memfit.app.env`): on the CPU a capped
 allocator (default `DEFAULT_CPU_MEMORY_LIMIT_MB`), on a GPU a logical device
 with a memory limit (default `DEFAULT_GPU_MEMORY_LIMIT_MB`; written for, but
-not run on, a GPU machine).
+not run on, a GPU machine). The child's stderr, where TensorFlow dumps its
+allocator at each OOM, stays out of the report (`worker`).
 
 Every real OOM costs about 10 s: TensorFlow's allocator waits for memory to be
-freed before it gives up. The whole demo takes about a minute on two CPU cores.
+freed before it gives up. The demo pays three (plain fit, MemFit's first try,
+plain predict) and takes about a minute on two CPU cores.
 
 Example:
     >>> from keras_memfit.app.demo import run_demo
     >>> result = run_demo("submission.csv")
-    >>> result.plain_error is not None, result.accuracy > 0.9
+    >>> result.plain_fit_error is not None, result.weight_difference < 1e-4
     (True, True)
 """
 
@@ -42,7 +47,7 @@ import gc
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from keras_memfit.app import records, worker
 from keras_memfit.app.env import gpu_visible
@@ -55,6 +60,7 @@ __all__ = [
     "DEFAULT_GPU_MEMORY_LIMIT_MB",
     "DEFAULT_TRAIN_SAMPLES",
     "DemoError",
+    "FIT_BATCH_SIZE",
     "DemoResult",
     "MIN_CPU_MEMORY_LIMIT_MB",
     "TEST_SAMPLES",
@@ -65,18 +71,20 @@ __all__ = [
 # Measured on 2 CPU cores (TensorFlow 2.21, Keras 3.15): the CNN needs about
 # 0.32 MiB per sample at predict time, so ~750 samples fit under 400 MiB, and
 # the plain call's first activation alone ([28000, 26, 26, 32] float32) is
-# 2.3 GiB. The cap must still hold the test set that plain `model.predict`
-# converts to one 88 MiB tensor: below about 300 MiB that conversion fails,
-# and TensorFlow then crashes (SIGSEGV) instead of raising.
+# 2.3 GiB; a training step of 768 rows needs ~460 MiB (256 rows peak at 183 MiB).
+# The cap must still hold the test set that plain `model.predict` converts to
+# one 88 MiB tensor: below about 300 MiB that conversion fails, and TensorFlow
+# then crashes (SIGSEGV) instead of raising.
 DEFAULT_CPU_MEMORY_LIMIT_MB = 400
 MIN_CPU_MEMORY_LIMIT_MB = 300  # 300 measured to work, 200 to crash
-# On a GPU the conv activations for 28,000 images need ~7 GiB; 1 GiB leaves
-# room for cuDNN's workspace and a batch of ~2,000.
-DEFAULT_GPU_MEMORY_LIMIT_MB = 1024
-DEFAULT_TRAIN_SAMPLES = 3000
+# On a GPU the conv activations for 28,000 images need ~7 GiB, a training step
+# of 512 rows ~300 MiB; 256 MiB holds neither (not run on a GPU yet).
+DEFAULT_GPU_MEMORY_LIMIT_MB = 256
+# 6,000 digits, one epoch of 8 batches of 768: about 0.9 accuracy.
+DEFAULT_TRAIN_SAMPLES = 6000
 DEFAULT_EPOCHS = 1
+FIT_BATCH_SIZE = 768
 TEST_SAMPLES = 28000  # rows of Kaggle's test.csv
-_TRAIN_BATCH_SIZE = 32
 _DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -94,12 +102,22 @@ class DemoResult:
         memory_limit_mb: The memory limit the worker ran under.
         train_samples: Number of generated training images.
         epochs: Training epochs.
-        train_accuracy: Training accuracy of the last epoch.
-        plain_error: One line describing the error plain `model.predict`
-            raised, or None if it did not run out of memory.
-        plain_seconds: Time the plain call took to fail (or succeed).
+        plain_fit_error: One line for the error plain `model.fit` raised, or
+            None if it did not run out of memory.
+        fit_seconds: Time `fit` with MemFit took.
+        fit_ooms: Out-of-memory errors MemFit caught.
+        fit_events: `MemFit.events` after that fit.
+        optimizer_steps: Optimizer steps that fit took.
+        train_accuracy: Training accuracy of its last epoch.
+        weight_difference: Largest absolute difference between its weights
+            and those of plain `fit` without the limit.
+        relative_difference: The norm of that difference over the norm of
+            the change training made (plain `fit` without the limit).
+        plain_error: One line for the error plain `model.predict` raised, or
+            None if it did not run out of memory.
+        plain_seconds: Time the plain predict took to fail (or succeed).
         cleanup_seconds: Time `gc.collect()` took afterwards to release what
-            the failed call held (sometimes ~10 s more, see `_work`).
+            the failed call held (sometimes ~10 s more, see `_predict`).
         safe_seconds: Time `safe_predict` took.
         batch_sizes: Size of every batch `safe_predict` ran, in order.
         ooms_paid: Out-of-memory errors `safe_predict` caught and recovered from.
@@ -114,7 +132,14 @@ class DemoResult:
     memory_limit_mb: int
     train_samples: int
     epochs: int
+    plain_fit_error: Optional[str]
+    fit_seconds: float
+    fit_ooms: int
+    fit_events: List[Dict[str, Any]]
+    optimizer_steps: int
     train_accuracy: float
+    weight_difference: float
+    relative_difference: float
     plain_error: Optional[str]
     plain_seconds: float
     cleanup_seconds: float
@@ -275,10 +300,8 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     step = say if verbose else (lambda line: None)
     # On GPU, the child's entry (`worker.worker_main`) has set the limit already.
 
-    import keras
     import numpy as np
 
-    import keras_memfit
     from keras_memfit.app import digits
 
     where = "GPU:0" if device == "gpu" else "CPU"
@@ -293,36 +316,129 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     x_train = (x_train[..., None] / 255.0).astype("float32")
     x_test = (x_test[..., None] / 255.0).astype("float32")
     step(
-        f"[1/4] Generated {len(x_train)} training and {len(x_test)} test digits "
+        f"[1/5] Generated {len(x_train)} training and {len(x_test)} test digits "
         f"in {time.perf_counter() - t:.1f} s (no download)"
     )
-
-    keras.utils.set_random_seed(config["seed"])
-    model = build_cnn()
-    t = time.perf_counter()
-    history = model.fit(
-        x_train, y_train, batch_size=_TRAIN_BATCH_SIZE, epochs=config["epochs"], verbose=0
-    )
-    train_accuracy = float(history.history["accuracy"][-1])
-    del x_train, y_train, history
+    model, fitted = _fit(config, x_train, y_train, step)
+    del x_train, y_train
     gc.collect()
-    step(
-        f"[2/4] Trained the CNN (Conv2D 32 > Conv2D 64 > MaxPool > Dense 10) for "
-        f"{config['epochs']} epoch(s) in {time.perf_counter() - t:.1f} s: training "
-        f"accuracy {train_accuracy:.3f}"
+    predicted = _predict(model, x_test, step)
+    digits.write_submission(config["output"], predicted["labels"])
+    accuracy = float(np.mean(np.asarray(predicted.pop("labels")) == y_test))
+    result = dict(
+        output=config["output"], device=device, memory_limit_mb=limit,
+        train_samples=config["train_samples"], epochs=config["epochs"],
+        accuracy=accuracy, rows=TEST_SAMPLES,
+        total_seconds=time.perf_counter() - start, **fitted, **predicted,
     )
+    step("")
+    for line in _summary(result, where):
+        say(line)
+    return result
 
-    n = len(x_test)
-    step(f"[3/4] model.predict(x_test, batch_size={n}) ... (an OOM takes ~10 s to surface)")
+
+def _plain(call: Any) -> Tuple[Optional[str], float]:
+    """Run a plain Keras call; its OOM as one line (None if it fitted) and its seconds."""
+    import keras_memfit
+
     t = time.perf_counter()
-    plain_error = None
     try:
-        model.predict(x_test, batch_size=n, verbose=0)
+        call()
     except Exception as exc:
         if not keras_memfit.is_oom_error(exc):
             raise
-        plain_error = _oom_summary(exc)
-    plain_seconds = time.perf_counter() - t
+        return _oom_summary(exc), time.perf_counter() - t
+    return None, time.perf_counter() - t
+
+
+def _failed(error: Optional[str], seconds: float, limit_hint: str) -> str:
+    if error is not None:
+        return f"      FAILED after {seconds:.1f} s: {error}"
+    return f"      did not run out of memory ({seconds:.1f} s): {limit_hint}"
+
+
+def _fit(
+    config: Dict[str, Any], x_train: Any, y_train: Any, step: Reporter
+) -> Tuple[Any, Dict[str, Any]]:
+    """Plain `fit` at a batch that does not fit, then MemFit's, against the unlimited fit."""
+    import keras
+
+    from keras_memfit import MemFit
+    from keras_memfit.app import reference
+
+    seed, epochs, batch = config["seed"], config["epochs"], FIT_BATCH_SIZE
+
+    def fresh_model() -> Any:  # the same initial weights every time
+        keras.utils.set_random_seed(seed)
+        return build_cnn()
+
+    model = fresh_model()
+    initial = model.get_weights()
+    unlimited = reference.start_fit(
+        model, x_train, y_train, seed=seed, batch_size=batch, epochs=epochs
+    )
+    step(
+        f"[2/5] model.fit(x_train, y_train, batch_size={batch}) ... "
+        "(an OOM takes ~10 s to surface)"
+    )
+    keras.utils.set_random_seed(seed)
+    error, seconds = _plain(lambda: model.fit(
+        x_train, y_train, batch_size=batch, epochs=epochs, verbose=0))
+    step(_failed(error, seconds, "use a smaller --memory-limit to see the OOM"))
+
+    step(f"[3/5] model.fit(x_train, y_train, batch_size={batch}, callbacks=[MemFit()]) ...")
+    model = fresh_model()
+    memfit = MemFit()
+    logged = records.LogRecords(step)
+    t = time.perf_counter()
+    keras.utils.set_random_seed(seed)
+    with logged.capture():
+        history = model.fit(
+            x_train, y_train, batch_size=batch, epochs=epochs, verbose=0, callbacks=[memfit]
+        )
+    fit_seconds = time.perf_counter() - t
+    steps = int(model.optimizer.iterations.numpy())
+    accuracy = float(history.history["accuracy"][-1])
+    step(f"      OK in {fit_seconds:.1f} s: {steps} optimizer steps of {batch} rows")
+    for event in memfit.events:
+        step(f"      event: {_describe_event(event)}")
+    expected = unlimited.result()
+    weights = model.get_weights()
+    difference = reference.max_difference(weights, expected)
+    relative = reference.relative_difference(weights, expected, initial)
+    step(f"      weights: {_weights_line(difference, relative)}")
+    return model, dict(
+        plain_fit_error=error, fit_seconds=fit_seconds, fit_ooms=logged.warnings,
+        fit_events=memfit.events, optimizer_steps=steps, train_accuracy=accuracy,
+        weight_difference=difference, relative_difference=relative,
+    )
+
+
+def _weights_line(difference: float, relative: float) -> str:
+    return (
+        f"max difference {difference:.1e} from plain fit's without the memory limit "
+        f"(run beside it, in a process of its own): {relative * 100:.2g}% of the change "
+        "training made"
+    )
+
+
+def _describe_event(event: Dict[str, Any]) -> str:
+    """One line for one of `MemFit.events`."""
+    return (
+        f"epoch {event['epoch']} step {event['step']} {event['phase']} {event['kind']}: "
+        f"split {event['old_split']} -> {event['new_split']} ({event['reason']})"
+    )
+
+
+def _predict(model: Any, x_test: Any, step: Reporter) -> Dict[str, Any]:
+    """Plain `predict` of the whole test set, then `safe_predict`'s."""
+    import keras
+
+    import keras_memfit
+
+    n = len(x_test)
+    step(f"[4/5] model.predict(x_test, batch_size={n}) ... (an OOM takes ~10 s to surface)")
+    error, seconds = _plain(lambda: model.predict(x_test, batch_size=n, verbose=0))
     # Release what the failed call held (its input pipeline, the 88 MiB copy
     # of x_test) before safe_predict runs. This sometimes takes another ~10 s:
     # destroying the failed call's tf.data iterator waits for its prefetch
@@ -330,13 +446,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     t = time.perf_counter()
     gc.collect()
     cleanup_seconds = time.perf_counter() - t
-    if plain_error is not None:
-        step(f"      FAILED after {plain_seconds:.1f} s: {plain_error}")
-    else:
-        step(
-            f"      did not run out of memory ({plain_seconds:.1f} s): {limit} MiB is "
-            "enough for the whole batch; use a smaller --memory-limit to see the OOM"
-        )
+    step(_failed(error, seconds, "use a smaller --memory-limit to see the OOM"))
     if cleanup_seconds >= 1.0:
         step(
             f"      (TensorFlow took another {cleanup_seconds:.1f} s to release the failed "
@@ -344,10 +454,10 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         )
 
     step(
-        f"[4/4] keras_memfit.safe_predict(model, x_test, batch_size={n}, "
+        f"[5/5] keras_memfit.safe_predict(model, x_test, batch_size={n}, "
         "postprocess=argmax) ..."
     )
-    logged = records.LogRecords(step if verbose else None)
+    logged = records.LogRecords(step)
     sizes: List[int] = []
     t = time.perf_counter()
     with logged.capture():
@@ -358,38 +468,44 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
         )
     safe_seconds = time.perf_counter() - t
     step(f"      OK in {safe_seconds:.1f} s: {len(labels)} labels")
-
-    digits.write_submission(config["output"], labels)
-    accuracy = float(np.mean(np.asarray(labels) == y_test))
-    total = time.perf_counter() - start
-
-    step("")
-    say("Summary")
-    say(
-        f"  plain model.predict(batch_size={n}):  "
-        + (f"FAILED in {plain_seconds:.1f} s with {plain_error}" if plain_error
-           else f"did not run out of memory ({plain_seconds:.1f} s)")
-    )
-    say(
-        f"  keras_memfit.safe_predict(batch_size={n}):  OK, {len(labels)} labels in "
-        f"{safe_seconds:.1f} s, {logged.warnings} OOM(s) paid"
-    )
-    # The size most batches ran at (the probes and the last, clipped batch are smaller).
-    used = records.usual_size(sizes)
-    say(f"    batch size used: {used} (batches run: {records.describe_sizes(sizes)})")
-    for message in logged.messages:
-        say(f"    adapted: {message}")
-    if not logged.messages:
-        say("    adapted: nothing (the whole batch fitted)")
-    say(f"  accuracy against the generated test labels: {accuracy:.4f}")
-    say(f"  wrote {config['output']} (ImageId,Label; {len(labels)} rows)")
-    say(f"  demo time: {total:.1f} s ({where}, {limit} MiB)")
     return dict(
-        output=config["output"], device=device, memory_limit_mb=limit,
-        train_samples=config["train_samples"], epochs=config["epochs"],
-        train_accuracy=train_accuracy, plain_error=plain_error,
-        plain_seconds=plain_seconds, cleanup_seconds=cleanup_seconds,
-        safe_seconds=safe_seconds, batch_sizes=sizes,
+        labels=labels, plain_error=error, plain_seconds=seconds,
+        cleanup_seconds=cleanup_seconds, safe_seconds=safe_seconds, batch_sizes=sizes,
         ooms_paid=logged.warnings, adaptations=logged.messages,
-        accuracy=accuracy, rows=int(len(labels)), total_seconds=total,
     )
+
+
+def _summary(result: Dict[str, Any], where: str) -> List[str]:
+    """The summary's lines."""
+    batch, n = FIT_BATCH_SIZE, TEST_SAMPLES
+    fit_error, predict_error = result["plain_fit_error"], result["plain_error"]
+    lines = [
+        "Summary",
+        f"  plain model.fit(batch_size={batch}):  "
+        + (f"FAILED with {fit_error}" if fit_error else "did not run out of memory"),
+        f"  model.fit(batch_size={batch}, callbacks=[MemFit()]):  OK, "
+        f"{result['optimizer_steps']} optimizer steps in {result['fit_seconds']:.1f} s, "
+        f"{result['fit_ooms']} OOM(s) caught",
+        f"    weights: {_weights_line(result['weight_difference'], result['relative_difference'])}",
+        f"  plain model.predict(batch_size={n}):  "
+        + (f"FAILED in {result['plain_seconds']:.1f} s with {predict_error}" if predict_error
+           else f"did not run out of memory ({result['plain_seconds']:.1f} s)"),
+        f"  keras_memfit.safe_predict(batch_size={n}):  OK, {result['rows']} labels in "
+        f"{result['safe_seconds']:.1f} s, {result['ooms_paid']} OOM(s) paid",
+    ]
+    # The size most batches ran at (the probes and the last, clipped batch are smaller).
+    sizes = result["batch_sizes"]
+    lines.append(
+        f"    batch size used: {records.usual_size(sizes)} "
+        f"(batches run: {records.describe_sizes(sizes)})"
+    )
+    lines += [f"    adapted: {message}" for message in result["adaptations"]]
+    if not result["adaptations"]:
+        lines.append("    adapted: nothing (the whole batch fitted)")
+    lines += [
+        f"  accuracy against the generated test labels: {result['accuracy']:.4f}",
+        f"  wrote {result['output']} (ImageId,Label; {result['rows']} rows)",
+        f"  demo time: {result['total_seconds']:.1f} s ({where}, "
+        f"{result['memory_limit_mb']} MiB)",
+    ]
+    return lines

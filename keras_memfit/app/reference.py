@@ -1,0 +1,117 @@
+"""Plain Keras's `fit` where memory is enough: the reference MemFit is compared with.
+
+Under a memory cap the plain `fit` of a batch that does not fit dies, so the
+unlimited fit MemFit must equal runs in a child process started without the
+cap (`worker`, `env`): `start_fit` saves the model as it is now (weights,
+compile settings) and the data, and the child loads them, seeds Keras, fits
+and writes the weights back. It runs beside the caller (a thread waits for
+it), so it overlaps the caller's own fits and their OOM waits. The demo and
+the Digit Recognizer notebook use it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List
+
+import numpy as np
+
+from keras_memfit.app import env as _env
+from keras_memfit.app import worker
+
+__all__ = ["max_difference", "relative_difference", "start_fit"]
+
+
+def start_fit(
+    model: Any, x: Any, y: Any, *, seed: int, **fit_kwargs: Any
+) -> "Future[List[np.ndarray]]":
+    """Start `model.fit(x, y, **fit_kwargs)` on a copy of `model`, without the memory cap.
+
+    Call it before `model` trains. Seed Keras with `keras.utils.set_random_seed(seed)`
+    right before your own `fit`, as the child does, so both shuffle alike.
+
+    Args:
+        model: A compiled Keras model, as it is before training.
+        x: The inputs (array-like).
+        y: The targets (array-like).
+        seed: Passed to `keras.utils.set_random_seed` right before the fit.
+        **fit_kwargs: `fit`'s other arguments (`batch_size`, `epochs`, ...),
+            JSON-serialisable.
+
+    Returns:
+        A future of the fitted weights (`model.get_weights()` order).
+    """
+    folder = tempfile.mkdtemp(prefix="keras_memfit_reference_")
+    model.save(os.path.join(folder, "model.keras"))
+    np.savez(os.path.join(folder, "data.npz"), x=np.asarray(x), y=np.asarray(y))
+    config = dict(folder=folder, seed=int(seed), fit_kwargs=fit_kwargs)
+    environment = _env.worker_environment("gpu" if _env.gpu_visible() else "cpu", None)
+    for key in _env.CAP_VARIABLES:
+        environment.pop(key, None)
+
+    def run() -> List[np.ndarray]:
+        try:
+            worker.run_worker(
+                "keras_memfit.app.reference:_fit_work", config, report=lambda line: None,
+                what="the reference fit's process", env=environment,
+            )
+            with np.load(os.path.join(folder, "weights.npz")) as weights:
+                return [weights[f"w{i}"] for i in range(len(weights.files))]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(run)
+    pool.shutdown(wait=False)
+    return future
+
+
+def max_difference(weights: List[np.ndarray], reference: List[np.ndarray]) -> float:
+    """The largest absolute difference between two lists of weights.
+
+    Args:
+        weights: Arrays, as `model.get_weights()` gives them.
+        reference: The same shapes.
+
+    Returns:
+        The largest `abs(a - b)` over every element.
+    """
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference))
+
+
+def relative_difference(
+    weights: List[np.ndarray], reference: List[np.ndarray], initial: List[np.ndarray]
+) -> float:
+    """How far `weights` are from `reference`, as a share of how far training moved them.
+
+    Args:
+        weights: The trained weights, as `model.get_weights()` gives them.
+        reference: The reference's trained weights.
+        initial: The weights both started from.
+
+    Returns:
+        The norm of `weights - reference` over that of `reference - initial`,
+        all weights taken as one vector.
+    """
+    def norm(a: List[np.ndarray], b: List[np.ndarray]) -> float:
+        return float(np.sqrt(sum(np.sum((x - y).astype("float64") ** 2) for x, y in zip(a, b))))
+
+    return norm(weights, reference) / norm(reference, initial)
+
+
+def _fit_work(config: Dict[str, Any], say: worker.Reporter) -> Dict[str, Any]:
+    """The child: load, seed, fit, write the weights."""
+    import keras
+
+    folder = config["folder"]
+    model = keras.models.load_model(os.path.join(folder, "model.keras"))
+    with np.load(os.path.join(folder, "data.npz")) as data:
+        x, y = data["x"], data["y"]
+    keras.utils.set_random_seed(config["seed"])
+    model.fit(x, y, verbose=0, **config["fit_kwargs"])
+    weights = model.get_weights()
+    np.savez(os.path.join(folder, "weights.npz"), **{f"w{i}": w for i, w in enumerate(weights)})
+    return {}
