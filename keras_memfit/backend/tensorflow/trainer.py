@@ -18,7 +18,7 @@ steps on Keras's state tuple and returns `(logs, state)` (see
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -46,10 +46,22 @@ def step_function(
     model_ref = weakref.ref(model)
 
     def function(iterator):
-        steps = model_ref().steps_per_execution
-        return run_batches(_batches.next_batches(iterator, steps, is_end_of_data))
+        model = model_ref()
+        if kind == "train":
+            _KERAS_SPECS[model] = getattr(iterator, "element_spec", None)
+        return run_batches(
+            _batches.next_batches(iterator, model.steps_per_execution, is_end_of_data))
 
     return function
+
+
+# model -> the element spec of the data iterator Keras last handed its train function.
+_KERAS_SPECS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def keras_batch_spec(model: keras.Model) -> Optional[Any]:
+    """The spec Keras traces `model`'s train step on (its data's element spec), or None."""
+    return _KERAS_SPECS.get(model)
 
 
 def _as_tf_sparse(value: Any) -> Any:
