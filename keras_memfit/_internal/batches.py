@@ -236,10 +236,8 @@ def pull_batches(
     return _pulled(next(iterator), iterator, count, is_end_of_data)
 
 
-def _pulled(first: Any, iterator: Iterator[Any], count: int,
+def _pulled(batch: Any, iterator: Iterator[Any], count: int,
             is_end_of_data: Callable[[BaseException], bool]) -> Iterator[Any]:
-    batch = first
-    del first
     for pulled in range(1, count + 1):
         yield batch
         del batch  # not held while the next one is pulled
