@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import keras
 
@@ -373,7 +373,7 @@ class MemFit(keras.callbacks.Callback):
             model.make_train_function()
 
     # ------------------------------------------------- installing functions
-    def _install(self, kind: str, run_batches: Callable[[List[Any]], Any]) -> None:
+    def _install(self, kind: str, run_batches: Callable[[Iterable[Any]], Any]) -> None:
         """Put MemFit's `model.<kind>_function` in place, running `run_batches`.
 
         The backend's `step_function` gives it the backend's calling
@@ -395,7 +395,7 @@ class MemFit(keras.callbacks.Callback):
         _keras_compat.set_function(model, name, installed)
 
     def _build(
-        self, model: Any, name: str, kind: str, run_batches: Callable[[List[Any]], Any]
+        self, model: Any, name: str, kind: str, run_batches: Callable[[Iterable[Any]], Any]
     ) -> Callable[..., Any]:
         """MemFit's `model.<kind>_function`, which removes itself when it returns or raises."""
         backend = _backend.get()

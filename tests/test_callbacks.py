@@ -463,23 +463,31 @@ def test_step_function_has_the_tensorflow_calling_convention():
     from keras_memfit.backend import tensorflow as tf_backend
 
     model = _classifier(steps_per_execution=2)
-    seen = []
+    seen, pulled = [], []
 
     def run_batches(batches):
-        seen.append(batches)
-        return {"batches": len(batches)}
+        ran = [(batch, list(pulled)) for batch in batches]  # what was pulled when it ran
+        seen.append(ran)
+        return {"batches": len(ran)}
+
+    def pulling(items):
+        for item in items:
+            pulled.append(item)
+            yield item
 
     train = tf_backend.step_function(model, "train", run_batches)
-    iterator = iter(["a", "b", "c"])
-    assert train(iterator) == {"batches": 2} and seen[-1] == ["a", "b"]
-    assert train(iterator) == {"batches": 1} and seen[-1] == ["c"]
+    iterator = pulling(["a", "b", "c"])
+    # Each batch pulled once the one before ran, as Keras's multi-step function pulls them.
+    assert train(iterator) == {"batches": 2}
+    assert seen[-1] == [("a", ["a"]), ("b", ["a", "b"])]
+    assert train(iterator) == {"batches": 1} and seen[-1] == [("c", ["a", "b", "c"])]
     with pytest.raises(StopIteration) as info:
         train(iterator)
     assert tf_backend.is_end_of_data(info.value)
     assert tf_backend.is_end_of_data(tf.errors.OutOfRangeError(None, None, "end of data"))
     assert not tf_backend.is_end_of_data(ValueError("not the end"))
     predict = tf_backend.step_function(model, "predict", run_batches)
-    assert predict(iter([("x",)])) == {"batches": 1} and seen[-1] == [("x",)]
+    assert predict(iter([("x",)])) == {"batches": 1} and seen[-1][0][0] == ("x",)
     with pytest.raises(ValueError, match=r"kind must be(.|\n)*received kind='fit'"):
         tf_backend.step_function(model, "fit", run_batches)
 

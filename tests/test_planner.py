@@ -72,6 +72,27 @@ def test_no_probes_without_stats(device, model):
     assert BatchPlanner(model, "predict", SIG, 1000).next_size() == 1000
 
 
+def test_no_probes_where_no_limit_is_known(device, model):
+    dev = device(capacity=4000 * MiB, report_limit=False)  # statistics, no limit
+    assert BatchPlanner(model, "predict", SIG, 1000).next_size() == 1000
+    assert dev.resets == 0
+
+
+def test_probes_only_where_the_analytic_estimate_is_near_the_free_memory(
+        device, model, monkeypatch):
+    from keras_memfit.planning import planner as planner_module
+
+    device(capacity=4000 * MiB, current=800 * MiB)  # 3200 MiB free
+    monkeypatch.setattr(planner_module, "analytic_estimate", lambda m, phase: (MiB, 8 * MiB))
+    # 192 rows need 200 MiB by the estimate: 1/16 of what is free, far.
+    assert BatchPlanner(model, "predict", SIG, 192).next_size() == 192
+    # 193 rows and more are near: measured first.
+    assert BatchPlanner(model, "predict", SIG, 193).next_size() == PROBE_SIZES[0]
+    # Unbounded: the first chunk's rows decide.
+    assert BatchPlanner(model, "predict", SIG, None).next_size(150) == math.inf
+    assert BatchPlanner(model, "predict", SIG, None).next_size(5000) == PROBE_SIZES[0]
+
+
 def test_estimate_keeps_the_peak_within_margin_of_free_memory(device, model):
     dev = device(capacity=1000 * MiB, current=100 * MiB, per_sample=MiB, fixed=10 * MiB)
     events = []
@@ -121,9 +142,8 @@ def test_estimate_with_unbounded_request_uses_the_estimate(device, model):
 def test_inexact_limit_is_not_trusted_before_an_oom(device, model):
     dev = device(capacity=1000 * MiB, exact=False, per_sample=MiB)
     planner = BatchPlanner(model, "predict", SIG, 4096)
-    attempt(planner, dev, 10_000)
-    attempt(planner, dev, 10_000)
-    assert planner.next_size() == 4096
+    assert planner.next_size() == 4096  # no probes either: the batch Keras would run
+    assert dev.resets == 0
 
 
 def test_a_later_planner_reuses_the_per_sample_cost_without_probing(device, model):
@@ -194,12 +214,11 @@ def test_oom_with_only_stats_uses_the_observed_peak_as_limit(device, model):
     # No limit reported: the peak seen at the OOM bounds the free memory.
     dev = device(capacity=600 * MiB, report_limit=False, per_sample=MiB, fixed=0)
     planner = BatchPlanner(model, "predict", SIG, 4096)
-    attempt(planner, dev, 10_000)
-    attempt(planner, dev, 10_000)
-    assert planner.next_size() == 4096  # nothing to estimate against yet
-    assert attempt(planner, dev, 10_000) == (4096, False)
+    assert attempt(planner, dev, 10_000) == (4096, False)  # no probes first: no limit
     floor = knowledge_for(model, "predict", SIG).limit_floor
     assert floor == 600 * MiB
+    # The pieces after the OOM measure memory, then size the rest.
+    assert [attempt(planner, dev, 10_000) for _ in PROBE_SIZES] == [(16, True), (64, True)]
     after = planner.next_size()
     assert after <= 4096 // 2
     assert after <= planner.estimate(floor) < 4096
@@ -243,14 +262,16 @@ def test_unknown_limit_pays_one_oom_then_stays_within_what_the_oom_proved(model,
     monkeypatch.setattr(backend_module, "get", lambda: dev)
     n = 20_000
     log = drive(BatchPlanner(model, "predict", SIG, n), dev, n)
-    # The probes, then one real try at the rest, which fails.
-    assert dev.ooms() == [n - 16 - 64], dev.ooms()
-    # That OOM proved the device holds the input it had placed: 19,920 samples
+    # One real try at the whole request (no probes first: no limit), which
+    # fails; then the probes.
+    assert dev.ooms() == [n], dev.ooms()
+    assert log[1:3] == [(16, True), (64, True)]
+    # That OOM proved the device holds the input it had placed: 20,000 samples
     # of 16 KiB over the 50 MiB held before. The pieces after it stay within
     # that (MARGIN of it at first): not one sample at a time, and no other OOM.
-    proved = (n - 16 - 64) * 16 * 1024
+    proved = n * 16 * 1024
     after = [s for s, ok in log[3:]]
-    assert after[0] == int(proved * MARGIN // MiB)
+    assert proved * MARGIN // MiB / 2 <= after[0] <= proved * MARGIN // MiB
     assert max(after) <= proved // MiB
     assert sum(s for s, ok in log if ok) == n
     # The next call pays none.

@@ -213,10 +213,13 @@ def concatenate(parts: List[Any]) -> Any:
     return keras.tree.pack_sequence_as(parts[0], joined)
 
 
-def next_batches(
+def pull_batches(
     iterator: Iterator[Any], count: int, is_end_of_data: Callable[[BaseException], bool]
-) -> List[Any]:
-    """Up to `count` batches from a Keras epoch iterator, as Keras's step functions pull them.
+) -> Iterator[Any]:
+    """Up to `count` batches from a Keras epoch iterator, each pulled when the one before is done.
+
+    As Keras's multi-step functions pull them: a batch is held only while it
+    runs, not the `count` of them at once.
 
     Args:
         iterator: The epoch's iterator of batches.
@@ -225,17 +228,24 @@ def next_batches(
             error (`StopIteration`, TensorFlow's `OutOfRangeError`).
 
     Returns:
-        The batches pulled; fewer than `count` at the end of the epoch.
+        An iterator over the batches; fewer than `count` at the end of the epoch.
 
     Raises:
-        The end-of-data error itself when no batch was left.
+        The end-of-data error itself, at once, when no batch was left.
     """
-    batches = []
-    for _ in range(count):
+    return _pulled(next(iterator), iterator, count, is_end_of_data)
+
+
+def _pulled(batch: Any, iterator: Iterator[Any], count: int,
+            is_end_of_data: Callable[[BaseException], bool]) -> Iterator[Any]:
+    for pulled in range(1, count + 1):
+        yield batch
+        del batch  # not held while the next one is pulled
+        if pulled == count:
+            return
         try:
-            batches.append(next(iterator))
+            batch = next(iterator)
         except Exception as exc:
-            if not is_end_of_data(exc) or not batches:
+            if not is_end_of_data(exc):
                 raise
-            break
-    return batches
+            return

@@ -289,10 +289,11 @@ def _predict_summary(result: Dict[str, Any], args: argparse.Namespace, seconds: 
     limit = result["memory_limit_mb"]
     where = result["device"] + (f", memory limited to {limit} MiB" if limit else "")
     ooms = result["ooms_paid"]
+    used = f"{result['batch_size_used']} used" if result["adapted"] else "nothing adapted"
     lines = [
         f"keras-memfit predict: {result['samples']} samples of {result['input']}{scale} "
         f"through model '{result['model']}' on {where}",
-        f"  batch size: {result['batch_size']} asked, {result['batch_size_used']} used "
+        f"  batch size: {result['batch_size']} asked, {used} "
         f"(batches run: {result['batch_sizes']}); {ooms} OOM{'' if ooms == 1 else 's'} paid",
     ]
     adaptations = result["adaptations"]

@@ -109,6 +109,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
                 os.remove(temporary + suffix)
 
     used = records.usual_size(sizes)
+    keras_sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     return dict(
         model=model.name, samples=n, input=os.path.basename(config["input"]),
         scale=scale, out_kind=out_kind,
@@ -116,6 +117,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         device="GPU" if backend().list_accelerators() else "CPU",
         memory_limit_mb=config["memory_limit_mb"], batch_size=batch_size,
         batch_size_used=used, batch_sizes=records.describe_sizes(sizes),
+        adapted=sizes != keras_sizes,
         ooms_paid=logged.warnings, adaptations=logged.messages,
         predict_seconds=predict_seconds,
     )

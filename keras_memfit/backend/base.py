@@ -28,6 +28,7 @@ from typing import (
     Callable,
     ContextManager,
     Dict,
+    Iterable,
     Iterator,
     List,
     NamedTuple,
@@ -418,16 +419,17 @@ class Trainer(Protocol):
     """Keras's step functions in the backend's calling convention (module `trainer`)."""
 
     def step_function(
-        self, model: Any, kind: str, run_batches: Callable[[List[Any]], Any]
+        self, model: Any, kind: str, run_batches: Callable[[Iterable[Any]], Any]
     ) -> Callable:
         """A replacement for `model.<kind>_function` that runs `run_batches`.
 
         Args:
             model: The model whose function is replaced.
             kind: "train", "test" or "predict" (`STEP_KINDS`).
-            run_batches: Runs a list of Keras batches; returns what Keras
-                expects of the function (the logs; for "predict", the
-                batches' outputs).
+            run_batches: Runs Keras batches (train and test batches are
+                pulled one at a time as it asks for them); returns what
+                Keras expects of the function (the logs; for "predict",
+                the batches' outputs).
 
         Raises:
             ValueError: If `kind` is not one of the three (`check_step_kind`).

@@ -4,15 +4,18 @@ Every OOM costs about ten seconds (TensorFlow's allocator waits for memory
 before it gives up), so the planner avoids them rather than searching by
 trial:
 
-1. **Estimate.** Where the backend reports memory statistics, the first two
-   pieces of a new input signature run as small probes (16 and 64 samples,
-   real work whose results are kept) whose peak memory gives the bytes per
-   sample (the larger of the slope between them and the larger probe's
-   average: memory per sample is not linear at small sizes). Where the allocator's limit is known (the capped CPU
+1. **Estimate.** Where the allocator's limit is known (the capped CPU
    allocator, a GPU logical-device limit, NVML, an address-space limit on
-   torch's CPU), the batch is chosen so that
-   the estimated peak stays within `MARGIN` of the free memory, before any
-   large batch is tried, and growth never goes above that estimate.
+   torch's CPU) and a piece of the requested size may come near the free
+   memory (`NEAR`), the first two pieces of a new input signature run as
+   small probes (16 and 64 samples, real work whose results are kept) whose
+   peak memory gives the bytes per sample (the larger of the slope between
+   them and the larger probe's average: memory per sample is not linear at
+   small sizes); the batch is then chosen so that the estimated peak stays
+   within `MARGIN` of the free memory, before any large batch is tried, and
+   growth never goes above that estimate. Elsewhere the pieces are the
+   requested ones, as Keras runs them, until an OOM: where memory
+   statistics exist, the pieces after that first OOM are the probes.
 2. **Shrink on OOM.** A batch that fails is retried smaller: half its size,
    or less where the estimate (with the peak memory observed so far as a
    lower bound on the limit) says so, and the estimate is corrected so that
@@ -87,6 +90,11 @@ GROW_AFTER = 8
 MARGIN = 0.6  # share of free memory a batch may use: allocator fragmentation
 # makes peak memory grow faster than linearly near the limit (measured on the
 # capped BFC allocator: 512 samples fitted in 140 MiB, 560 failed under 200 MiB).
+# A requested piece is near the free memory (and probed first) unless the
+# analytic estimate (`memory_report`'s) of its need is below 1/NEAR of it:
+# that estimate was 0.5-8x the measured peak on TensorFlow's CPU (8x: a
+# Transformer's attention scores), and one it missed by more costs one OOM.
+NEAR = 16
 
 
 class BatchPlanner:
@@ -100,9 +108,10 @@ class BatchPlanner:
             pieces are then bounded by the incoming batches).
         events: Optional list that receives an `Event` per adaptation.
         probe: "first" to probe before the first large batch of a new
-            signature (inference: the probes are ordinary work), or "after_oom"
-            to try the full batch first and probe only the pieces that follow
-            an OOM (training, where a split has a cost even when it fits).
+            signature where the limit is known and the batch near it
+            (inference: the probes are ordinary work), or "after_oom" to try
+            the full batch first and probe only the pieces that follow an
+            OOM (training, where a split has a cost even when it fits).
     """
 
     def __init__(
@@ -152,17 +161,13 @@ class BatchPlanner:
             # An earlier call already found the boundary: stay below it.
             k.growth_frozen = True
         fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
-        big = requested is None or requested >= MIN_PROBE_REQUEST
         # Steps compiled per shape (XLA) never probe: each probe size would
         # compile the step again; the analytic estimate stands in for them.
-        self._probe_after_oom = probe == "after_oom" and fresh and self._stats_ok and not self._xla
-        if self.stateful:
-            self._size = self.requested_or_inf()
-        elif fresh and big and self._stats_ok and probe == "first" and not self._xla:
-            self._probes = list(PROBE_SIZES)
-            self._size = self._probes[0]
-        else:
-            self._size = self._initial_size()
+        self._probe_after_oom = fresh and self._stats_ok and not self._xla and not self.stateful
+        # Probing first is decided on the first piece's rows (`_near`).
+        self._probe_first = self._probe_after_oom and probe == "first" and self._exact_limit()
+        self._analytic = analytic_estimate(model, phase) if self._probe_first else None
+        self._size = self._initial_size()
 
     @property
     def device(self) -> str:
@@ -185,12 +190,31 @@ class BatchPlanner:
                 and one remainder, and a later chunk of as many rows, or a later
                 call, reuses those shapes (the requested size is Keras's batches).
         """
+        if self._probe_first:
+            self._probe_first = False
+            if self._near(min(rows or math.inf, self.requested_or_inf())):
+                self._probes = list(PROBE_SIZES)
+                self._probe_after_oom = False
         if (self._even and self._size < (rows or 0) and not self._probes
                 and self._size < self.requested_or_inf()):
             self._even = False
             self._size = max(self._granular(even_size(rows, self._size)), 1)
         size = self._probes[0] if self._probes else self._size
         return size if self._multiple == 1 else self._granular(size)
+
+    def _near(self, rows: float) -> bool:
+        """Whether a piece of `rows` rows may need more than 1/`NEAR` of the free memory.
+
+        Unknown (no analytic estimate, an unbounded request) counts as near;
+        fewer than `MIN_PROBE_REQUEST` rows are never probed.
+        """
+        if rows < MIN_PROBE_REQUEST:
+            return False
+        free = self._memory.free()
+        if self._analytic is None or free is None or math.isinf(rows):
+            return True
+        per_sample, fixed = self._analytic
+        return (fixed + rows * per_sample) * NEAR > free
 
     def _granular(self, size: float) -> float:
         """`size` down to a multiple of the backend's `piece_multiple`, if it is above one.
@@ -206,7 +230,8 @@ class BatchPlanner:
 
     def _initial_size(self) -> float:
         cap = self.ceiling()
-        if self._exact_limit() and not math.isinf(cap) and cap < self.requested_or_inf():
+        if (self._exact_limit() and self._k.bytes_per_sample and not math.isinf(cap)
+                and cap < self.requested_or_inf()):
             self._record("estimate", self.requested, int(cap), self._estimate_reason())
         return cap
 
@@ -404,7 +429,7 @@ class BatchPlanner:
         self._calibrate(size, limit)
         k.xla_cap = None  # estimated again from the corrected estimate
         self._even = self._xla
-        if self._probe_after_oom and not k.bytes_per_sample and size > PROBE_SIZES[-1]:
+        if self._probe_after_oom and not k.bytes_per_sample and size >= MIN_PROBE_REQUEST:
             # Measure on the pieces that follow, then size the rest from that.
             self._probe_after_oom = False
             self._probes = list(PROBE_SIZES)
@@ -451,7 +476,8 @@ class BatchPlanner:
             return
         self._probes = []
         self._fit_probes()
-        self._size = self._initial_size()
+        # After an OOM where the limit is unknown: within MARGIN of what it proved.
+        self._size = min(self._initial_size(), self._learned_estimate(MARGIN) or math.inf)
 
     def _fit_probes(self) -> None:
         k = self._k

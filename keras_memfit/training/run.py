@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Tuple
 
 import keras
 
@@ -179,22 +179,24 @@ class Run:
         self.epoch_split = 1
         self.epoch_remat = 0
 
+    def _cut(self, batch: Any) -> Optional[Cut]:
+        """A Keras batch as the layout cuts it, or None when it cannot be split
+        (a stateful model's batches never are)."""
+        return None if self.stateful else self.layout.cut(batch)
+
     def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
         """Each Keras batch as the layout cuts it, or None when one cannot be split."""
-        if self.stateful:
-            return None
-        cuts = [self.layout.cut(batch) for batch in batches]
+        cuts = [self._cut(batch) for batch in batches]
         return None if None in cuts else cuts
 
     # ---------------------------------------------------------------- train
-    def train(self, batches: List[Any]) -> Any:
-        """Train on each Keras batch; returns the last one's logs."""
-        cuts = self._cuts(batches)
-        if cuts is None:
-            return self.keras_call("train", batches)
+    def train(self, batches: Iterable[Any]) -> Any:
+        """Train on each Keras batch, one at a time; returns the last one's logs."""
         logs = None
-        for cut in cuts:
-            logs = self._train_batch(cut)
+        for batch in batches:
+            cut = self._cut(batch)
+            logs = self.keras_call("train", [batch]) if cut is None else self._train_batch(cut)
+            del batch, cut  # not held while the next batch is pulled
         return logs
 
     def _train_batch(self, cut: Cut) -> Any:
@@ -388,33 +390,37 @@ class Run:
         )
 
     # ------------------------------------------------------------- evaluate
-    def test(self, batches: List[Any]) -> Any:
-        """Evaluate each Keras batch; returns the last one's logs."""
-        cuts = self._cuts(batches)
-        if cuts is None:
-            return self.keras_call("test", batches)
+    def test(self, batches: Iterable[Any]) -> Any:
+        """Evaluate each Keras batch, one at a time; returns the last one's logs."""
         logs: Any = {}
-        for cut in cuts:
-            if self._test_parts is None:
-                self._test_parts = self.layout.test_parts(self.model, cut)
-            step, guard, split = self._test_parts
-            run = self._test_runner(step, split, cut)
-            planner = self._planner("evaluate", cut)
-            count = 0
-            try:
-                for piece in run_in_pieces(
-                    self.model, "evaluate", [cut.chunk], run,
-                    requested=None, guard=guard, planner=planner,
-                ):
-                    split.finished(piece)  # a split batch counts once for per-output losses
-                    logs = piece.result
-                    count += 1
-                planner.finish_batch()
-                self._note_pieces("evaluate", count, cut.rows)
-                if count > 1:
-                    self._split_warnings.split(cut.x)
-            finally:
-                self._note_events(cut.slots)
+        for batch in batches:
+            cut = self._cut(batch)
+            logs = self.keras_call("test", [batch]) if cut is None else self._test_batch(cut, logs)
+            del batch, cut  # not held while the next batch is pulled
+        return logs
+
+    def _test_batch(self, cut: Cut, logs: Any) -> Any:
+        """Evaluate one Keras batch in pieces; the last piece's logs (else `logs`)."""
+        if self._test_parts is None:
+            self._test_parts = self.layout.test_parts(self.model, cut)
+        step, guard, split = self._test_parts
+        run = self._test_runner(step, split, cut)
+        planner = self._planner("evaluate", cut)
+        count = 0
+        try:
+            for piece in run_in_pieces(
+                self.model, "evaluate", [cut.chunk], run,
+                requested=None, guard=guard, planner=planner,
+            ):
+                split.finished(piece)  # a split batch counts once for its losses
+                logs = piece.result
+                count += 1
+            planner.finish_batch()
+            self._note_pieces("evaluate", count, cut.rows)
+            if count > 1:
+                self._split_warnings.split(cut.x)
+        finally:
+            self._note_events(cut.slots)
         return logs
 
     def _test_runner(
@@ -435,12 +441,13 @@ class Run:
         return split.step(run, make_exact)
 
     # -------------------------------------------------------------- predict
-    def predict(self, batches: List[Any]) -> Any:
+    def predict(self, batches: Iterable[Any]) -> Any:
         """Predict each Keras batch; returns the outputs, in the input's order.
 
         A batch run whole gives the step's own tensors, as Keras's
         `predict_function` does; pieces are gathered on the host.
         """
+        batches = list(batches)
         cuts = self._cuts(batches)
         if cuts is None:
             return self.keras_call("predict", batches)

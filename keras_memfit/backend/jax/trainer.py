@@ -10,8 +10,8 @@ expects `(result, state)` back, and writes the last state into the variables
 at the end of the epoch (`jax_state_sync`).
 
 `step_function` builds a replacement around a backend-neutral
-`run_batches(list_of_batches)`: it pulls up to `steps_per_execution`
-batches and runs them with keras_memfit's steps working on `state` itself,
+`run_batches(batches)`: it pulls up to `steps_per_execution`
+batches, one at a time, and runs them with keras_memfit's steps working on `state` itself,
 as Keras's own steps do (`state.threaded`: the variables are not touched on
 the way), and returns the result with the new state. What can run out of
 memory in them donates nothing of the state it starts from (see `training`),
@@ -26,7 +26,7 @@ others (`processes.post_failure`) before the error propagates.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterable, Iterator, List
 
 import keras
 
@@ -64,10 +64,11 @@ def _publish(model: keras.Model, kind: str, state: tuple) -> None:
 def step_function(
     model: keras.Model,
     kind: str,
-    run_batches: Callable[[List[Any]], Any],
+    run_batches: Callable[[Iterable[Any]], Any],
 ) -> Callable[[Any, Any], Any]:
     """`function(state, iterator) -> (result, state)`, pulling up to
-    `model.steps_per_execution` batches (StopIteration when none is left)."""
+    `model.steps_per_execution` batches, one at a time (StopIteration when none
+    is left)."""
     check_step_kind(kind)
     model_ref = weakref.ref(model)
     groups = _state.GROUPS[kind]
@@ -82,10 +83,10 @@ def step_function(
             )
         with _state.threaded(model, kind, state) as call:
             try:
-                batches = _batches.next_batches(
+                batches = _batches.pull_batches(
                     iterator, model.steps_per_execution, is_end_of_data)
                 if several:  # each process runs its own rows (see `processes`)
-                    batches = [_processes.local_rows(batch) for batch in batches]
+                    batches = (_processes.local_rows(batch) for batch in batches)
                 result = run_batches(batches)
             except Exception as exc:
                 if several and not is_end_of_data(exc):

@@ -109,18 +109,36 @@ def traced_as_keras(step: Callable) -> Callable:
     return relaxed_step
 
 
-def trace_as_keras(step: Callable, data: Any) -> None:
-    """Trace compiled `step` on `data` with an unknown batch dimension, as Keras traces its own.
+def trace_as_keras(step: Callable, data: Any, spec: Any = None) -> None:
+    """Trace compiled `step` for `data` as Keras traces its own.
 
-    Keras traces its step functions on its dataset's element spec, whose
-    batch dimension is unknown; a later call on any batch size then runs
-    that trace. What reads the static batch size while tracing (the
-    per-output loss trackers of a multi-output model) sees None, as in
-    Keras. The first trace also builds what the step builds (layers, the
-    optimizer, metrics). Nothing for a step run eagerly.
+    Keras traces its step functions on its dataset's element spec: `spec`
+    where given and `data` fits it (static shapes trace another graph, which
+    can round differently), else `data` with an unknown batch dimension, as
+    most datasets give it; a later call on any batch size then runs that
+    trace. What reads the static batch size while tracing (the per-output
+    loss trackers of a multi-output model) sees what it sees in Keras. The
+    first trace also builds what the step builds (layers, the optimizer,
+    metrics). Nothing for a step run eagerly.
     """
     if isinstance(step, tf.types.experimental.PolymorphicFunction):
-        step.get_concrete_function(relaxed_spec(data))
+        step.get_concrete_function(spec if _fits(data, spec) else relaxed_spec(data))
+
+
+def _fits(data: Any, spec: Any) -> bool:
+    """Whether `data` (a structure of values) fits the type spec structure `spec`."""
+    if spec is None:
+        return False
+    try:
+        tf.nest.assert_same_structure(data, spec)
+    except (ValueError, TypeError):
+        return False
+    for value, leaf in zip(tf.nest.flatten(data), tf.nest.flatten(spec)):
+        if (value is None) != (leaf is None):
+            return False
+        if value is not None and not leaf.is_compatible_with(value):
+            return False
+    return True
 
 
 def relaxed_spec(value: Any) -> Any:

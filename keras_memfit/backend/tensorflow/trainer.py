@@ -4,7 +4,7 @@ Keras's TensorFlow trainer calls `model.train_function(iterator)` and
 `model.test_function(iterator)`, each pulling up to `steps_per_execution`
 batches itself, and `model.predict_function(batches)` with the batches it
 already pulled. `step_function` builds a replacement with that convention
-around a backend-neutral `run_batches(list_of_batches)`; the end of an
+around a backend-neutral `run_batches(batches)`; the end of an
 epoch's data shows as `StopIteration` or `tf.errors.OutOfRangeError`
 (`is_end_of_data`).
 
@@ -18,7 +18,7 @@ steps on Keras's state tuple and returns `(logs, state)` (see
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
@@ -31,11 +31,11 @@ from keras_memfit.backend.base import check_step_kind
 def step_function(
     model: keras.Model,
     kind: str,
-    run_batches: Callable[[List[Any]], Any],
+    run_batches: Callable[[Iterable[Any]], Any],
 ) -> Callable[[Any], Any]:
     """`function(iterator)` for "train" and "test" (pulls up to
-    `model.steps_per_execution` batches, raising `StopIteration` or
-    `OutOfRangeError` when none is left), `function(batches)` for "predict"."""
+    `model.steps_per_execution` batches, one at a time, raising `StopIteration`
+    or `OutOfRangeError` when none is left), `function(batches)` for "predict"."""
     check_step_kind(kind)
     if kind == "predict":
 
@@ -46,10 +46,22 @@ def step_function(
     model_ref = weakref.ref(model)
 
     def function(iterator):
-        steps = model_ref().steps_per_execution
-        return run_batches(_batches.next_batches(iterator, steps, is_end_of_data))
+        model = model_ref()
+        if kind == "train":
+            _KERAS_SPECS[model] = getattr(iterator, "element_spec", None)
+        return run_batches(
+            _batches.pull_batches(iterator, model.steps_per_execution, is_end_of_data))
 
     return function
+
+
+# model -> the element spec of the data iterator Keras last handed its train function.
+_KERAS_SPECS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def keras_batch_spec(model: keras.Model) -> Optional[Any]:
+    """The spec Keras traces `model`'s train step on (its data's element spec), or None."""
+    return _KERAS_SPECS.get(model)
 
 
 def _as_tf_sparse(value: Any) -> Any:

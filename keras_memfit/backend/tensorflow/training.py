@@ -40,6 +40,7 @@ from keras_memfit.backend.tensorflow.default_step import (
 )
 from keras_memfit.backend.tensorflow.holds import XlaHolds
 from keras_memfit.backend.tensorflow.steps import _compile, trace_as_keras
+from keras_memfit.backend.tensorflow.trainer import keras_batch_spec
 
 logger = logging.getLogger("keras_memfit")
 
@@ -142,6 +143,7 @@ class TrainStep:
         )
         self.split = self._holds.active
         self._split_steps: Optional[Tuple[Callable, Callable]] = None  # made on first use
+        self._traced: Dict[int, Any] = {}  # id(step) -> the Keras batch spec it was traced for
 
     def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
         """Choose the order of each call from `peak_at(rows)`: the estimated peak, or None."""
@@ -171,7 +173,7 @@ class TrainStep:
                 self._model(), self.update_began, self.generation,
                 list(zip(self._shadows, self._guarded)), strict,
             )
-            trace_as_keras(step, data)
+        self._trace(step, data)
         signature, held = self._holds.hold((strict, data))
         try:
             logs = step(data)
@@ -192,7 +194,7 @@ class TrainStep:
         if self._split_steps is None:
             self._split_steps = _make_split_steps(
                 self._model(), self.generation, list(zip(self._shadows, self._guarded)))
-            trace_as_keras(self._split_steps[0], data)
+        self._trace(self._split_steps[0], data)
         gradient_step, update_step = self._split_steps
         _, held = self._holds.hold(data)
         try:
@@ -212,6 +214,13 @@ class TrainStep:
             self.last_outcome = StepOutcome.UPDATE_BEGAN  # its donated buffers may be gone
             raise
         return logs
+
+    def _trace(self, step: Callable, data: Any) -> None:
+        """`trace_as_keras` on Keras's current batch spec, once per step and spec."""
+        spec = keras_batch_spec(self._model())
+        if id(step) not in self._traced or self._traced[id(step)] is not spec:
+            trace_as_keras(step, data, spec)
+            self._traced[id(step)] = spec
 
     def _settle(self) -> StepOutcome:
         generation = int(self.generation.numpy())
@@ -332,7 +341,7 @@ class CustomTrainStep:
             return model_ref().train_step(data)
 
         self._step = _compile(model, train_step)
-        trace_as_keras(self._step, data)
+        trace_as_keras(self._step, data, keras_batch_spec(model))
         self._holds = XlaHolds(
             model, small=lambda: train_state_variables(model_ref()),
             large=lambda: _updated_by_a_step(model_ref()),

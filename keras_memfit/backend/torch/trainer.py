@@ -12,7 +12,7 @@ logs (`{'loss': 0-d tensor, ...}`) or the outputs (torch tensors).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterable, Iterator, List
 
 import keras
 
@@ -22,7 +22,7 @@ from keras_memfit.backend.base import check_step_kind
 def step_function(
     model: keras.Model,
     kind: str,
-    run_batches: Callable[[List[Any]], Any],
+    run_batches: Callable[[Iterable[Any]], Any],
 ) -> Callable[[Any], Any]:
     """`function(data)`, `data` the list of batches Keras pulled."""
     check_step_kind(kind)
