@@ -256,7 +256,7 @@ def _timed_layers(totals: Dict[str, float]) -> Iterator[None]:
         (callbacks.MemFit, "_build",
          lambda self, *args: timed("installed", build(self, *args))),
         (run.Run, "train", timed("run", run.Run.train)),
-        (batches, "next_batches", timed("next", batches.next_batches)),
+        (batches, "pull_batches", timed("next", batches.pull_batches)),
         (training.TrainStep, "__call__", timed("step", lambda self, data: logs)),
     ]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
