@@ -133,6 +133,67 @@ def conv_stack(size: int, channels: int, depth: int, optimizer: str = "adam") ->
     return model
 
 
+def _compiled(inputs, x, optimizer: str) -> keras.Model:
+    """`x` (pixels) averaged to 10 logits: the model from `inputs`, compiled."""
+    x = layers.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inputs, layers.Dense(10, name="logits")(x))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _conv_norm_relu(x, channels: int, name: str):
+    x = layers.Conv2D(channels, 3, padding="same", use_bias=False, name=f"{name}_conv")(x)
+    return layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_norm")(x))
+
+
+def vgg_chain(size: int, channels: int = 8, per_stage: int = 3,
+              optimizer: str = "adam") -> keras.Model:
+    """A functional VGG-style chain: 3 stages of `per_stage` Conv2D-BatchNormalization-ReLU
+    blocks (`channels`, twice, four times) and a max pooling, then Dropout."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((size, size, 3))
+    x = inputs
+    for stage in range(3):
+        for i in range(per_stage):
+            x = _conv_norm_relu(x, channels * 2 ** stage, f"block{stage + 1}_{i + 1}")
+        x = layers.MaxPooling2D(name=f"block{stage + 1}_pool")(x)
+    return _compiled(inputs, layers.Dropout(0.2, name="dropout")(x), optimizer)
+
+
+def unet(size: int, channels: int = 8, per_level: int = 2, optimizer: str = "adam") -> keras.Model:
+    """A functional U-Net of 3 levels: `per_level` Conv2D-BatchNormalization-ReLU blocks
+    each, max pooling down, upsampling up, the skips concatenated; Dropout at the bottom."""
+    keras.utils.set_random_seed(1)
+
+    def level(x, width, name):
+        for i in range(per_level):
+            x = _conv_norm_relu(x, width, f"{name}{i}")
+        return x
+
+    inputs = keras.Input((size, size, 3))
+    skip1 = level(inputs, channels, "down1_")
+    skip2 = level(layers.MaxPooling2D(name="pool1")(skip1), 2 * channels, "down2_")
+    x = level(layers.MaxPooling2D(name="pool2")(skip2), 4 * channels, "bottom")
+    x = layers.Dropout(0.2, name="dropout")(x)
+    x = layers.Concatenate(name="cat2")([layers.UpSampling2D(name="up2")(x), skip2])
+    x = level(x, 2 * channels, "up2_")
+    x = layers.Concatenate(name="cat1")([layers.UpSampling2D(name="up1")(x), skip1])
+    return _compiled(inputs, level(x, channels, "up1_"), optimizer)
+
+
+def mobilenet(size: int, optimizer: str = "adam") -> keras.Model:
+    """keras.applications' MobileNetV2 (alpha 0.35, no weights) for 10 classes."""
+    keras.utils.set_random_seed(1)
+    model = keras.applications.MobileNetV2(input_shape=(size, size, 3), alpha=0.35,
+                                           weights=None, classes=10, classifier_activation=None)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
 def _images(rows: int, size: int):
     rng = np.random.default_rng(0)
     return rng.normal(size=(rows, size, size, 3)).astype("float32"), np.arange(rows) % 10
@@ -145,7 +206,7 @@ def _data(rows: int, length: int):
 
 def _fit(model, callbacks, batch_size, epochs=2, length=16):
     """Fit 8 rows: images for a conv stack, else sequences of `length` tokens."""
-    if isinstance(model, keras.Sequential):
+    if len(model.input_shape) == 4:
         x, y = _images(8, model.input_shape[1])
     else:
         x, y = _data(8, length)
@@ -201,6 +262,94 @@ def test_every_run_of_a_sequential_recomputed_trains_as_plain_fit(checkpoints, m
     assert "call" not in vars(model), "the Sequential's call not put back"
 
 
+@pytest.mark.parametrize("make", [vgg_chain, unet], ids=["vgg-chain", "unet"])
+def test_functional_conv_model_with_every_segment_recomputed_trains_as_plain_fit(
+        make, checkpoints, monkeypatch):
+    reference = _fit(make(16, optimizer="sgd"), [], batch_size=4)
+    model = make(16, optimizer="sgd")
+    monkeypatch.setattr(Rematerialization, "_chosen", lambda self, signature: self._candidates())
+    got = _fit(model, [MemFit()], batch_size=4)
+    segments = len(blocks(model)[0])
+    assert segments > 1 and checkpoints and len(checkpoints) % segments == 0
+    _assert_trained_alike(got, reference)
+    assert "call" not in vars(model), "the model's call not put back"
+
+
+def _nested_model(optimizer: str = "sgd") -> keras.Model:
+    """Tokens -> a nested functional backbone (embedding, 2 transformer blocks named
+    decoder_block_i) -> logits."""
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((16,), dtype="int32")
+    x = layers.Embedding(50, 16, name="token_embedding")(tokens)
+    for i in range(2):
+        x = Block(16, name=f"decoder_block_{i}")(x)
+    backbone = keras.Model(tokens, x, name="backbone")
+    inputs = keras.Input((16,), dtype="int32")
+    model = keras.Model(inputs, layers.Dense(50, name="logits")(backbone(inputs)))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_layers_inside_a_nested_model_are_found_and_can_be_named(checkpoints):
+    from keras_memfit import memory_report
+
+    model = _nested_model()
+    found, _ = blocks(model)
+    assert sorted(b.layers[0].name for b in found) == ["decoder_block_0", "decoder_block_1"]
+    report = memory_report(model, batch_size=2)
+    frees = {row.name: (row.remat_bytes, row.remat_layers) for row in report.rows}
+    assert frees["backbone"] == (2 * sum(b.saving for b in found), 2)  # shown on its row
+    reference = _fit(_nested_model(), [], batch_size=4)
+    got = _fit(_nested_model(), [MemFit(remat=["decoder_block_1"])], batch_size=4)
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
+def test_sequential_of_nested_inputs_recomputes_its_blocks(checkpoints):
+    """A Sequential whose first layer takes two inputs has no graph to cut; its
+    blocks are recomputed as layers are (it raised AttributeError once chosen)."""
+
+    class Sum(layers.Layer):
+        def call(self, inputs):
+            return inputs[0] + inputs[1]
+
+    def make():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([Sum(), Block(16, name="block0"), layers.Dense(50)])
+        model([np.zeros((1, 16, 16), "float32")] * 2)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def fit(model, callbacks):
+        x = np.random.default_rng(0).normal(size=(8, 16, 16)).astype("float32")
+        keras.utils.set_random_seed(7)
+        history = model.fit([x, x], np.arange(8 * 16).reshape(8, 16) % 50, batch_size=4,
+                            epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return [keras.ops.convert_to_numpy(v) for v in model.variables], history.history
+
+    assert [b.layers[0].name for b in blocks(make())[0]] == ["block0"]
+    reference = fit(make(), [])
+    got = fit(make(), [MemFit(remat=["block0"])])
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
+@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0", "VGG16"])
+def test_keras_applications_backbones_are_cut_into_segments(name):
+    keras.utils.set_random_seed(1)
+    model = getattr(keras.applications, name)(weights=None, include_top=False,
+                                              input_shape=(32, 32, 3))
+    found, _ = blocks(model)
+    assert len(found) > 1
+    spans = sorted(b.span for b in found)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # in order, apart
+    inside = [id(layer) for block in found for layer in block.layers]
+    assert len(set(inside)) == len(inside) and set(inside) <= {id(l) for l in model.layers}
+    assert all(block.saving > 0 for block in found)
+
+
 def test_subclassed_model_trains_as_plain_fit_with_its_blocks_recomputed(checkpoints):
     reference = _fit(decoder(16, 16, 2), [], batch_size=4)
     got = _fit(decoder(16, 16, 2), [MemFit(remat=["block0", "block1"])], batch_size=4)
@@ -238,14 +387,18 @@ def test_blocks_rank_the_transformer_blocks_first():
     assert found[0].flops == by_hand
 
 
-def test_blocks_cut_a_sequential_into_runs_of_about_sqrt_n():
-    model = conv_stack(16, 8, 9)  # 13 layers: runs of 4
+def test_blocks_cut_a_sequential_where_every_segment_recomputed_holds_least():
+    model = conv_stack(16, 8, 9)  # 13 layers; 16 x 16 x 8 floats (u) out of each conv and norm
     found, _ = blocks(model)
-    runs = sorted([layer.name for layer in block.layers] for block in found)
-    assert runs == [[f"conv{i}" for i in range(4)], [f"conv{i}" for i in range(4, 8)],
-                    ["conv8", "norm", "dropout", "pool"]]  # logits alone frees nothing
-    # A run frees its outputs but the last: 3 conv outputs of 16 x 16 x 8 floats.
-    assert [b.saving for b in found][:2] == [3 * 16 * 16 * 8 * 4] * 2
+    segments = sorted([layer.name for layer in block.layers] for block in found)
+    # By hand, every segment recomputed: the backward pass of a segment holds what
+    # the segments before it keep (one u each) and what it makes inside again;
+    # the largest of these is 4u at the least (11 u out of 13 layers), and later
+    # segments are shorter, since more is kept before them. Logits alone frees nothing.
+    assert segments == [[f"conv{i}" for i in range(4)], ["conv4", "conv5", "conv6"],
+                        ["conv7", "conv8"], ["norm", "dropout", "pool"]]
+    u = 16 * 16 * 8 * 4
+    assert sorted(b.saving for b in found) == [u, u, 2 * u, 3 * u]
 
 
 def test_memory_report_shows_what_recomputing_frees():
@@ -256,12 +409,14 @@ def test_memory_report_shows_what_recomputing_frees():
     assert frees["block0"] > 0 and frees["block0"] == frees["block1"]
     assert frees["embedding"] == 0 and frees["logits"] == 0  # nothing inside to recompute
     assert "Remat frees" in str(report)
-    # A Sequential: on each run's first layer, the outputs inside the run (3
-    # conv outputs of 16 x 16 x 8 floats, 4 samples).
-    frees = {row.name: row.remat_bytes for row in memory_report(
-        conv_stack(16, 8, 9), batch_size=4).rows}
-    assert frees["conv0"] == frees["conv4"] == 4 * 3 * 16 * 16 * 8 * 4
-    assert frees["conv1"] == frees["logits"] == 0
+    # A Sequential: on each segment's first layer, the outputs inside it (conv0 to
+    # conv3: 3 conv outputs of 16 x 16 x 8 floats, 4 samples), and its layers.
+    report = memory_report(conv_stack(16, 8, 9), batch_size=4)
+    frees = {row.name: (row.remat_bytes, row.remat_layers) for row in report.rows}
+    u = 4 * 16 * 16 * 8 * 4
+    assert frees["conv0"] == (3 * u, 4) and frees["conv4"] == (2 * u, 3)
+    assert frees["conv1"] == frees["logits"] == (0, 0)
+    assert "(4 layers)" in str(report)
 
 
 def test_escalation_doubles_until_every_block():
@@ -285,6 +440,29 @@ def test_unknown_layer_name_is_named():
     model = transformer(16, 16, 1)
     with pytest.raises(ValueError, match="nope"):
         _fit(model, [MemFit(remat=["nope"])], batch_size=4, epochs=1)
+
+
+@pytest.mark.memory_cap(64)
+def test_one_layer_whose_backward_pass_does_not_fit_is_named_without_recomputing():
+    """A 3x3 Conv2D(32) on a 32-channel 256 x 256 image: its gradients on
+    TensorFlow's CPU kernels need its column matrix (72 MiB) beyond its tensors
+    (32 MiB with their gradients), more than the 64 MiB cap holds; no
+    recomputation of other layers can help, and MemFit says so at once."""
+    from keras_memfit import OutOfMemoryError
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((256, 256, 3))
+    x = layers.Conv2D(32, 3, padding="same", name="conv0")(inputs)
+    x = layers.Conv2D(32, 3, padding="same", name="conv1")(x)
+    model = _compiled(inputs, x, "sgd")
+    x, y = _images(1, 256)
+    memfit = MemFit()
+    with pytest.raises(OutOfMemoryError) as caught:
+        model.fit(x, y, batch_size=1, verbose=0, callbacks=[memfit])
+    err = caught.value
+    assert err.cause == "one_layer" and err.layer == "conv1", str(err)
+    assert "column matrix of 72.0 MiB" in str(err) and "MiB free on CPU:0" in str(err), str(err)
+    assert not [e for e in memfit.events if e["kind"] == "remat"], memfit.events
 
 
 # ------------------------------------------------------------- real OOMs
