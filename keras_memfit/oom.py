@@ -365,8 +365,8 @@ class _OutOfMemoryErrorBody:
             return ("What to do next: give that layer less to hold: a smaller input (image "
                     "or sequence), fewer channels, or a stride or pooling before it; use "
                     "mixed precision (keras.mixed_precision.set_global_policy('mixed_float16'))"
-                    f"; {place}free other models or tensors held on the device; or train on a "
-                    "device with more memory.")
+                    "; free other models or tensors held on the device; or train on a device "
+                    "with more memory.")
         if self.cause == ACCUMULATE:
             return ("What to do next: train with MemFit(mode='shrink'), which runs such a "
                     "batch as smaller batches, one optimizer update each, without these sums; "

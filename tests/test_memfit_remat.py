@@ -8,12 +8,13 @@ draw the forward pass's dropout masks and update the moving statistics
 once: recomputing a block without passing its seed state in gives weights
 about 1e-2 away, which these tests catch). Under a real limit (TensorFlow's
 capped allocator; an address-space limit on JAX and torch), one sample of a
-transformer (functional, or subclassed) or of a Sequential conv stack does
-not fit, `MemFit()` recomputes blocks until it does, and trains as the
-plain `fit` without the limit.
+transformer (functional, or subclassed), of a Sequential conv stack, of a
+functional VGG-style chain or U-Net (TensorFlow) does not fit, `MemFit()`
+recomputes blocks until it does, and trains as the plain `fit` without the
+limit.
 
 Run directly, this file is the training script of the real-OOM test:
-`python tests/test_memfit_remat.py {auto,plain} {transformer,subclassed,conv} OUT`.
+`python tests/test_memfit_remat.py {auto,plain} {transformer,subclassed,conv,chain,unet} OUT`.
 """
 
 from __future__ import annotations
@@ -148,14 +149,15 @@ def _conv_norm_relu(x, channels: int, name: str):
     return layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_norm")(x))
 
 
-def vgg_chain(size: int, channels: int = 8, per_stage: int = 3,
+def vgg_chain(size: int, channels: int = 8, per_stage: int = 3, stages: int = 3,
               optimizer: str = "adam") -> keras.Model:
-    """A functional VGG-style chain: 3 stages of `per_stage` Conv2D-BatchNormalization-ReLU
-    blocks (`channels`, twice, four times) and a max pooling, then Dropout."""
+    """A functional VGG-style chain: `stages` stages of `per_stage`
+    Conv2D-BatchNormalization-ReLU blocks (`channels`, twice, four times, ...)
+    and a max pooling, then Dropout."""
     keras.utils.set_random_seed(1)
     inputs = keras.Input((size, size, 3))
     x = inputs
-    for stage in range(3):
+    for stage in range(stages):
         for i in range(per_stage):
             x = _conv_norm_relu(x, channels * 2 ** stage, f"block{stage + 1}_{i + 1}")
         x = layers.MaxPooling2D(name=f"block{stage + 1}_pool")(x)
@@ -206,8 +208,9 @@ def _data(rows: int, length: int):
 
 def _fit(model, callbacks, batch_size, epochs=2, length=16):
     """Fit 8 rows: images for a conv stack, else sequences of `length` tokens."""
-    if len(model.input_shape) == 4:
-        x, y = _images(8, model.input_shape[1])
+    shape = getattr(model, "input_shape", None)  # none on a subclassed model
+    if shape is not None and len(shape) == 4:
+        x, y = _images(8, shape[1])
     else:
         x, y = _data(8, length)
     keras.utils.set_random_seed(7)
@@ -350,6 +353,51 @@ def test_keras_applications_backbones_are_cut_into_segments(name):
     assert all(block.saving > 0 for block in found)
 
 
+def test_a_recomputed_segment_copies_only_the_state_it_assigns(checkpoints, monkeypatch):
+    """A segment holding a LoRA layer (its kernel frozen: non-trainable, never
+    assigned), Dropout and BatchNormalization: their seed and statistics are
+    copied (torch assigns in place; the recomputation reads the start), the
+    frozen kernel never, and the model trains as plain `fit`."""
+
+    def make():
+        keras.utils.set_random_seed(1)
+        tokens = keras.Input((16,), dtype="int32")
+        x = layers.Embedding(50, 16, name="embedding")(tokens)
+        adapted = layers.Dense(24, name="adapted")
+        x = layers.BatchNormalization(name="norm")(layers.Dropout(0.2)(adapted(x)))
+        x = layers.Dense(16, activation="relu", name="hidden")(x)
+        model = keras.Model(tokens, layers.Dense(50, name="logits")(x))
+        adapted.enable_lora(2)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = _fit(make(), [], batch_size=4)
+    copied = []
+    copy = keras.ops.copy
+    monkeypatch.setattr(keras.ops, "copy", lambda x: copied.append(tuple(x.shape)) or copy(x))
+    monkeypatch.setattr(Rematerialization, "_chosen", lambda self, signature: self._candidates())
+    model = make()
+    got = _fit(model, [MemFit()], batch_size=4)
+    assert "adapted" in [layer.name for block in blocks(model)[0] for layer in block.layers]
+    assert checkpoints and copied and (16, 24) not in copied, copied  # seeds, statistics only
+    _assert_trained_alike(got, reference)
+
+
+def test_named_consecutive_layers_of_a_graph_are_recomputed_as_one_segment(checkpoints):
+    names = ["block1_1_conv", "block1_1_norm", "block1_1_relu", "block1_2_conv"]
+    model = vgg_chain(16, optimizer="sgd")
+    remat = Rematerialization(model, names)
+    assert remat.apply("signature") == tuple(names)
+    # The model runs its graph as parts, one of them recomputed; no layer is wrapped alone.
+    assert "call" in vars(model) and all("call" not in vars(layer) for layer in model.layers)
+    remat.release()
+    reference = _fit(vgg_chain(16, optimizer="sgd"), [], batch_size=4)
+    got = _fit(vgg_chain(16, optimizer="sgd"), [MemFit(remat=names)], batch_size=4)
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
 def test_subclassed_model_trains_as_plain_fit_with_its_blocks_recomputed(checkpoints):
     reference = _fit(decoder(16, 16, 2), [], batch_size=4)
     got = _fit(decoder(16, 16, 2), [MemFit(remat=["block0", "block1"])], batch_size=4)
@@ -484,16 +532,25 @@ def test_one_layer_whose_backward_pass_does_not_fit_is_named_without_recomputing
 # subclassed transformer fits plain at 600 in one child and fails at 580
 # with every block recomputed in another.
 LENGTH = {"tensorflow": 1024, "jax": 2048, "torch": 2048}
+# Functional conv models, TensorFlow only: cut by their graph. Measured on the
+# capped allocator (2 cores; the smallest cap that trains, plain / with every
+# segment recomputed): the VGG-style chain (a 256 x 256 image, 24
+# Conv2D(16)-BatchNormalization-ReLU blocks) 243 / 118 MiB; the U-Net (256 x
+# 256, 6 blocks a level) 180 / 120. At these caps the one sample fails
+# fast plain, and MemFit needs 3-4 rungs.
+FUNCTIONAL = {"tensorflow": ("chain", "unet")}
 DIM = {"tensorflow": 128, "jax": 64, "torch": 64}
 DEPTH = 4
 CONV = {"tensorflow": (256, 16, 16)}
 KINDS = {"tensorflow": ("transformer", "subclassed", "conv"),
          "jax": ("transformer", "subclassed"), "torch": ("transformer",)}
-CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100}
+CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100, "chain": 160, "unet": 140}
 BUDGET_MB = {
     "transformer": {"jax": 1280, "torch": 900},
     "subclassed": {"jax": 1280},
     "conv": {},
+    "chain": {},
+    "unet": {},
 }
 
 
@@ -520,17 +577,12 @@ def _run(mode: str, kind: str, tmp_path) -> tuple:
     return weights, result
 
 
-def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
-    """MemFit recomputes blocks until one sample fits, and trains as plain `fit` uncapped:
-    a functional transformer, the same subclassed, a Sequential conv stack.
-
-    Every child runs at once: the capped ones mostly wait (TensorFlow's
-    allocator waits about 10 s per OOM).
-    """
+def _run_all(kinds, tmp_path) -> dict:
+    """Each kind capped ("auto") and plain, every child at once: the capped ones
+    mostly wait (TensorFlow's allocator waits about 10 s per OOM). Each trained
+    by MemFit as plain `fit` uncapped, through the rung."""
     from concurrent.futures import ThreadPoolExecutor
 
-    backend = keras.backend.backend()
-    kinds = KINDS[backend]
     jobs = [(mode, kind) for kind in kinds for mode in ("auto", "plain")]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(lambda job: _run(*job, tmp_path), jobs)))
@@ -540,6 +592,16 @@ def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
         assert remat and remat[-1]["layers"], (kind, got["events"])
         assert got["history"]["memfit_remat"] == [len(remat[-1]["layers"])], kind
         _assert_trained_alike((weights, got["history"]), (ref_weights, expected["history"]))
+    return results
+
+
+def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
+    """MemFit recomputes blocks until one sample fits, and trains as plain `fit` uncapped:
+    a functional transformer, the same subclassed, a Sequential conv stack and, on
+    TensorFlow, functional conv models of nothing but plain layers, cut by their
+    graph: a VGG-style chain, a U-Net with skips."""
+    backend = keras.backend.backend()
+    results = _run_all(KINDS[backend] + FUNCTIONAL.get(backend, ()), tmp_path)
     if backend == "tensorflow":
         # Without the rung MemFit gives up; with all of it too, here, and the
         # model that ran out of memory in its recomputing step is intact.
@@ -564,6 +626,10 @@ def _limit_memory(backend: str, kind: str) -> None:
 
 
 def _model_and_data(kind: str, backend: str, rows: int):
+    if kind == "chain":
+        return vgg_chain(256, 16, per_stage=24, stages=1, optimizer="sgd"), _images(rows, 256)
+    if kind == "unet":
+        return unet(256, per_level=6, optimizer="sgd"), _images(rows, 256)
     if kind == "conv":
         size, channels, depth = CONV[backend]
         return conv_stack(size, channels, depth), _images(rows, size)

@@ -105,7 +105,7 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
         if isinstance(shape, (tuple, list)) and shape and not all(
             d is None or isinstance(d, int) for d in shape
         ):
-            return type(shape)(tensors(v) for v in shape)
+            return (list if isinstance(shape, list) else tuple)(tensors(v) for v in shape)
         return keras.KerasTensor(_lengths.filled(model, (None,) + tuple(shape[1:])), dtype=dtype)
 
     if len(shapes) == 1:
@@ -207,6 +207,12 @@ def functional_graph(model: Any) -> Optional[FunctionalGraph]:
                                    tuple(node.outputs)))
             computed.update(id(t) for t in node.outputs)
     return FunctionalGraph(functional._inputs_struct, functional._outputs_struct, tuple(nodes))
+
+
+def made_trainable(layer: Any) -> Iterable[Any]:
+    """The variables `layer` made as trainable weights (`_trainable_variables`), also
+    those frozen since (LoRA's base kernel, a layer set `trainable=False`)."""
+    return layer._trainable_variables
 
 
 # ---- Training (MemFit): Keras's training loop and train step ----

@@ -231,7 +231,7 @@ class Rematerialization:
                     f"remat names layers that model '{model.name}' does not have: {missing}; "
                     f"its layers are {shown[:40]}{more}. Received remat={setting!r}"
                 )
-            self._forced = [Block((names[name],), 0, None) for name in setting]
+            self._forced = _named_blocks(model, [names[name] for name in setting])
         self._applied: List[Block] = []
         self._patched: List[Any] = []  # the layers (or functional models) whose call is ours
 
@@ -328,6 +328,32 @@ class Rematerialization:
         self._patched, self._applied = [], []
 
 
+def _named_blocks(model: keras.Model, named: Sequence[Any]) -> List[Block]:
+    """The blocks recomputing the `named` layers: in a functional graph (the model's
+    or a nested one's), each run of consecutive calls of them one segment; a
+    layer called nowhere in one, recomputed wherever it is called."""
+    wanted = {id(layer) for layer in named}
+    found: List[Block] = []
+    cut: set = set()  # the named layers a segment holds
+    for owner in _keras_compat.all_layers(model):
+        graph = _keras_compat.functional_graph(owner) if isinstance(owner, keras.Model) else None
+        if graph is None:
+            continue
+        runs: List[List[int]] = []
+        for position, node in enumerate(graph.nodes):
+            if id(node.op) not in wanted:
+                continue
+            if runs and runs[-1][-1] == position - 1:
+                runs[-1].append(position)
+            else:
+                runs.append([position])
+        for run in runs:
+            layers = tuple(dict.fromkeys(graph.nodes[p].op for p in run))
+            found.append(Block(layers, 0, None, weakref.ref(owner), (run[0], run[-1] + 1)))
+            cut.update(id(layer) for layer in layers)
+    return found + [Block((layer,), 0, None) for layer in named if id(layer) not in cut]
+
+
 def _find(model: keras.Model, x: Any) -> Found:
     """What the rung needs of `model`'s analysis, traced at the lengths of `x` where
     the model leaves them unknown (a KerasHub model's tokens); nothing where the
@@ -351,7 +377,8 @@ def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
     """Make `layer`'s call recompute in the backward pass, exactly (`del layer.call` undoes it).
 
     The call's tensor arguments become the recomputed function's inputs,
-    with the values of the layer's non-trainable variables; everything else
+    with copies of the layer's non-trainable state (not its frozen weights,
+    LoRA's base kernel: the call only reads them); everything else
     (`training=`, masks given as None, Python values, and the arguments at
     the flat positions `fixed`, which no gradient reaches) is closed over:
     `tf.recompute_grad` computes a gradient for each input, and that of an
@@ -360,7 +387,10 @@ def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
     """
     original = layer.call
     checkpoint = _backend.get().checkpoint
-    state = list(layer.non_trainable_variables)
+    # The state a call may assign; frozen weights (LoRA's base kernel) it only reads.
+    frozen = {id(v) for sub in _keras_compat.all_layers(layer)
+              for v in _keras_compat.made_trainable(sub)}
+    state = [v for v in layer.non_trainable_variables if id(v) not in frozen]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves = keras.tree.flatten((args, kwargs))
