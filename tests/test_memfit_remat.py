@@ -9,12 +9,12 @@ once: recomputing a block without passing its seed state in gives weights
 about 1e-2 away, which these tests catch). Under a real limit (TensorFlow's
 capped allocator; an address-space limit on JAX and torch), one sample of a
 transformer (functional, or subclassed), of a Sequential conv stack, of a
-functional VGG-style chain or U-Net (TensorFlow) does not fit, `MemFit()`
-recomputes blocks until it does, and trains as the plain `fit` without the
-limit.
+functional VGG-style chain, a U-Net or MobileNetV2 (TensorFlow) does not
+fit, `MemFit()` recomputes blocks until it does, and trains as the plain
+`fit` without the limit.
 
 Run directly, this file is the training script of the real-OOM test:
-`python tests/test_memfit_remat.py {auto,plain} {transformer,subclassed,conv,chain,unet} OUT`.
+`python tests/test_memfit_remat.py {auto,plain} {transformer,...,mobilenet} OUT`.
 """
 
 from __future__ import annotations
@@ -421,6 +421,18 @@ def test_without_memory_pressure_nothing_is_recomputed_or_analysed(checkpoints):
     _assert_trained_alike(got, reference)
 
 
+def test_a_functional_conv_model_without_memory_pressure_recomputes_nothing(checkpoints):
+    from keras_memfit.training import remat as _remat
+
+    reference = _fit(unet(16, optimizer="sgd"), [], batch_size=4)
+    model = unet(16, optimizer="sgd")
+    memfit = MemFit()
+    got = _fit(model, [memfit], batch_size=4)
+    assert checkpoints == [] and model not in _remat._BLOCKS and memfit.events == []
+    assert "call" not in vars(model)
+    _assert_trained_alike(got, reference)
+
+
 def test_blocks_rank_the_transformer_blocks_first():
     model = transformer(32, 16, 3)
     found, flops = blocks(model)
@@ -536,21 +548,27 @@ LENGTH = {"tensorflow": 1024, "jax": 2048, "torch": 2048}
 # capped allocator (2 cores; the smallest cap that trains, plain / with every
 # segment recomputed): the VGG-style chain (a 256 x 256 image, 24
 # Conv2D(16)-BatchNormalization-ReLU blocks) 243 / 118 MiB; the U-Net (256 x
-# 256, 6 blocks a level) 180 / 120. At these caps the one sample fails
-# fast plain, and MemFit needs 3-4 rungs.
-FUNCTIONAL = {"tensorflow": ("chain", "unet")}
+# 256, 6 blocks a level) 180 / 120; keras.applications' MobileNetV2 (alpha
+# 0.35, 384 x 384) 127 / 78. MemFit needs 3-4 rungs at these caps. Not run:
+# MobileNetV2 at 224 x 224 (plain 70-82 MiB from run to run, 57 recomputed:
+# no steady window); ResNet50 (at one sample MemFit's own step holds every
+# gradient at once after an OOM, 82 MiB more than Keras's at 160 x 160:
+# `backend/tensorflow/training.TrainStep`'s strict order).
+FUNCTIONAL = {"tensorflow": ("chain", "unet", "mobilenet")}
 DIM = {"tensorflow": 128, "jax": 64, "torch": 64}
 DEPTH = 4
 CONV = {"tensorflow": (256, 16, 16)}
 KINDS = {"tensorflow": ("transformer", "subclassed", "conv"),
          "jax": ("transformer", "subclassed"), "torch": ("transformer",)}
-CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100, "chain": 160, "unet": 140}
+CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100, "chain": 160, "unet": 140,
+          "mobilenet": 100}
 BUDGET_MB = {
     "transformer": {"jax": 1280, "torch": 900},
     "subclassed": {"jax": 1280},
     "conv": {},
     "chain": {},
     "unet": {},
+    "mobilenet": {},
 }
 
 
@@ -599,7 +617,7 @@ def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
     """MemFit recomputes blocks until one sample fits, and trains as plain `fit` uncapped:
     a functional transformer, the same subclassed, a Sequential conv stack and, on
     TensorFlow, functional conv models of nothing but plain layers, cut by their
-    graph: a VGG-style chain, a U-Net with skips."""
+    graph: a VGG-style chain, a U-Net with skips, keras.applications' MobileNetV2."""
     backend = keras.backend.backend()
     results = _run_all(KINDS[backend] + FUNCTIONAL.get(backend, ()), tmp_path)
     if backend == "tensorflow":
@@ -630,6 +648,8 @@ def _model_and_data(kind: str, backend: str, rows: int):
         return vgg_chain(256, 16, per_stage=24, stages=1, optimizer="sgd"), _images(rows, 256)
     if kind == "unet":
         return unet(256, per_level=6, optimizer="sgd"), _images(rows, 256)
+    if kind == "mobilenet":
+        return mobilenet(384, optimizer="sgd"), _images(rows, 384)
     if kind == "conv":
         size, channels, depth = CONV[backend]
         return conv_stack(size, channels, depth), _images(rows, size)
