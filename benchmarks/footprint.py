@@ -42,14 +42,17 @@ compilations (issue #20). Each measurement is against plain Keras:
    XLA MemFit holds the weights and optimizer slots during the first call
    at each input shape (`backend/tensorflow/holds.XlaHolds`): this part
    measures what that costs at the boundary.
-6. `seq` and `image`: MemFit's one-sample rung (rematerialization) against
-   plain Keras, at batch_size 1: the longest sequence a transformer trains
-   on and the widest image a residual conv stack trains on
+6. `seq`, `image` and `chain`: MemFit's one-sample rung (rematerialization)
+   against plain Keras, at batch_size 1: the longest sequence a transformer
+   trains on, the widest image a residual conv stack trains on, and the
+   widest image a functional chain of Conv2D-BatchNormalization-ReLU blocks
+   trains on, cut by MemFit into segments of its graph
    (`footprint_child.rung_model`), each try a fresh process under a limit of
    the same kind as part 1's, smaller (`rung_limit`: 128 MiB, 1.5 GiB,
    0.5 GiB above torch's own); the same bisection, plain Keras first, MemFit
    from 1.5x plain's result upwards, to 20% (`RUNG_RESOLUTION`: a try
-   takes 0.5-3 minutes on a shared 2-core machine). Beside each, what the rung
+   takes 0.5-3 minutes on a shared 2-core machine; `chain` to 5%, its target
+   of 1.25 being within 20%). Beside each, what the rung
    costs: seconds per one-sample step at plain Keras's longest (widest)
    size, plain `fit` against `fit` with `MemFit(remat=[...])` recomputing
    the blocks MemFit ended on at its own, interleaved in one process without
@@ -62,10 +65,11 @@ Usage (from the repository root):
     python -m benchmarks.footprint --backend torch   # fit, predict, peak (CUDA only)
     python -m benchmarks.footprint --backend tensorflow --parts fit-jit --batches 8
     python -m benchmarks.footprint --backend jax --parts seq image   # ~10 min
+    python -m benchmarks.footprint --backend tensorflow --parts chain
     python -m benchmarks.footprint --quick --output /tmp/R.md --json /tmp/f.json
 
 A run writes its backend's `footprint-<backend>` section of
-benchmarks/RESULTS.md (`seq` and `image`: the `footprint-rung` section, one
+benchmarks/RESULTS.md (`seq`, `image` and `chain`: the `footprint-rung` section, one
 table of every backend) and its entry of benchmarks/footprint.json (`--quick`
 writes only where `--output`/`--json` are given).
 """
@@ -84,8 +88,8 @@ from benchmarks import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks")
-PARTS = ("fit", "predict", "peak", "compiles", "fit-jit", "seq", "image")
-RUNG_PARTS = ("seq", "image")  # batch 1, MemFit's one-sample rung
+PARTS = ("fit", "predict", "peak", "compiles", "fit-jit", "seq", "image", "chain")
+RUNG_PARTS = ("seq", "image", "chain")  # batch 1, MemFit's one-sample rung
 # Keras's torch steps run eagerly (torch.compile only with jit_compile=True,
 # which keras_memfit's steps do not use): no compilations to count.
 # "fit-jit" (`jit_compile=True`): TensorFlow only (JAX always compiles with XLA).
@@ -93,45 +97,52 @@ BACKEND_PARTS = {"torch": ("fit", "predict", "peak", "seq", "image"),
                  "jax": ("fit", "predict", "peak", "compiles", "seq", "image")}
 RESOLUTION = 0.01
 RUNG_RESOLUTION = 0.2
+CHAIN_RESOLUTION = 0.05  # its target (1.25) is within RUNG_RESOLUTION
 RUNG_MEMFIT_BRACKET = (1.5, 2.2)  # MemFit's first bracket, times plain Keras's result
+CHAIN_MEMFIT_BRACKET = (1.2, 1.6)
 STEP = 8  # widths are multiples of 8
-# The rung parts ("seq", "image"): their own, smaller limit (`rung_limit`: the
+# The rung parts ("seq", "image", "chain"): their own, smaller limit (`rung_limit`: the
 # sizes that fill a larger one take minutes a step on a 2-core machine),
 # plain Keras's first bracket (tokens, pixels a side), the step-time child.
-RUNG = dict(rung_resolution=RUNG_RESOLUTION, rung_bracket=RUNG_MEMFIT_BRACKET,
+RUNG = dict(rung_resolution=RUNG_RESOLUTION, chain_resolution=CHAIN_RESOLUTION,
+            rung_bracket=RUNG_MEMFIT_BRACKET, chain_bracket=CHAIN_MEMFIT_BRACKET,
             rung_timing=dict(steps=2, rounds=3))
 FULL = {
     "tensorflow": dict(limit=500, fit=(12000, 16000), predict=(40000, 64000),
                        peak_width=8192, resolution=RESOLUTION,
-                       rung_limit=128, seq=(512, 768), image=(160, 240), **RUNG),
+                       rung_limit=128, seq=(512, 768), image=(160, 240), chain=(144, 208),
+                       **RUNG),
     # JAX: plain Keras's edge under the address-space limit is not sharp (it
     # failed 1 try in 3 well below its widest width, 2026-12-04), so a width
     # counts as failing after 3 fresh tries (plain and keras_memfit alike).
     "jax": dict(limit=3.0, fit=(30000, 60000), predict=(120000, 200000),
                 peak_width=8192, resolution=RESOLUTION, confirm=3,
-                rung_limit=1.5, seq=(512, 1024), image=(256, 512), **RUNG),
+                rung_limit=1.5, seq=(512, 1024), image=(256, 512), chain=(256, 384), **RUNG),
     # torch: GiB of address space above what importing torch maps (the CUDA
     # build maps ~3.8 GB, the CPU build ~0.8 GB: see footprint_child.main).
     "torch": dict(limit=2.0, fit=(30000, 80000), predict=(150000, 300000),
                   peak_width=8192, resolution=RESOLUTION,
-                  rung_limit=0.5, seq=(512, 1024), image=(256, 512), **RUNG),
+                  rung_limit=0.5, seq=(512, 1024), image=(256, 512), chain=(256, 384), **RUNG),
 }
 # (FULL, QUICK: the plain bisection's first bracket per call; MemFit's is around
 # plain's result.)
 # Rung parts, quick: a toy limit, two tries per bisection (MemFit's bracket above
 # plain's result: its rung must be climbed), one timed round.
-QUICK_RUNG = dict(rung_resolution=1.0, rung_bracket=(2.0, 4.0),
+QUICK_RUNG = dict(rung_resolution=1.0, chain_resolution=1.0, rung_bracket=(2.0, 4.0),
                   rung_timing=dict(steps=1, rounds=1))
 QUICK = {  # two tries per bisection: brackets around the full run's results, coarse
     "tensorflow": dict(limit=500, fit=(12992, 13504), predict=(40000, 64000),
                        peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
-                       rung_limit=32, seq=(192, 288), image=(96, 144), **QUICK_RUNG),
+                       rung_limit=32, seq=(192, 288), image=(96, 144), chain=(64, 96),
+                       **QUICK_RUNG),
     "jax": dict(limit=3.0, fit=(37504, 40000), predict=(120000, 200000),
                 peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
-                rung_limit=1.5, seq=(512, 768), image=(256, 384), **QUICK_RUNG),
+                rung_limit=1.5, seq=(512, 768), image=(256, 384), chain=(256, 384),
+                **QUICK_RUNG),
     "torch": dict(limit=2.0, fit=(40000, 70000), predict=(150000, 300000),
                   peak_width=512, resolution=0.75, memfit_bracket=(0.6, 1.02),
-                  rung_limit=0.5, seq=(512, 768), image=(256, 384), **QUICK_RUNG),
+                  rung_limit=0.5, seq=(512, 768), image=(256, 384), chain=(256, 384),
+                  **QUICK_RUNG),
 }
 COMPILES = {
     "tensorflow": dict(limit=600, scenario="cnn", predict_rows=28000, predict_oracle_batch=256,
@@ -320,15 +331,16 @@ def measure_widest(backend: str, call: str, batches: Sequence[int], settings: Di
 
 def measure_rung(backend: str, call: str, settings: Dict[str, Any],
                  log: Callable[[str], None]) -> Dict[str, Any]:
-    """A rung part ("seq", "image"): the bisections at batch 1, then the rung's step time.
+    """A rung part ("seq", "image", "chain"): the bisections at batch 1, then the rung's step time.
 
     The step time is measured at plain Keras's widest size, recomputing the
     blocks MemFit ended on at its own widest; not measured (None) where
     MemFit recomputed nothing there.
     """
     result = measure_widest(backend, call, [1], dict(
-        settings, limit=settings["rung_limit"], resolution=settings["rung_resolution"],
-        memfit_bracket=settings["rung_bracket"]), log)
+        settings, limit=settings["rung_limit"],
+        resolution=settings.get(f"{call}_resolution", settings["rung_resolution"]),
+        memfit_bracket=settings.get(f"{call}_bracket", settings["rung_bracket"])), log)
     plain, mine = result["1/plain"], result["1/memfit"]
     top = [t for t in mine["tries"] if t["ok"] and t["width"] == mine["widest"]]
     layers = top[0].get("remat_layers") if top else None

@@ -12,8 +12,8 @@ Measurements (`JSON["part"]`):
 
 - "try": one width of `Input(1024) -> Dense(W, relu) -> Dense(1024)` (Adam,
   mse): `fit` on two batches, or `predict` on two batches, plain Keras or
-  keras_memfit; "ok" says whether the call completed. With `call` "seq" or
-  "image", the width is a sequence length or an image side instead
+  keras_memfit; "ok" says whether the call completed. With `call` "seq",
+  "image" or "chain", the width is a sequence length or an image side instead
   (`rung_model`): `fit` on two batches of one sample, plain Keras or
   `MemFit()`, whose one-sample rung may recompute blocks (the blocks it
   ended on are kept in the result).
@@ -114,10 +114,11 @@ def wide_model(width: int, jit_compile: Any = "auto"):
 # The one-sample rung's models: its blocks are top-level layers holding sublayers.
 SEQ_DIM, SEQ_HEADS, SEQ_DEPTH, VOCAB = 64, 4, 6, 50
 IMAGE_CHANNELS, IMAGE_DEPTH, CLASSES = 8, 8, 10
+CHAIN_CHANNELS, CHAIN_DEPTH = 16, 24
 
 
 def rung_model(kind: str, size: int):
-    """The one-sample rung's models at `size`, Adam, seeded; `kind` "seq" or "image".
+    """The one-sample rung's models at `size`, Adam, seeded; `kind` "seq", "image" or "chain".
 
     "seq": a decoder-only transformer on `size` tokens (embedding, 6 blocks
     of causal MultiHeadAttention with dropout, a 4x Dense MLP and
@@ -126,6 +127,11 @@ def rung_model(kind: str, size: int):
     Conv2D(32, relu) and a 1x1 Conv2D(8), global average pooling, Dense(10)):
     the 4x expansion inside a block is what recomputing it frees (with 3x3
     Conv2D(8) pairs, TensorFlow's CPU convolutions' own buffers outweighed it).
+    "chain": a functional chain on a `size` x `size` RGB image of 24 blocks of
+    a 3x3 Conv2D(16) without bias, BatchNormalization and ReLU, global average
+    pooling, Dense(10): no block of its own, the graph is what MemFit cuts (with
+    12 blocks, TensorFlow's CPU convolutions' column buffers outweighed what
+    recomputing frees).
     """
     import keras
     from keras import layers
@@ -164,6 +170,15 @@ def rung_model(kind: str, size: int):
         for i in range(SEQ_DEPTH):
             x = TransformerBlock(name=f"block{i}")(x)
         outputs = layers.Dense(VOCAB, name="logits")(x)
+    elif kind == "chain":
+        inputs = keras.Input((size, size, 3))
+        x = inputs
+        for i in range(CHAIN_DEPTH):
+            x = layers.Conv2D(CHAIN_CHANNELS, 3, padding="same", use_bias=False,
+                              name=f"conv{i}")(x)
+            x = layers.ReLU(name=f"relu{i}")(layers.BatchNormalization(name=f"norm{i}")(x))
+        x = layers.GlobalAveragePooling2D(name="pool")(x)
+        outputs = layers.Dense(CLASSES, name="logits")(x)
     else:
         inputs = keras.Input((size, size, 3))
         x = layers.Conv2D(IMAGE_CHANNELS, 3, padding="same", activation="relu",
@@ -224,7 +239,7 @@ def part_try(config: Dict[str, Any]) -> Dict[str, Any]:
     start = time.perf_counter()
     with OomCounter() as counter:
         try:
-            if call in ("seq", "image"):
+            if call in ("seq", "image", "chain"):
                 model = rung_model(call, width)
                 x, y = rung_data(call, width, 2 * batch)
             else:

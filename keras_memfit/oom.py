@@ -22,6 +22,7 @@ __all__ = [
     "ACCUMULATE",
     "CANNOT_SPLIT",
     "CAUSES",
+    "ONE_LAYER",
     "ONE_SAMPLE",
     "OutOfMemoryError",
     "UPDATE",
@@ -165,11 +166,12 @@ def _message(exc: BaseException) -> str:
 
 # What ran out of memory (`OutOfMemoryError.cause`).
 ONE_SAMPLE = "one_sample"  # a piece of a single sample
+ONE_LAYER = "one_layer"  # one layer's own backward pass, at a single sample
 UPDATE = "update"  # the one optimizer update of a batch MemFit accumulated
 ACCUMULATE = "accumulate"  # the gradient sums of a batch MemFit would accumulate
 UPDATE_BEGAN = "update_began"  # a step whose optimizer update had begun
 CANNOT_SPLIT = "cannot_split"  # a batch MemFit cannot split, run by Keras's own step
-CAUSES = (ONE_SAMPLE, UPDATE, ACCUMULATE, UPDATE_BEGAN, CANNOT_SPLIT)
+CAUSES = (ONE_SAMPLE, ONE_LAYER, UPDATE, ACCUMULATE, UPDATE_BEGAN, CANNOT_SPLIT)
 
 # What an OOM in an optimizer update leaves of the weights, per backend.
 _UPDATE_STATE = {
@@ -202,6 +204,9 @@ class _OutOfMemoryErrorBody:
 
     - "one_sample" (`ONE_SAMPLE`): even a batch of a single sample does not
       fit (`batch_shape` is its input shape);
+    - "one_layer" (`ONE_LAYER`): in training, the backward pass of one
+      layer (`layer`) needs more than is free at a single sample, which no
+      recomputation of other layers lowers (`detail` gives the figures);
     - "update" (`UPDATE`): the one optimizer update of a batch of `rows`
       rows MemFit ran as micro-batches ran out of memory; the update cannot
       be split, and the weights may be partly updated;
@@ -236,6 +241,7 @@ class _OutOfMemoryErrorBody:
             (cause "update"); None: memory that does not depend on the batch size.
         received: What the batch held that cannot be split (cause "cannot_split").
         stateful: The names of the model's stateful layers (cause "cannot_split").
+        layer: The layer whose backward pass alone does not fit (cause "one_layer").
         can_place: Whether `keras_memfit.place` may be advised (see
             `can_place`); None: whether the active backend places layers.
 
@@ -249,6 +255,7 @@ class _OutOfMemoryErrorBody:
         held: What the failed update held that grows with the batch, or None.
         received: What the batch held that MemFit cannot split, or None.
         stateful: The names of the model's stateful layers, or ().
+        layer: The layer whose backward pass alone does not fit, or None.
 
     Example:
         >>> try:
@@ -270,6 +277,7 @@ class _OutOfMemoryErrorBody:
         received: Optional[str] = None,
         can_place: Optional[bool] = None,
         stateful: Sequence[str] = (),
+        layer: Optional[str] = None,
     ) -> None:
         if cause not in CAUSES:
             raise ValueError(f"cause must be one of {CAUSES}; received {cause!r}")
@@ -283,6 +291,7 @@ class _OutOfMemoryErrorBody:
         self.held = held
         self.received = received
         self.stateful = tuple(stateful)
+        self.layer = layer
         self.can_place = _backend.get().PLACES_LAYERS if can_place is None else can_place
         parts = [self._what(), self._held(), self._state(), detail.strip(), self._advice()]
         _backend.get().init_oom_error(self, " ".join(p for p in parts if p))
@@ -296,6 +305,10 @@ class _OutOfMemoryErrorBody:
         if self.cause == ONE_SAMPLE:
             return (f"{head} even with a batch of a single sample (input shape {shapes}): "
                     "one sample does not fit in the memory left on the device.")
+        if self.cause == ONE_LAYER:
+            return (f"{head} even with a batch of a single sample (input shape {shapes}): "
+                    f"the backward pass of layer '{self.layer}' alone needs more memory than "
+                    "is free, which recomputing other layers cannot lower.")
         if self.cause == UPDATE:
             return (f"{head} in the optimizer update of a batch of {rows} rows (one sample's "
                     f"input shape {shapes}): MemFit had summed the gradients of its "
@@ -365,6 +378,12 @@ class _OutOfMemoryErrorBody:
             "keep oversized embedding/input layers (and their optimizer slots) on the CPU "
             "(`keras_memfit.place(model)`); " if self.can_place else ""
         )
+        if self.cause == ONE_LAYER:
+            return ("What to do next: give that layer less to hold: a smaller input (image "
+                    "or sequence), fewer channels, or a stride or pooling before it; use "
+                    "mixed precision (keras.mixed_precision.set_global_policy('mixed_float16'))"
+                    "; free other models or tensors held on the device; or train on a device "
+                    "with more memory.")
         if self.cause == ACCUMULATE:
             return ("What to do next: train with MemFit(mode='shrink'), which runs such a "
                     "batch as smaller batches, one optimizer update each, without these sums; "
@@ -387,7 +406,8 @@ class _OutOfMemoryErrorBody:
         return (
             type(self),
             (self.model_name, self.phase, self.batch_shape, self.device, self.detail,
-             self.cause, self.rows, self.held, self.received, self.can_place, self.stateful),
+             self.cause, self.rows, self.held, self.received, self.can_place, self.stateful,
+             self.layer),
         )
 
 

@@ -58,11 +58,14 @@ class LayerMemory:
             counted), or None where they cannot be derived.
         device: Where its variables live ("CPU:0", "GPU:0"; several joined by
             ","), or "-" when it has none.
-        remat_bytes: Bytes recomputing this call in the backward pass would
-            free at the report's batch size (MemFit's rung after splitting,
-            `MemFit(remat=...)`): what it produces inside beyond what is alive
-            after it; in a `keras.Sequential`, on the first layer of each run
-            MemFit recomputes together, what the run frees; 0 for the rest.
+        remat_bytes: Bytes recomputing in the backward pass would free at
+            the report's batch size (MemFit's rung after splitting,
+            `MemFit(remat=...)`), on the first call of each segment MemFit
+            recomputes together (what the segment makes that nothing after
+            it uses), or on a nested model's row for its own segments; 0 for
+            the rest.
+        remat_layers: The layers recomputed together for `remat_bytes` (0 for
+            the rest).
         cut_bytes_per_sample: Bytes per sample that would cross the device
             boundary if everything up to and including this row ran on one
             device and the rest on another: every tensor produced at or before
@@ -80,6 +83,7 @@ class LayerMemory:
     device: str
     cut_bytes_per_sample: int
     remat_bytes: int = 0
+    remat_layers: int = 0
     # Per-sample quantities behind the estimate (not part of the table).
     activation_bytes_per_sample: int = dataclasses.field(default=0, repr=False)
     working_bytes_per_sample: int = dataclasses.field(default=0, repr=False)
@@ -442,7 +446,10 @@ def memory_report(
     sequence_length = _validate.positive_int("sequence_length", sequence_length)
     with _lengths.given(sequence_length):
         analysis = analyse(model, policy)
-        frees = {id(block.layers[0]): block.saving for block in blocks(model, analysis)[0]}
+        frees: Dict[int, Tuple[int, int]] = {}  # id of a top-level call -> bytes, layers
+        for block in blocks(model, analysis)[0]:
+            saving, count = frees.get(id(block.top), (0, 0))
+            frees[id(block.top)] = (saving + block.saving, count + len(block.layers))
     chosen, estimate, per_device = analysis.peak(training=training, device=device)
     return MemoryReport(
         [_layer_memory(row, batch_size, frees) for row in analysis.rows],
@@ -459,9 +466,11 @@ def memory_report(
     )
 
 
-def _layer_memory(row: Row, batch_size: int, frees: Dict[int, int]) -> LayerMemory:
+def _layer_memory(row: Row, batch_size: int, frees: Dict[int, Tuple[int, int]]) -> LayerMemory:
     """The table row of one analysed call, its activations and FLOPs at `batch_size`
-    (`frees`: what recomputing each block frees per sample, by its first layer's id)."""
+    (`frees`: what recomputing frees per sample and the layers recomputed, by the
+    id of the top-level call a block starts at or lies in)."""
+    saving, count = frees.pop(id(row.op), (0, 0))  # a shared layer: its first call
     return LayerMemory(
         name=row.name,
         class_name=row.class_name,
@@ -473,7 +482,8 @@ def _layer_memory(row: Row, batch_size: int, frees: Dict[int, int]) -> LayerMemo
         flops=None if row.flops is None else row.flops * batch_size,
         device=",".join(row.devices) if row.devices else "-",
         cut_bytes_per_sample=row.cut,
-        remat_bytes=frees.pop(id(row.op), 0) * batch_size,  # a shared layer: its first call
+        remat_bytes=saving * batch_size,
+        remat_layers=count,
         activation_bytes_per_sample=row.produced,
         working_bytes_per_sample=row.working,
         trainable_bytes=row.trainable_bytes,

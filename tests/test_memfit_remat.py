@@ -8,12 +8,13 @@ draw the forward pass's dropout masks and update the moving statistics
 once: recomputing a block without passing its seed state in gives weights
 about 1e-2 away, which these tests catch). Under a real limit (TensorFlow's
 capped allocator; an address-space limit on JAX and torch), one sample of a
-transformer (functional, or subclassed) or of a Sequential conv stack does
-not fit, `MemFit()` recomputes blocks until it does, and trains as the
-plain `fit` without the limit.
+transformer (functional, or subclassed), of a Sequential conv stack, of a
+functional VGG-style chain, a U-Net or MobileNetV2 (TensorFlow) does not
+fit, `MemFit()` recomputes blocks until it does, and trains as the plain
+`fit` without the limit.
 
 Run directly, this file is the training script of the real-OOM test:
-`python tests/test_memfit_remat.py {auto,plain} {transformer,subclassed,conv} OUT`.
+`python tests/test_memfit_remat.py {auto,plain} {transformer,...,mobilenet} OUT`.
 """
 
 from __future__ import annotations
@@ -133,6 +134,68 @@ def conv_stack(size: int, channels: int, depth: int, optimizer: str = "adam") ->
     return model
 
 
+def _compiled(inputs, x, optimizer: str) -> keras.Model:
+    """`x` (pixels) averaged to 10 logits: the model from `inputs`, compiled."""
+    x = layers.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inputs, layers.Dense(10, name="logits")(x))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _conv_norm_relu(x, channels: int, name: str):
+    x = layers.Conv2D(channels, 3, padding="same", use_bias=False, name=f"{name}_conv")(x)
+    return layers.ReLU(name=f"{name}_relu")(layers.BatchNormalization(name=f"{name}_norm")(x))
+
+
+def vgg_chain(size: int, channels: int = 8, per_stage: int = 3, stages: int = 3,
+              optimizer: str = "adam") -> keras.Model:
+    """A functional VGG-style chain: `stages` stages of `per_stage`
+    Conv2D-BatchNormalization-ReLU blocks (`channels`, twice, four times, ...)
+    and a max pooling, then Dropout."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((size, size, 3))
+    x = inputs
+    for stage in range(stages):
+        for i in range(per_stage):
+            x = _conv_norm_relu(x, channels * 2 ** stage, f"block{stage + 1}_{i + 1}")
+        x = layers.MaxPooling2D(name=f"block{stage + 1}_pool")(x)
+    return _compiled(inputs, layers.Dropout(0.2, name="dropout")(x), optimizer)
+
+
+def unet(size: int, channels: int = 8, per_level: int = 2, optimizer: str = "adam") -> keras.Model:
+    """A functional U-Net of 3 levels: `per_level` Conv2D-BatchNormalization-ReLU blocks
+    each, max pooling down, upsampling up, the skips concatenated; Dropout at the bottom."""
+    keras.utils.set_random_seed(1)
+
+    def level(x, width, name):
+        for i in range(per_level):
+            x = _conv_norm_relu(x, width, f"{name}{i}")
+        return x
+
+    inputs = keras.Input((size, size, 3))
+    skip1 = level(inputs, channels, "down1_")
+    skip2 = level(layers.MaxPooling2D(name="pool1")(skip1), 2 * channels, "down2_")
+    x = level(layers.MaxPooling2D(name="pool2")(skip2), 4 * channels, "bottom")
+    x = layers.Dropout(0.2, name="dropout")(x)
+    x = layers.Concatenate(name="cat2")([layers.UpSampling2D(name="up2")(x), skip2])
+    x = level(x, 2 * channels, "up2_")
+    x = layers.Concatenate(name="cat1")([layers.UpSampling2D(name="up1")(x), skip1])
+    return _compiled(inputs, level(x, channels, "up1_"), optimizer)
+
+
+def mobilenet(size: int, optimizer: str = "adam") -> keras.Model:
+    """keras.applications' MobileNetV2 (alpha 0.35, no weights) for 10 classes."""
+    keras.utils.set_random_seed(1)
+    model = keras.applications.MobileNetV2(input_shape=(size, size, 3), alpha=0.35,
+                                           weights=None, classes=10, classifier_activation=None)
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
 def _images(rows: int, size: int):
     rng = np.random.default_rng(0)
     return rng.normal(size=(rows, size, size, 3)).astype("float32"), np.arange(rows) % 10
@@ -145,8 +208,9 @@ def _data(rows: int, length: int):
 
 def _fit(model, callbacks, batch_size, epochs=2, length=16):
     """Fit 8 rows: images for a conv stack, else sequences of `length` tokens."""
-    if isinstance(model, keras.Sequential):
-        x, y = _images(8, model.input_shape[1])
+    shape = getattr(model, "input_shape", None)  # none on a subclassed model
+    if shape is not None and len(shape) == 4:
+        x, y = _images(8, shape[1])
     else:
         x, y = _data(8, length)
     keras.utils.set_random_seed(7)
@@ -201,6 +265,139 @@ def test_every_run_of_a_sequential_recomputed_trains_as_plain_fit(checkpoints, m
     assert "call" not in vars(model), "the Sequential's call not put back"
 
 
+@pytest.mark.parametrize("make", [vgg_chain, unet], ids=["vgg-chain", "unet"])
+def test_functional_conv_model_with_every_segment_recomputed_trains_as_plain_fit(
+        make, checkpoints, monkeypatch):
+    reference = _fit(make(16, optimizer="sgd"), [], batch_size=4)
+    model = make(16, optimizer="sgd")
+    monkeypatch.setattr(Rematerialization, "_chosen", lambda self, signature: self._candidates())
+    got = _fit(model, [MemFit()], batch_size=4)
+    segments = len(blocks(model)[0])
+    assert segments > 1 and checkpoints and len(checkpoints) % segments == 0
+    _assert_trained_alike(got, reference)
+    assert "call" not in vars(model), "the model's call not put back"
+
+
+def _nested_model(optimizer: str = "sgd") -> keras.Model:
+    """Tokens -> a nested functional backbone (embedding, 2 transformer blocks named
+    decoder_block_i) -> logits."""
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((16,), dtype="int32")
+    x = layers.Embedding(50, 16, name="token_embedding")(tokens)
+    for i in range(2):
+        x = Block(16, name=f"decoder_block_{i}")(x)
+    backbone = keras.Model(tokens, x, name="backbone")
+    inputs = keras.Input((16,), dtype="int32")
+    model = keras.Model(inputs, layers.Dense(50, name="logits")(backbone(inputs)))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_layers_inside_a_nested_model_are_found_and_can_be_named(checkpoints):
+    from keras_memfit import memory_report
+
+    model = _nested_model()
+    found, _ = blocks(model)
+    assert sorted(b.layers[0].name for b in found) == ["decoder_block_0", "decoder_block_1"]
+    report = memory_report(model, batch_size=2)
+    frees = {row.name: (row.remat_bytes, row.remat_layers) for row in report.rows}
+    assert frees["backbone"] == (2 * sum(b.saving for b in found), 2)  # shown on its row
+    reference = _fit(_nested_model(), [], batch_size=4)
+    got = _fit(_nested_model(), [MemFit(remat=["decoder_block_1"])], batch_size=4)
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
+def test_sequential_of_nested_inputs_recomputes_its_blocks(checkpoints):
+    """A Sequential whose first layer takes two inputs has no graph to cut; its
+    blocks are recomputed as layers are (it raised AttributeError once chosen)."""
+
+    class Sum(layers.Layer):
+        def call(self, inputs):
+            return inputs[0] + inputs[1]
+
+    def make():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([Sum(), Block(16, name="block0"), layers.Dense(50)])
+        model([np.zeros((1, 16, 16), "float32")] * 2)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def fit(model, callbacks):
+        x = np.random.default_rng(0).normal(size=(8, 16, 16)).astype("float32")
+        keras.utils.set_random_seed(7)
+        history = model.fit([x, x], np.arange(8 * 16).reshape(8, 16) % 50, batch_size=4,
+                            epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return [keras.ops.convert_to_numpy(v) for v in model.variables], history.history
+
+    assert [b.layers[0].name for b in blocks(make())[0]] == ["block0"]
+    reference = fit(make(), [])
+    got = fit(make(), [MemFit(remat=["block0"])])
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
+@pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0", "VGG16"])
+def test_keras_applications_backbones_are_cut_into_segments(name):
+    keras.utils.set_random_seed(1)
+    model = getattr(keras.applications, name)(weights=None, include_top=False,
+                                              input_shape=(32, 32, 3))
+    found, _ = blocks(model)
+    assert len(found) > 1
+    spans = sorted(b.span for b in found)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # in order, apart
+    inside = [id(layer) for block in found for layer in block.layers]
+    assert len(set(inside)) == len(inside) and set(inside) <= {id(l) for l in model.layers}
+    assert all(block.saving > 0 for block in found)
+
+
+def test_a_recomputed_segment_copies_only_the_state_it_assigns(checkpoints, monkeypatch):
+    """A segment holding a LoRA layer (its kernel frozen: non-trainable, never
+    assigned), Dropout and BatchNormalization: their seed and statistics are
+    copied (torch assigns in place; the recomputation reads the start), the
+    frozen kernel never, and the model trains as plain `fit`."""
+
+    def make():
+        keras.utils.set_random_seed(1)
+        tokens = keras.Input((16,), dtype="int32")
+        x = layers.Embedding(50, 16, name="embedding")(tokens)
+        adapted = layers.Dense(24, name="adapted")
+        x = layers.BatchNormalization(name="norm")(layers.Dropout(0.2)(adapted(x)))
+        x = layers.Dense(16, activation="relu", name="hidden")(x)
+        model = keras.Model(tokens, layers.Dense(50, name="logits")(x))
+        adapted.enable_lora(2)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference = _fit(make(), [], batch_size=4)
+    copied = []
+    copy = keras.ops.copy
+    monkeypatch.setattr(keras.ops, "copy", lambda x: copied.append(tuple(x.shape)) or copy(x))
+    monkeypatch.setattr(Rematerialization, "_chosen", lambda self, signature: self._candidates())
+    model = make()
+    got = _fit(model, [MemFit()], batch_size=4)
+    assert "adapted" in [layer.name for block in blocks(model)[0] for layer in block.layers]
+    assert checkpoints and copied and (16, 24) not in copied, copied  # seeds, statistics only
+    _assert_trained_alike(got, reference)
+
+
+def test_named_consecutive_layers_of_a_graph_are_recomputed_as_one_segment(checkpoints):
+    names = ["block1_1_conv", "block1_1_norm", "block1_1_relu", "block1_2_conv"]
+    model = vgg_chain(16, optimizer="sgd")
+    remat = Rematerialization(model, names)
+    assert remat.apply("signature") == tuple(names)
+    # The model runs its graph as parts, one of them recomputed; no layer is wrapped alone.
+    assert "call" in vars(model) and all("call" not in vars(layer) for layer in model.layers)
+    remat.release()
+    reference = _fit(vgg_chain(16, optimizer="sgd"), [], batch_size=4)
+    got = _fit(vgg_chain(16, optimizer="sgd"), [MemFit(remat=names)], batch_size=4)
+    assert checkpoints, "no layer was recomputed"
+    _assert_trained_alike(got, reference)
+
+
 def test_subclassed_model_trains_as_plain_fit_with_its_blocks_recomputed(checkpoints):
     reference = _fit(decoder(16, 16, 2), [], batch_size=4)
     got = _fit(decoder(16, 16, 2), [MemFit(remat=["block0", "block1"])], batch_size=4)
@@ -224,6 +421,18 @@ def test_without_memory_pressure_nothing_is_recomputed_or_analysed(checkpoints):
     _assert_trained_alike(got, reference)
 
 
+def test_a_functional_conv_model_without_memory_pressure_recomputes_nothing(checkpoints):
+    from keras_memfit.training import remat as _remat
+
+    reference = _fit(unet(16, optimizer="sgd"), [], batch_size=4)
+    model = unet(16, optimizer="sgd")
+    memfit = MemFit()
+    got = _fit(model, [memfit], batch_size=4)
+    assert checkpoints == [] and model not in _remat._BLOCKS and memfit.events == []
+    assert "call" not in vars(model)
+    _assert_trained_alike(got, reference)
+
+
 def test_blocks_rank_the_transformer_blocks_first():
     model = transformer(32, 16, 3)
     found, flops = blocks(model)
@@ -238,14 +447,18 @@ def test_blocks_rank_the_transformer_blocks_first():
     assert found[0].flops == by_hand
 
 
-def test_blocks_cut_a_sequential_into_runs_of_about_sqrt_n():
-    model = conv_stack(16, 8, 9)  # 13 layers: runs of 4
+def test_blocks_cut_a_sequential_where_every_segment_recomputed_holds_least():
+    model = conv_stack(16, 8, 9)  # 13 layers; 16 x 16 x 8 floats (u) out of each conv and norm
     found, _ = blocks(model)
-    runs = sorted([layer.name for layer in block.layers] for block in found)
-    assert runs == [[f"conv{i}" for i in range(4)], [f"conv{i}" for i in range(4, 8)],
-                    ["conv8", "norm", "dropout", "pool"]]  # logits alone frees nothing
-    # A run frees its outputs but the last: 3 conv outputs of 16 x 16 x 8 floats.
-    assert [b.saving for b in found][:2] == [3 * 16 * 16 * 8 * 4] * 2
+    segments = sorted([layer.name for layer in block.layers] for block in found)
+    # By hand, every segment recomputed: the backward pass of a segment holds what
+    # the segments before it keep (one u each) and what it makes inside again;
+    # the largest of these is 4u at the least (11 u out of 13 layers), and later
+    # segments are shorter, since more is kept before them. Logits alone frees nothing.
+    assert segments == [[f"conv{i}" for i in range(4)], ["conv4", "conv5", "conv6"],
+                        ["conv7", "conv8"], ["norm", "dropout", "pool"]]
+    u = 16 * 16 * 8 * 4
+    assert sorted(b.saving for b in found) == [u, u, 2 * u, 3 * u]
 
 
 def test_memory_report_shows_what_recomputing_frees():
@@ -256,12 +469,14 @@ def test_memory_report_shows_what_recomputing_frees():
     assert frees["block0"] > 0 and frees["block0"] == frees["block1"]
     assert frees["embedding"] == 0 and frees["logits"] == 0  # nothing inside to recompute
     assert "Remat frees" in str(report)
-    # A Sequential: on each run's first layer, the outputs inside the run (3
-    # conv outputs of 16 x 16 x 8 floats, 4 samples).
-    frees = {row.name: row.remat_bytes for row in memory_report(
-        conv_stack(16, 8, 9), batch_size=4).rows}
-    assert frees["conv0"] == frees["conv4"] == 4 * 3 * 16 * 16 * 8 * 4
-    assert frees["conv1"] == frees["logits"] == 0
+    # A Sequential: on each segment's first layer, the outputs inside it (conv0 to
+    # conv3: 3 conv outputs of 16 x 16 x 8 floats, 4 samples), and its layers.
+    report = memory_report(conv_stack(16, 8, 9), batch_size=4)
+    frees = {row.name: (row.remat_bytes, row.remat_layers) for row in report.rows}
+    u = 4 * 16 * 16 * 8 * 4
+    assert frees["conv0"] == (3 * u, 4) and frees["conv4"] == (2 * u, 3)
+    assert frees["conv1"] == frees["logits"] == (0, 0)
+    assert "(4 layers)" in str(report)
 
 
 def test_escalation_doubles_until_every_block():
@@ -287,6 +502,29 @@ def test_unknown_layer_name_is_named():
         _fit(model, [MemFit(remat=["nope"])], batch_size=4, epochs=1)
 
 
+@pytest.mark.memory_cap(64)
+def test_one_layer_whose_backward_pass_does_not_fit_is_named_without_recomputing():
+    """A 3x3 Conv2D(32) on a 32-channel 256 x 256 image: its gradients on
+    TensorFlow's CPU kernels need its column matrix (72 MiB) beyond its tensors
+    (32 MiB with their gradients), more than the 64 MiB cap holds; no
+    recomputation of other layers can help, and MemFit says so at once."""
+    from keras_memfit import OutOfMemoryError
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((256, 256, 3))
+    x = layers.Conv2D(32, 3, padding="same", name="conv0")(inputs)
+    x = layers.Conv2D(32, 3, padding="same", name="conv1")(x)
+    model = _compiled(inputs, x, "sgd")
+    x, y = _images(1, 256)
+    memfit = MemFit()
+    with pytest.raises(OutOfMemoryError) as caught:
+        model.fit(x, y, batch_size=1, verbose=0, callbacks=[memfit])
+    err = caught.value
+    assert err.cause == "one_layer" and err.layer == "conv1", str(err)
+    assert "column matrix of 72.0 MiB" in str(err) and "MiB free on CPU:0" in str(err), str(err)
+    assert not [e for e in memfit.events if e["kind"] == "remat"], memfit.events
+
+
 # ------------------------------------------------------------- real OOMs
 # Per model kind and backend: its size, and how memory runs out. TensorFlow:
 # the capped BFC allocator (the transformer's one sample: ~259 MiB plain, ~83
@@ -306,16 +544,38 @@ def test_unknown_layer_name_is_named():
 # subclassed transformer fits plain at 600 in one child and fails at 580
 # with every block recomputed in another.
 LENGTH = {"tensorflow": 1024, "jax": 2048, "torch": 2048}
+# Functional conv models, TensorFlow only: cut by their graph. Measured on the
+# capped allocator (2 cores; the smallest cap that trains, plain / with every
+# segment recomputed): the VGG-style chain (a 256 x 256 image, 24
+# Conv2D(16)-BatchNormalization-ReLU blocks) 243 / 118 MiB; the U-Net (256 x
+# 256, 6 blocks a level) 180 / 120; keras.applications' MobileNetV2 (alpha
+# 0.35, 384 x 384) 127 / 78. MemFit needs 3-4 rungs at these caps. Not run:
+# MobileNetV2 at 224 x 224 (plain 70-82 MiB from run to run, 57 recomputed:
+# no steady window); ResNet50 (at one sample MemFit's own step holds every
+# gradient at once after an OOM, 82 MiB more than Keras's at 160 x 160:
+# `backend/tensorflow/training.TrainStep`'s strict order).
+FUNCTIONAL = {"tensorflow": ("chain", "unet", "mobilenet")}
+# The functional conv models are compared with MemFit's uncapped fit (nothing
+# recomputed there) instead of plain `fit`: at batch 1, with BatchNormalization,
+# MemFit's own TensorFlow step ends up to 1.5e-4 (the chain) and 1.0e-3
+# (MobileNetV2; 2.9e-5 at 64 x 64) from plain Keras's weights after two SGD
+# steps, with or without recomputation (the U-Net: bitwise); each capped run,
+# its segments recomputed, is bitwise equal to the uncapped MemFit run.
+MEMFIT_REFERENCE = FUNCTIONAL["tensorflow"]
 DIM = {"tensorflow": 128, "jax": 64, "torch": 64}
 DEPTH = 4
 CONV = {"tensorflow": (256, 16, 16)}
 KINDS = {"tensorflow": ("transformer", "subclassed", "conv"),
          "jax": ("transformer", "subclassed"), "torch": ("transformer",)}
-CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100}
+CAP_MB = {"transformer": 180, "subclassed": 180, "conv": 100, "chain": 160, "unet": 140,
+          "mobilenet": 100}
 BUDGET_MB = {
     "transformer": {"jax": 1280, "torch": 900},
     "subclassed": {"jax": 1280},
     "conv": {},
+    "chain": {},
+    "unet": {},
+    "mobilenet": {},
 }
 
 
@@ -342,26 +602,32 @@ def _run(mode: str, kind: str, tmp_path) -> tuple:
     return weights, result
 
 
-def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
-    """MemFit recomputes blocks until one sample fits, and trains as plain `fit` uncapped:
-    a functional transformer, the same subclassed, a Sequential conv stack.
-
-    Every child runs at once: the capped ones mostly wait (TensorFlow's
-    allocator waits about 10 s per OOM).
-    """
+def _run_all(kinds, tmp_path) -> dict:
+    """Each kind capped ("auto") and plain, every child at once: the capped ones
+    mostly wait (TensorFlow's allocator waits about 10 s per OOM). Each trained
+    by MemFit as plain `fit` uncapped, through the rung."""
     from concurrent.futures import ThreadPoolExecutor
 
-    backend = keras.backend.backend()
-    kinds = KINDS[backend]
     jobs = [(mode, kind) for kind in kinds for mode in ("auto", "plain")]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(lambda job: _run(*job, tmp_path), jobs)))
     for kind in kinds:
         (weights, got), (ref_weights, expected) = results["auto", kind], results["plain", kind]
+        assert not expected["events"], (kind, expected["events"])  # a reference recomputes nothing
         remat = [e for e in got["events"] if e["kind"] == "remat"]
         assert remat and remat[-1]["layers"], (kind, got["events"])
         assert got["history"]["memfit_remat"] == [len(remat[-1]["layers"])], kind
         _assert_trained_alike((weights, got["history"]), (ref_weights, expected["history"]))
+    return results
+
+
+def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
+    """MemFit recomputes blocks until one sample fits, and trains as plain `fit` uncapped:
+    a functional transformer, the same subclassed, a Sequential conv stack and, on
+    TensorFlow, functional conv models of nothing but plain layers, cut by their
+    graph: a VGG-style chain, a U-Net with skips, keras.applications' MobileNetV2."""
+    backend = keras.backend.backend()
+    results = _run_all(KINDS[backend] + FUNCTIONAL.get(backend, ()), tmp_path)
     if backend == "tensorflow":
         # Without the rung MemFit gives up; with all of it too, here, and the
         # model that ran out of memory in its recomputing step is intact.
@@ -386,6 +652,12 @@ def _limit_memory(backend: str, kind: str) -> None:
 
 
 def _model_and_data(kind: str, backend: str, rows: int):
+    if kind == "chain":
+        return vgg_chain(256, 16, per_stage=24, stages=1, optimizer="sgd"), _images(rows, 256)
+    if kind == "unet":
+        return unet(256, per_level=6, optimizer="sgd"), _images(rows, 256)
+    if kind == "mobilenet":
+        return mobilenet(384, optimizer="sgd"), _images(rows, 384)
     if kind == "conv":
         size, channels, depth = CONV[backend]
         return conv_stack(size, channels, depth), _images(rows, size)
@@ -399,7 +671,8 @@ def _values(model):
 
 def _main(mode: str, kind: str, out: str) -> None:
     """Train one sample per batch; write weights, History and events (`mode` "auto":
-    under the memory limit; on TensorFlow's transformer after trying
+    under the memory limit, with MemFit; "plain": without, and without MemFit but
+    for `MEMFIT_REFERENCE`; on TensorFlow's transformer after trying
     `MemFit(remat=False)` there, and every block recomputed at twice the length)."""
     from keras_memfit import OutOfMemoryError
 
@@ -429,8 +702,9 @@ def _main(mode: str, kind: str, out: str) -> None:
         del off, big
     memfit = MemFit()
     keras.utils.set_random_seed(7)
+    with_memfit = mode == "auto" or kind in MEMFIT_REFERENCE
     history = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[memfit] if mode == "auto" else [])
+                        callbacks=[memfit] if with_memfit else [])
     result.update(history=history.history, events=memfit.events)
     np.savez(out + ".npz", **{f"w{i}": w for i, w in enumerate(_values(model))})
     with open(out + ".json", "w") as f:

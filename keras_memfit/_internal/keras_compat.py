@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterable, Optional, Tuple, Type
+from typing import Any, Iterable, NamedTuple, Optional, Tuple, Type
 
 import keras
 
@@ -124,7 +124,7 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
         if isinstance(shape, (tuple, list)) and shape and not all(
             d is None or isinstance(d, int) for d in shape
         ):
-            return type(shape)(tensors(v) for v in shape)
+            return (list if isinstance(shape, list) else tuple)(tensors(v) for v in shape)
         return keras.KerasTensor(_lengths.filled(model, (None,) + tuple(shape[1:])), dtype=dtype)
 
     if len(shapes) == 1:
@@ -178,6 +178,60 @@ def built_input_shape(layer: Any) -> Any:
     if len(shapes) == 1:
         return tuple(next(iter(shapes.values())))
     return None
+
+
+# ---- Functional graphs (MemFit's recomputation) ----
+
+
+class GraphNode(NamedTuple):
+    """One call of a functional graph: the operation and its symbolic inputs and outputs."""
+
+    op: Any
+    inputs: Tuple[keras.KerasTensor, ...]
+    outputs: Tuple[keras.KerasTensor, ...]
+
+
+class FunctionalGraph(NamedTuple):
+    """The graph a functional model runs: its `Input`s and outputs (as nested as the
+    model takes and returns them) and its calls in the order Keras runs them."""
+
+    inputs: Any
+    outputs: Any
+    nodes: Tuple[GraphNode, ...]
+
+
+def functional_graph(model: Any) -> Optional[FunctionalGraph]:
+    """The graph `model.call` runs, or None: not a functional model or a Sequential
+    of one input tensor, or a class with a `call` of its own.
+
+    The order is `Functional._run_through_graph`'s: by depth, deepest first,
+    each node once its inputs are computed.
+    """
+    from keras.src.models.functional import Functional
+
+    sequential = isinstance(model, keras.Sequential)
+    functional = getattr(model, "_functional", None) if sequential else model
+    own_call = keras.Sequential.call if sequential else Functional.call
+    if not isinstance(functional, Functional) or type(model).call is not own_call:
+        return None
+    computed = {id(t) for t in functional.inputs}
+    nodes = []
+    for depth in sorted(functional._nodes_by_depth, reverse=True):
+        for node in functional._nodes_by_depth[depth]:
+            if node.operation is None or node.is_input:
+                continue
+            if any(id(t) not in computed for t in node.input_tensors):
+                continue
+            nodes.append(GraphNode(node.operation, tuple(node.input_tensors),
+                                   tuple(node.outputs)))
+            computed.update(id(t) for t in node.outputs)
+    return FunctionalGraph(functional._inputs_struct, functional._outputs_struct, tuple(nodes))
+
+
+def made_trainable(layer: Any) -> Iterable[Any]:
+    """The variables `layer` made as trainable weights (`_trainable_variables`), also
+    those frozen since (LoRA's base kernel, a layer set `trainable=False`)."""
+    return layer._trainable_variables
 
 
 # ---- Training (MemFit): Keras's training loop and train step ----

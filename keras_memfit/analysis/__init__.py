@@ -12,6 +12,9 @@ Modules, one concept each (imports point down this list):
 - `peak`: the one peak formula, for the model and per device;
 - `model`: `ModelAnalysis`, the above for one model, row by row (and
   `training_peak`, its training estimate at a number of rows, made lazily);
+- `segments`: the cut of a sequence of calls into segments to recompute
+  with the lowest backward peak;
+- `backward`: one layer's own backward need (what no recomputation frees);
 - `choice`: which cheap layers `place` pins for a budget;
 - `report_text`: the text table of a `MemoryReport`.
 

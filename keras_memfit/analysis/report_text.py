@@ -28,7 +28,7 @@ def table(report: Any, line_length: Optional[int]) -> str:
             format_bytes(r.param_bytes),
             format_bytes(r.slot_bytes),
             format_bytes(r.activation_bytes),
-            format_bytes(r.remat_bytes) if r.remat_bytes else "-",
+            _remat(r.remat_bytes, r.remat_layers),
             format_count(r.flops),
             r.device,
             format_bytes(r.cut_bytes_per_sample),
@@ -60,3 +60,10 @@ def table(report: Any, line_length: Optional[int]) -> str:
                 f"estimated peak {format_bytes(d.peak_bytes_at(report.batch_size))}{mark}"
             )
     return "\n".join(lines)
+
+
+def _remat(saving: int, layers: int) -> str:
+    """A "Remat frees" cell: the bytes and the layers recomputed together, or "-"."""
+    if not saving:
+        return "-"
+    return f"{format_bytes(saving)} ({layers} layer{'' if layers == 1 else 's'})"

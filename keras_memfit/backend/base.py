@@ -281,6 +281,11 @@ class Memory(Protocol):
     def reset_peak(self, device: str) -> None:
         """Start a new peak measurement on `device` (nothing where unsupported)."""
 
+    def conv_columns(self, model: Any, device: str) -> bool:
+        """Whether a convolution's backward pass in `model`'s train step on
+        `device` builds its input's column matrix (the kernel's size times the
+        input), a workspace no recomputation frees."""
+
     def compiles_per_shape(self, model: Any) -> bool:
         """Whether `model`'s steps compile once per piece shape (XLA).
 

@@ -173,6 +173,10 @@ class BatchPlanner:
     def device(self) -> str:
         return self._device
 
+    def free_bytes(self) -> Optional[int]:
+        """Bytes free on the device (the fullest replica's) where its limit is known, else None."""
+        return self._memory.free()
+
     @property
     def measuring(self) -> bool:
         """Whether the next pieces measure their memory (each must run alone)."""

@@ -57,6 +57,7 @@ from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import (
     ACCUMULATE,
     CANNOT_SPLIT,
+    ONE_LAYER,
     ONE_SAMPLE,
     UPDATE,
     UPDATE_BEGAN,
@@ -217,6 +218,9 @@ class Run:
                 if exc.cause != ONE_SAMPLE or self._pieces_run:
                     raise
                 drop_frames(exc)  # the failed piece's buffers, freed before anything else
+                beyond = self._layer_beyond_free(exc, cut)
+                if beyond is not None:
+                    raise beyond
                 if not self.remat.escalate(cut.signature, cut.x):
                     raise self._remat_error(exc, cut)
             self._remat_event(cut)
@@ -246,6 +250,30 @@ class Run:
             exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_SAMPLE,
             detail=(f"MemFit already recomputed {len(names)} layer(s) in the backward pass "
                     f"({', '.join(names)}){freed} and found no more to recompute."),
+        )
+        error.__cause__ = exc.__cause__
+        return error
+
+    def _layer_beyond_free(self, exc: OutOfMemoryError, cut: Cut) -> Optional[OutOfMemoryError]:
+        """The error to raise where one layer's own backward pass needs more than is
+        free (with remat "auto"; where the device's limit is known), else None."""
+        planner = self._planners.get(self._planner_key("train", cut))
+        free = None if planner is None else planner.free_bytes()
+        if self.remat.setting != "auto" or free is None:
+            return None
+        columns = _backend.get().conv_columns(self.model, planner.device)
+        need = self.remat.heaviest(columns, cut.x)
+        if need is None or need.total <= free:
+            return None
+        layer = need.layer
+        matrix = (f", and its convolution's column matrix of {need.columns / 2**20:.1f} MiB"
+                  if need.columns else "")
+        error = OutOfMemoryError(
+            exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_LAYER,
+            layer=layer.name,
+            detail=(f"Estimated: {need.total / 2**20:.1f} MiB for '{layer.name}' "
+                    f"({type(layer).__name__}: its inputs, outputs and their gradients"
+                    f"{matrix}), {free / 2**20:.1f} MiB free on {planner.device}."),
         )
         error.__cause__ = exc.__cause__
         return error
@@ -499,17 +527,20 @@ class Run:
         Every phase tries the whole batch first (`probe="after_oom"`): a
         batch that fits runs as Keras would run it.
         """
-        signature = cut.signature
-        if phase == "train" and self._remat_names:  # another step: memory planned afresh
-            signature = (signature, self._remat_names)
-        key = (phase, signature)
+        key = self._planner_key(phase, cut)
         planner = self._planners.get(key)
         if planner is None:
             planner = self._planners[key] = BatchPlanner(
-                self.model, phase, signature, None, self._unlocated, probe="after_oom"
+                self.model, phase, key[1], None, self._unlocated, probe="after_oom"
             )
         planner.start_batch(cut.slots)
         return planner
+
+    def _planner_key(self, phase: str, cut: Cut) -> Tuple[str, Hashable]:
+        signature = cut.signature
+        if phase == "train" and self._remat_names:  # another step: memory planned afresh
+            signature = (signature, self._remat_names)
+        return phase, signature
 
     @property
     def adapted(self) -> bool:

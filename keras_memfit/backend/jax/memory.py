@@ -121,6 +121,11 @@ def reset_peak(device: str) -> None:
         _resets[device] = (int(stats.get("peak_bytes_in_use", current)), current)
 
 
+def conv_columns(model: Any, device: str) -> bool:
+    """False: XLA's CPU convolutions were not measured building one."""
+    return False
+
+
 def compiles_per_shape(model: Any) -> bool:
     """Always, unless run eagerly: keras_memfit's JAX steps are `jax.jit`-compiled
     (see `steps._compile`)."""

@@ -153,6 +153,11 @@ def release_cached() -> None:
         torch.cuda.empty_cache()
 
 
+def conv_columns(model: Any, device: str) -> bool:
+    """False: torch's CPU convolutions (oneDNN) were not measured building one."""
+    return False
+
+
 def compiles_per_shape(model: Any) -> bool:
     """False: keras_memfit's steps on torch run eagerly, also where Keras wraps
     its own in `torch.compile` (`jit_compile=True`; see `steps`)."""
