@@ -555,13 +555,6 @@ LENGTH = {"tensorflow": 1024, "jax": 2048, "torch": 2048}
 # gradient at once after an OOM, 82 MiB more than Keras's at 160 x 160:
 # `backend/tensorflow/training.TrainStep`'s strict order).
 FUNCTIONAL = {"tensorflow": ("chain", "unet", "mobilenet")}
-# The functional conv models are compared with MemFit's uncapped fit (nothing
-# recomputed there) instead of plain `fit`: at batch 1, with BatchNormalization,
-# MemFit's own TensorFlow step ends up to 1.5e-4 (the chain) and 1.0e-3
-# (MobileNetV2; 2.9e-5 at 64 x 64) from plain Keras's weights after two SGD
-# steps, with or without recomputation (the U-Net: bitwise); each capped run,
-# its segments recomputed, is bitwise equal to the uncapped MemFit run.
-MEMFIT_REFERENCE = FUNCTIONAL["tensorflow"]
 DIM = {"tensorflow": 128, "jax": 64, "torch": 64}
 DEPTH = 4
 CONV = {"tensorflow": (256, 16, 16)}
@@ -590,6 +583,10 @@ def _run(mode: str, kind: str, tmp_path) -> tuple:
     # One malloc arena: each thread's own maps 64 MiB, and whether a step fits
     # under an address-space limit would depend on the threads that ran.
     env.update(MALLOC_ARENA_MAX="1")
+    # One thread per TensorFlow op: with several, a convolution's or a
+    # BatchNormalization's sums run in an order that varies from run to run
+    # (the chain's weights differ by 1.5e-4 between two plain fits).
+    env.update(TF_NUM_INTRAOP_THREADS="1")
     if mode == "auto" and backend == "tensorflow":
         env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(CAP_MB[kind]))
     out = str(tmp_path / f"{mode}-{kind}")
@@ -671,9 +668,9 @@ def _values(model):
 
 def _main(mode: str, kind: str, out: str) -> None:
     """Train one sample per batch; write weights, History and events (`mode` "auto":
-    under the memory limit, with MemFit; "plain": without, and without MemFit but
-    for `MEMFIT_REFERENCE`; on TensorFlow's transformer after trying
-    `MemFit(remat=False)` there, and every block recomputed at twice the length)."""
+    under the memory limit, with MemFit; "plain": without either; on TensorFlow's
+    transformer after trying `MemFit(remat=False)` there, and every block
+    recomputed at twice the length)."""
     from keras_memfit import OutOfMemoryError
 
     backend = keras.backend.backend()
@@ -702,9 +699,8 @@ def _main(mode: str, kind: str, out: str) -> None:
         del off, big
     memfit = MemFit()
     keras.utils.set_random_seed(7)
-    with_memfit = mode == "auto" or kind in MEMFIT_REFERENCE
     history = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[memfit] if with_memfit else [])
+                        callbacks=[memfit] if mode == "auto" else [])
     result.update(history=history.history, events=memfit.events)
     np.savez(out + ".npz", **{f"w{i}": w for i, w in enumerate(_values(model))})
     with open(out + ".json", "w") as f:
