@@ -179,6 +179,15 @@ _UPDATE_STATE = {
                   "place on the state it was given)",
     "jax": "lost (JAX's update works in place on the state it was given)",
 }
+# Where a step whose optimizer update had begun ran out of memory, per backend.
+_UPDATE_BEGAN_WHERE = {
+    "tensorflow": ("in the update, or in the backward pass while later layers' updates ran, "
+                   "as in Keras's own step"),
+    "jax": ("in the update, in Keras's own step that computes the gradients and applies "
+            "them as one program on the state it was given, or in the previous step's "
+            "update, still running when this step began"),
+    "torch": "in the update, which torch applies to the weights in place",
+}
 
 
 def can_place(model: Any) -> bool:
@@ -244,6 +253,8 @@ class _OutOfMemoryErrorBody:
         layer: The layer whose backward pass alone does not fit (cause "one_layer").
         can_place: Whether `keras_memfit.place` may be advised (see
             `can_place`); None: whether the active backend places layers.
+        can_shrink: Whether `MemFit(mode="shrink")` may be advised (cause
+            "accumulate"); False under several JAX processes, which refuse it.
 
     Attributes:
         model_name: Name of the model that ran out of memory.
@@ -278,6 +289,7 @@ class _OutOfMemoryErrorBody:
         can_place: Optional[bool] = None,
         stateful: Sequence[str] = (),
         layer: Optional[str] = None,
+        can_shrink: bool = True,
     ) -> None:
         if cause not in CAUSES:
             raise ValueError(f"cause must be one of {CAUSES}; received {cause!r}")
@@ -293,6 +305,7 @@ class _OutOfMemoryErrorBody:
         self.stateful = tuple(stateful)
         self.layer = layer
         self.can_place = _backend.get().PLACES_LAYERS if can_place is None else can_place
+        self.can_shrink = can_shrink
         parts = [self._what(), self._held(), self._state(), detail.strip(), self._advice()]
         _backend.get().init_oom_error(self, " ".join(p for p in parts if p))
 
@@ -320,8 +333,7 @@ class _OutOfMemoryErrorBody:
                     "weights, do not fit either.")
         if self.cause == UPDATE_BEGAN:
             return (f"{head} once the optimizer update of a step on {rows} rows had begun "
-                    f"(one sample's input shape {shapes}): in the update, or in the backward "
-                    "pass while later layers' updates ran, as in Keras's own step.")
+                    f"(one sample's input shape {shapes}): {_UPDATE_BEGAN_WHERE[_backend.name()]}.")
         if self.stateful:
             names = ", ".join(f"'{name}'" for name in self.stateful)
             size = "" if self.rows is None else f" of {self.rows} rows"
@@ -385,10 +397,11 @@ class _OutOfMemoryErrorBody:
                     "; free other models or tensors held on the device; or train on a device "
                     "with more memory.")
         if self.cause == ACCUMULATE:
-            return ("What to do next: train with MemFit(mode='shrink'), which runs such a "
-                    "batch as smaller batches, one optimizer update each, without these sums; "
-                    f"or use a batch_size that fits whole; {place}free other models or "
-                    "tensors held on the device; or use a smaller model.")
+            shrink = ("train with MemFit(mode='shrink'), which runs such a batch as smaller "
+                      "batches, one optimizer update each, without these sums; or "
+                      if self.can_shrink else "")
+            return (f"What to do next: {shrink}use a batch_size that fits whole; {place}free "
+                    "other models or tensors held on the device; or use a smaller model.")
         if self.cause in (UPDATE, UPDATE_BEGAN):
             grows = self.cause == UPDATE_BEGAN or self.held is not None
             first = "use a smaller batch_size; " if grows else ""
@@ -407,7 +420,7 @@ class _OutOfMemoryErrorBody:
             type(self),
             (self.model_name, self.phase, self.batch_shape, self.device, self.detail,
              self.cause, self.rows, self.held, self.received, self.can_place, self.stateful,
-             self.layer),
+             self.layer, self.can_shrink),
         )
 
 

@@ -19,7 +19,6 @@ import keras
 import numpy as np
 import pytest
 
-from keras_memfit import MemFit
 from memfit_support import BATCH, FEATURES, N, SEED, _fit_pair
 
 # float16 activations: the micro-batches round otherwise than the batch (measured: 7e-6).

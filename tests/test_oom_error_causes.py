@@ -171,6 +171,12 @@ def test_sums_that_do_not_fit_name_the_batch_keep_the_weights_and_advise_shrink(
         np.testing.assert_array_equal(got, expected)
 
 
+def test_accumulate_where_shrink_is_refused_does_not_advise_it():
+    """Several JAX processes refuse MemFit(mode="shrink"): the advice leaves it out."""
+    err = make(oom_module.ACCUMULATE, rows=BATCH, can_shrink=False)
+    assert "shrink" not in str(err) and "use a batch_size that fits whole" in str(err)
+
+
 def test_update_oom_that_held_rows_says_they_grow_with_the_batch():
     held = "80 rows of 'emb/embeddings' (1.2 KiB)"
     err = make(oom_module.UPDATE, held=held)
@@ -203,6 +209,9 @@ def test_update_began_names_the_step_and_is_not_retried(inject_oom):
 def test_update_began_on_this_backend_says_what_is_left_of_the_weights():
     message = str(make(oom_module.UPDATE_BEGAN, rows=12))
     assert "once the optimizer update of a step on 12 rows had begun" in message
+    where = {"tensorflow": "in the backward pass while later layers' updates ran",
+             "jax": "in the previous step's update"}.get(BACKEND, "applies to the weights in place")
+    assert where in message
     expected = {"jax": "may be lost", "tensorflow": "may be partly updated (or lost under "
                 "jit_compile"}.get(BACKEND, "may be partly updated, so")
     assert expected in message

@@ -62,6 +62,7 @@ from keras_memfit.oom import (
     UPDATE,
     UPDATE_BEGAN,
     OutOfMemoryError,
+    can_place,
     is_oom_error,
 )
 from keras_memfit.planning import data as _data
@@ -250,6 +251,7 @@ class Run:
             exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_SAMPLE,
             detail=(f"MemFit already recomputed {len(names)} layer(s) in the backward pass "
                     f"({', '.join(names)}){freed} and found no more to recompute."),
+            can_place=exc.can_place,
         )
         error.__cause__ = exc.__cause__
         return error
@@ -414,8 +416,17 @@ class Run:
         """The error for an OOM in the update of `rows` of `cut`'s batch, or in its sums."""
         return OutOfMemoryError(
             self.model.name, "train", _data.shapes(_data.rows(cut.chunk[0], 0, 1)),
-            planner.device, cause=cause, rows=rows, held=held,
+            planner.device, cause=cause, rows=rows, held=held, can_place=can_place(self.model),
+            can_shrink=self._can_shrink(),
         )
+
+    def _can_shrink(self) -> bool:
+        """Whether MemFit(mode="shrink") could train this model here."""
+        try:
+            _backend.get().check_training_mode(self.model, "shrink")
+        except NotImplementedError:
+            return False
+        return True
 
     # ------------------------------------------------------------- evaluate
     def test(self, batches: Iterable[Any]) -> Any:
