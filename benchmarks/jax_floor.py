@@ -134,8 +134,8 @@ def _loops(name: str, steps: int) -> Tuple[Callable[[], None],
     model.fit(x[:b], y[:b], batch_size=b, verbose=0)  # builds the optimizer and metrics
     # Copies: the fits below donate the variables' own arrays (Keras's step and
     # MemFit's update program both work in place).
-    initial = [[jnp.copy(a) for a in state_lib.read(group)]
-               for group in training.train_state(model)]
+    initial = [[jnp.copy(a) for a in state_lib.read(state_lib.variables(model, group))]
+               for group in state_lib.GROUPS["train"]]
     batches = [(jnp.asarray(x[i:i + b]), jnp.asarray(y[i:i + b])) for i in range(0, len(x), b)]
     keras_step = jax.jit(model.train_step, donate_argnums=0)
     memfit_step = training.TrainStep(model)

@@ -69,7 +69,6 @@ from keras_memfit.backend.jax.steps import _compile
 
 logger = logging.getLogger("keras_memfit")
 
-UPDATED = ("trainable", "optimizer")  # what the update program writes in place
 # The two programs are kept unless they need this much more than is free: room
 # for what a step allocates beside its programs (the batch's logs, dispatch).
 SPLIT_MARGIN = 16 << 20
@@ -105,11 +104,6 @@ def oom_raises_at_dispatch() -> bool:
 
 def has_default_train_step(model: keras.Model) -> bool:
     return getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
-
-
-def train_state(model: keras.Model) -> List[List[Any]]:
-    """The variables of Keras's JAX train state: trainable, non-trainable, optimizer, metrics."""
-    return [_state.variables(model, group) for group in TRAIN_STATE]
 
 
 def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
