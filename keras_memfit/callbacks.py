@@ -342,7 +342,7 @@ class MemFit(keras.callbacks.Callback):
         backend.check_training_mode(model, self.mode)  # raises for a mode it refuses there
         if self.mode != "accumulate":
             return self.mode, None
-        if not backend.has_default_train_step(model):
+        if not _model_state.has_default_train_step(model):
             return "shrink", (
                 f"MemFit(mode='accumulate') cannot split the custom train_step of "
                 f"{type(model).__name__} into accumulated micro-batches, so it trains as "

@@ -31,6 +31,11 @@ def stateful_layers(model: keras.Model) -> Tuple[str, ...]:
     )
 
 
+def has_default_train_step(model: keras.Model) -> bool:
+    """Whether `model` uses Keras's own `train_step` (its backend trainer's, not overridden)."""
+    return getattr(type(model).train_step, "__code__", None) is keras.Model.train_step.__code__
+
+
 def train_state_variables(model: keras.Model) -> List[Any]:
     """The small state a failed train step may have updated before failing.
 

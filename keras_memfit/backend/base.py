@@ -367,9 +367,6 @@ class Training(Protocol):
     processes); callers do not see it.
     """
 
-    def has_default_train_step(self, model: Any) -> bool:
-        """Whether `model` uses Keras's own `train_step` (no override)."""
-
     def check_training_mode(self, model: Any, mode: str) -> None:
         """Raise where MemFit cannot train `model` in `mode` ("accumulate" or "shrink") here.
 

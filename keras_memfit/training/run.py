@@ -380,9 +380,8 @@ class Run:
 
     def _train_parts_for(self, cut: Cut) -> TrainParts:
         if self._train_parts is None:
-            backend = _backend.get()
             model, layout = self.model, self.layout
-            custom = not backend.has_default_train_step(model)
+            custom = not _model_state.has_default_train_step(model)
             if not custom:  # builds the model, its metrics and loss, and the optimizer too
                 layout.prepare(model, cut)
             key = (

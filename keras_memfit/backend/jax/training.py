@@ -58,6 +58,7 @@ import jax
 import keras
 from keras.src.backend.jax.trainer import JAXTrainer
 
+from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax.accumulation import TRAIN_STATE, GradientAccumulator
@@ -100,10 +101,6 @@ raises at the wait (`tests/test_jax_async_oom.py` pins that).
 def oom_raises_at_dispatch() -> bool:
     """`OOM_RAISES_AT_DISPATCH` for the platform of JAX's first device (False where unknown)."""
     return OOM_RAISES_AT_DISPATCH.get(jax.devices()[0].platform) is True
-
-
-def has_default_train_step(model: keras.Model) -> bool:
-    return getattr(type(model).train_step, "__code__", None) is JAXTrainer.train_step.__code__
 
 
 def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
@@ -400,7 +397,7 @@ def check_training_mode(model: keras.Model, mode: str) -> None:
     why = fix = None
     if mode != "accumulate":
         why, fix = f"received MemFit(mode={mode!r})", "Pass MemFit()"
-    elif not has_default_train_step(model):
+    elif not _model_state.has_default_train_step(model):
         why = f"model '{model.name}' ({type(model).__name__}) has its own train_step"
         fix = "Train it without MemFit"
     elif _reductions.weighting(model)[0] != _reductions.ROWS:

@@ -18,13 +18,6 @@ import tensorflow as tf
 from keras_memfit._internal import keras_compat as _keras_compat
 
 
-def keras_train_step() -> Any:
-    """Keras's own `train_step` for the TensorFlow backend (`TensorFlowTrainer.train_step`)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer.train_step
-
-
 def unscale_loss_for_distribution(loss: Any) -> Any:
     """The loss without the distribution strategy's scaling (as Keras's train step).
 

@@ -34,7 +34,6 @@ from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.accumulation import GradientAccumulator
 from keras_memfit.backend.tensorflow.default_step import (
     flagged_train_step,
-    keras_train_step,
     loss_and_gradients,
     track_loss,
 )
@@ -47,12 +46,6 @@ logger = logging.getLogger("keras_memfit")
 
 def check_training_mode(model: keras.Model, mode: str) -> None:
     """Nothing: one process (multi-worker strategies are refused: `distribute`)."""
-
-
-def has_default_train_step(model: keras.Model) -> bool:
-    return getattr(type(model).train_step, "__code__", None) is getattr(
-        keras_train_step(), "__code__", object()
-    )
 
 
 # The strict order is used where it costs at most this share of the estimated

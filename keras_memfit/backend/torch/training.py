@@ -26,16 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import keras
 import torch
 import torch.utils.checkpoint
-from keras.src.backend.torch.trainer import TorchTrainer
 
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.torch.steps import AfterOOM, TensorsOf, VariableGuard, to_tensors
-
-
-def has_default_train_step(model: keras.Model) -> bool:
-    return getattr(type(model).train_step, "__code__", None) is TorchTrainer.train_step.__code__
 
 
 def check_training_mode(model: keras.Model, mode: str) -> None:
