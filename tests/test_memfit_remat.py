@@ -555,6 +555,13 @@ LENGTH = {"tensorflow": 1024, "jax": 2048, "torch": 2048}
 # gradient at once after an OOM, 82 MiB more than Keras's at 160 x 160:
 # `backend/tensorflow/training.TrainStep`'s strict order).
 FUNCTIONAL = {"tensorflow": ("chain", "unet", "mobilenet")}
+# The functional conv models (BatchNormalization at batch 1, 24 layers deep)
+# amplify float rounding: MemFit's step and Keras's run the same ops in
+# another order, and their weights end up to 1.8% of the change training
+# made apart (the chain; 1.3e-4 on its first kernel), as Keras's own step
+# does from itself when TensorFlow runs two ops at a time. A wrong gradient
+# or a dropout mask drawn again moves a weight by about its whole change.
+CHANGE_SHARE = 0.05
 DIM = {"tensorflow": 128, "jax": 64, "torch": 64}
 DEPTH = 4
 CONV = {"tensorflow": (256, 16, 16)}
@@ -583,10 +590,10 @@ def _run(mode: str, kind: str, tmp_path) -> tuple:
     # One malloc arena: each thread's own maps 64 MiB, and whether a step fits
     # under an address-space limit would depend on the threads that ran.
     env.update(MALLOC_ARENA_MAX="1")
-    # One thread per TensorFlow op: with several, a convolution's or a
-    # BatchNormalization's sums run in an order that varies from run to run
-    # (the chain's weights differ by 1.5e-4 between two plain fits).
-    env.update(TF_NUM_INTRAOP_THREADS="1")
+    # One thread per TensorFlow op and one op at a time: otherwise sums run in
+    # an order that varies from run to run (two plain fits of the chain end
+    # 1.5e-4 apart); see `CHANGE_SHARE` for what remains.
+    env.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
     if mode == "auto" and backend == "tensorflow":
         env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(CAP_MB[kind]))
     out = str(tmp_path / f"{mode}-{kind}")
@@ -595,7 +602,9 @@ def _run(mode: str, kind: str, tmp_path) -> tuple:
     with open(out + ".json") as f:
         result = json.load(f)
     with np.load(out + ".npz") as arrays:
-        weights = [arrays[f"w{i}"] for i in range(len(arrays.files))]
+        count = len(arrays.files) // 2
+        weights = [arrays[f"w{i}"] for i in range(count)]
+        result["initial"] = [arrays[f"i{i}"] for i in range(count)]
     return weights, result
 
 
@@ -614,8 +623,22 @@ def _run_all(kinds, tmp_path) -> dict:
         remat = [e for e in got["events"] if e["kind"] == "remat"]
         assert remat and remat[-1]["layers"], (kind, got["events"])
         assert got["history"]["memfit_remat"] == [len(remat[-1]["layers"])], kind
-        _assert_trained_alike((weights, got["history"]), (ref_weights, expected["history"]))
+        if kind in FUNCTIONAL["tensorflow"]:
+            for key, values in expected["history"].items():
+                np.testing.assert_allclose(got["history"][key], values, rtol=1e-4, err_msg=key)
+            _assert_trained_within_rounding(weights, ref_weights, expected["initial"], kind)
+        else:
+            _assert_trained_alike((weights, got["history"]), (ref_weights, expected["history"]))
     return results
+
+
+def _assert_trained_within_rounding(weights, ref_weights, initial, kind: str) -> None:
+    """Each weight within `CHANGE_SHARE` of the change plain `fit` made to it."""
+    assert len(weights) == len(ref_weights) == len(initial), kind
+    for w, ref, w0 in zip(weights, ref_weights, initial):
+        change = float(np.max(np.abs(ref - w0), initial=0.0))
+        gap = float(np.max(np.abs(w - ref), initial=0.0))
+        assert gap <= max(CHANGE_SHARE * change, TOL["atol"]), (kind, w.shape, gap, change)
 
 
 def test_one_sample_that_does_not_fit_trains_as_plain_fit(tmp_path):
@@ -698,11 +721,13 @@ def _main(mode: str, kind: str, out: str) -> None:
         result["all_intact"] = all(np.array_equal(a, b) for a, b in zip(before, _values(big)))
         del off, big
     memfit = MemFit()
+    initial = _values(model)
     keras.utils.set_random_seed(7)
     history = model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0,
                         callbacks=[memfit] if mode == "auto" else [])
     result.update(history=history.history, events=memfit.events)
-    np.savez(out + ".npz", **{f"w{i}": w for i, w in enumerate(_values(model))})
+    np.savez(out + ".npz", **{f"w{i}": w for i, w in enumerate(_values(model))},
+             **{f"i{i}": w for i, w in enumerate(initial)})
     with open(out + ".json", "w") as f:
         json.dump(result, f, default=str)
 
