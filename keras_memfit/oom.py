@@ -201,7 +201,7 @@ def can_place(model: Any) -> bool:
         True
     """
     backend = _backend.get()
-    return backend.PLACES_LAYERS and backend.distribution_of(model) is None
+    return backend.placement is not None and backend.distribution_of(model) is None
 
 
 class _OutOfMemoryErrorBody:
@@ -304,7 +304,7 @@ class _OutOfMemoryErrorBody:
         self.received = received
         self.stateful = tuple(stateful)
         self.layer = layer
-        self.can_place = _backend.get().PLACES_LAYERS if can_place is None else can_place
+        self.can_place = _backend.get().placement is not None if can_place is None else can_place
         self.can_shrink = can_shrink
         parts = [self._what(), self._held(), self._state(), detail.strip(), self._advice()]
         _backend.get().init_oom_error(self, " ".join(p for p in parts if p))

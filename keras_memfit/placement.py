@@ -184,6 +184,12 @@ def place(
     _refuse_distribution(be, model)
     host = be.host_device()
     accelerator = _resolve_accelerator(be, accelerator, host)
+    if accelerator is not None and be.placement is None:
+        raise NotImplementedError(
+            f"keras_memfit.place is not implemented for the {keras.backend.backend()} "
+            "backend: it cannot keep a layer on another device than the model's. Run "
+            "the model without place(), or use KERAS_BACKEND=tensorflow for place()."
+        )
     all_layers = [layer for layer in _keras_compat.all_layers(model) if layer is not model]
     pinned = None if cpu_layers is None else _resolve_layers(model, all_layers, cpu_layers)
     if accelerator is None:
@@ -219,7 +225,7 @@ def place(
             oversized_bytes=OVERSIZED_BYTES, dominant_share=DOMINANT_SHARE)
     else:
         reason = "layers given by cpu_layers"
-    _apply(model, be, host, accelerator, pinned)
+    _apply(model, be.placement, be.variable_device, host, accelerator, pinned)
     plan = _plan(analysis, host, accelerator, pinned, True, reason, sizes)
     _show(plan, verbose)
     return plan
@@ -347,10 +353,10 @@ def _plan(
 
 
 # -------------------------------------------------------------------- apply
-def _on_device(be, device: str, method: Callable) -> Callable:
+def _on_device(placer, device: str, method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        with be.device_scope(device):
+        with placer.device_scope(device):
             return method(*args, **kwargs)
 
     return wrapped
@@ -369,21 +375,21 @@ def _undo(model) -> None:
     object.__setattr__(model, _STATE, None)
 
 
-def _apply(model, be, host, accelerator, pinned) -> None:
+def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
     _undo(model)
     wrapped = []
 
     def wrap(obj, attr, device):
         original = obj.__dict__.get(attr)
         wrapped.append((obj, attr, original))
-        object.__setattr__(obj, attr, _on_device(be, device, getattr(obj, attr)))
+        object.__setattr__(obj, attr, _on_device(placer, device, getattr(obj, attr)))
 
     # Inner scopes win: the model's ops on the accelerator, pinned layers on the host.
     wrap(model, "call", accelerator)
     for layer in pinned:  # forward and backward on the host
         wrapped.append((layer, "call", layer.__dict__.get("call")))
         object.__setattr__(layer, "call", functools.wraps(layer.call)(
-            be.call_on_device(host, layer.call)))
+            placer.call_on_device(host, layer.call)))
     # Variables not created yet: each layer creates its own where it belongs
     # (Keras may create them while tracing, where a scope around `call` or
     # `build` is lost when the creation is lifted out of the graph).
@@ -392,20 +398,20 @@ def _apply(model, be, host, accelerator, pinned) -> None:
     for layer in _keras_compat.all_layers(model):
         device = host if id(layer) in pinned_layers else accelerator
         wrapped.append((layer, "add_weight", layer.__dict__.get("add_weight")))
-        object.__setattr__(layer, "add_weight", be.creating_on(device, layer.add_weight))
+        object.__setattr__(layer, "add_weight", placer.creating_on(device, layer.add_weight))
 
     pinned_ids = {id(v) for layer in pinned for v in layer.weights}
     moved = 0
     for v in model.weights:
-        moved += be.move_variable(v, host if id(v) in pinned_ids else accelerator)
+        moved += placer.move_variable(v, host if id(v) in pinned_ids else accelerator)
 
     def follow(optimizer):
-        be.follow_variable_devices(optimizer)
+        placer.follow_variable_devices(optimizer)
         if optimizer is not None and optimizer.built:
             for v in model.trainable_variables:
-                device = be.variable_device(v)
+                device = variable_device(v)
                 for slot in _model_state.slot_variables(optimizer, v):
-                    be.move_variable(slot, device)
+                    placer.move_variable(slot, device)
 
     follow(getattr(model, "optimizer", None))
 

@@ -1,13 +1,10 @@
-"""Every backend provides every member of the seam's protocols, in the module its concern names.
+"""Every backend provides every member of the seam, from the module its concern names.
 
-`keras_memfit.backend.base.CONCERNS` pairs each concern's protocol with the
-module that provides it in every backend package; a backend package keeps
-no export list (`keras_memfit.backend.assemble` reads the members from those
-modules). Checked here on the source of every backend in
-`keras_memfit.backend.SUPPORTED` with `ast`, so TensorFlow, JAX and torch are
-checked whichever of them is installed (nothing of theirs is imported): each
-concern's module defines (or imports) each member of its protocol, a
-function with the protocol's parameters. The active backend is also
+Checked on the source of every backend in `keras_memfit.backend.SUPPORTED`
+with `ast`, so TensorFlow, JAX and torch are checked whichever of them is
+installed: the package's `__init__` imports each member of `base.Backend`
+from the concern's module, which defines it with the protocol's parameters;
+a capability may instead be None (`placement`). The active backend is also
 imported, and `backend.get()` must hold every member.
 """
 
@@ -25,6 +22,14 @@ from keras_memfit.backend import base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_DIR = os.path.join(ROOT, "keras_memfit", "backend")
+# The module of every backend package that provides each concern (as Keras's
+# backends have the same module names in each).
+CONCERNS = {
+    base.OutOfMemory: "oom", base.Memory: "memory", base.Steps: "steps",
+    base.Training: "training", base.Trainer: "trainer", base.Devices: "devices",
+    base.Tracing: "tracing", base.Distribution: "distribution",
+}
+CAPABILITIES = {"placement": base.Placement}
 
 
 def _top_level(path: str) -> Dict[str, Optional[List[str]]]:
@@ -50,6 +55,24 @@ def _top_level(path: str) -> Dict[str, Optional[List[str]]]:
     return names
 
 
+def _bindings(path: str) -> Dict[str, str]:
+    """Name -> where a package's `__init__` binds it: "module:<dotted>", "None" or "other"."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found: Dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                found[alias.asname or alias.name] = f"module:{node.module}"
+        elif isinstance(node, ast.Assign):
+            value = "None" if (isinstance(node.value, ast.Constant)
+                               and node.value.value is None) else "other"
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = value
+    return found
+
+
 def _parameters(protocol: type, member: str) -> Optional[List[str]]:
     """The parameter names of a protocol's method (without `self`); None for an attribute."""
     value = vars(protocol).get(member)
@@ -60,14 +83,22 @@ def _parameters(protocol: type, member: str) -> Optional[List[str]]:
 
 def _missing(name: str, folder: str = BACKEND_DIR) -> List[str]:
     """What backend `name` (a package in `folder`) lacks of the seam, checked on its source."""
+    package = os.path.join(folder, name)
+    bound = _bindings(os.path.join(package, "__init__.py"))
     problems = []
-    for concern, protocol in base.CONCERNS:
-        path = os.path.join(folder, name, f"{concern}.py")
-        if not os.path.isfile(path):
-            problems.append(f"{name}: no module {concern}.py for {protocol.__name__}")
-            continue
-        defined = _top_level(path)
+    for protocol, concern in CONCERNS.items():
+        path = os.path.join(package, f"{concern}.py")
+        defined = _top_level(path) if os.path.isfile(path) else {}
         for member in base.members(protocol):
+            where = bound.get(member)
+            if member in CAPABILITIES:
+                module = f"module:keras_memfit.backend.{name}"
+                if where not in ("None", module):
+                    problems.append(f"{name}: {member} is neither None nor a module of it")
+                continue
+            if where != f"module:keras_memfit.backend.{name}.{concern}":
+                problems.append(f"{name}/__init__.py does not import {member} from {concern}")
+                continue
             if member not in defined:
                 problems.append(f"{name}/{concern}.py lacks {protocol.__name__}.{member}")
                 continue
@@ -79,9 +110,25 @@ def _missing(name: str, folder: str = BACKEND_DIR) -> List[str]:
     return problems
 
 
+def test_the_concerns_are_the_whole_seam():
+    declared = {m for protocol in CONCERNS for m in base.members(protocol)}
+    assert declared == set(base.members(base.Backend))
+
+
 @pytest.mark.parametrize("name", backend.SUPPORTED)
 def test_every_backend_provides_every_member_of_its_concerns(name):
     assert _missing(name) == []
+
+
+@pytest.mark.parametrize("name", backend.SUPPORTED)
+def test_a_capability_a_backend_has_provides_all_of_it(name):
+    bound = _bindings(os.path.join(BACKEND_DIR, name, "__init__.py"))
+    for capability, protocol in CAPABILITIES.items():
+        if bound[capability] == "None":
+            continue
+        path = os.path.join(BACKEND_DIR, name, f"{capability}.py")
+        defined = _top_level(path)
+        assert [m for m in base.members(protocol) if m not in defined] == []
 
 
 @pytest.mark.parametrize("name", backend.SUPPORTED)
@@ -95,29 +142,36 @@ def test_no_backend_keeps_an_export_list(name):
 
 
 def test_the_check_finds_a_missing_member_and_a_wrong_signature(tmp_path):
-    for concern, protocol in base.CONCERNS:
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    imports = ["placement = None"]
+    for protocol, concern in CONCERNS.items():
         lines = []
+        names = []
         for member in base.members(protocol):
+            if member in CAPABILITIES:
+                continue
             params = _parameters(protocol, member)
-            if member == "is_oom_error":
-                continue  # missing
             if member == "reset_peak":
                 params = ["name"]  # renamed
-            lines.append(f"{member} = None" if params is None
-                         else f"def {member}({', '.join(params)}): pass")
-        (tmp_path / "fake").mkdir(exist_ok=True)
-        (tmp_path / "fake" / f"{concern}.py").write_text("\n".join(lines) + "\n")
+            if member != "is_oom_error":  # missing from its module
+                lines.append(f"{member} = None" if params is None
+                             else f"def {member}({', '.join(params)}): pass")
+            if member != "checkpoint":  # not imported by the package
+                names.append(member)
+        (fake / f"{concern}.py").write_text("\n".join(lines) + "\n")
+        imports.append(f"from keras_memfit.backend.fake.{concern} import {', '.join(names)}")
+    (fake / "__init__.py").write_text("\n".join(imports) + "\n")
     assert _missing("fake", str(tmp_path)) == [
         "fake/oom.py lacks OutOfMemory.is_oom_error",
         "fake/memory.py: reset_peak(name), the protocol's takes (device)",
+        "fake/__init__.py does not import checkpoint from training",
     ]
 
 
 def test_the_active_backend_holds_every_member():
     active = backend.get()
-    missing = [
-        f"{protocol.__name__}.{member}"
-        for _, protocol in base.CONCERNS for member in base.members(protocol)
-        if not hasattr(active, member)
-    ]
-    assert missing == []
+    assert [m for m in base.members(base.Backend) if not hasattr(active, m)] == []
+    placement = active.placement
+    assert placement is None or [
+        m for m in base.members(base.Placement) if not hasattr(placement, m)] == []

@@ -47,7 +47,7 @@ def _rows_times_identity():
 
 
 def test_backward_ops_built_under_colocate_with_run_on_the_pinned_device():
-    from keras_memfit.backend.tensorflow.devices import call_on_device
+    from keras_memfit.backend.tensorflow.placement import call_on_device
 
     graph, gradient = _traced_gradient(call_on_device(HOST, _rows_times_identity()))
     casts = [op for op in graph.get_operations() if op.type == "Cast"]

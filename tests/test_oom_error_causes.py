@@ -48,18 +48,14 @@ def make(cause, **overrides):
 
 
 # ---------------------------------------------------------------------------
-# Where place is advised: the backend's flag agrees with its placement functions
+# Where place is advised: where the backend has the placement capability
 # ---------------------------------------------------------------------------
-def test_the_place_flag_is_whether_the_backends_placement_works():
+def test_placement_is_a_capability_of_tensorflow_only():
     backend = backend_module()
-    host = backend.host_device()
-    if backend.PLACES_LAYERS:
-        with backend.device_scope(host):
+    if backend.placement is not None:
+        with backend.placement.device_scope(backend.host_device()):
             pass
-    else:
-        with pytest.raises(NotImplementedError):
-            backend.device_scope(host)
-    assert backend.PLACES_LAYERS is (BACKEND == "tensorflow")
+    assert (backend.placement is not None) is (BACKEND == "tensorflow")
 
 
 def test_no_place_advice_where_place_is_refused():

@@ -1,22 +1,11 @@
 """The backend seam's contract: what every backend package provides, typed.
 
-keras_memfit's core (planning batch sizes, splitting batches, retrying,
-MemFit's strategies, the model analysis) is backend-neutral. Everything that
-depends on Keras's backend is a member of one package,
-`keras_memfit.backend.<name>`; `keras_memfit.backend.get()` returns the
-active one. The seam is split by concern, one protocol each (`OutOfMemory`,
-`Memory`, `Steps`, `Training`, `Trainer`, `Devices`, `Tracing`,
-`Distribution`), whose members are documented here once; `CONCERNS` names
-the module of every backend package that provides each (`oom`, `memory`,
-`steps`, `training`, `trainer`, `devices`, `tracing`, `distribution`), and
-`Backend` is all of them. A new backend is a new package with those modules;
-nothing outside `keras_memfit/backend/` changes.
-
-The values that cross the seam are typed here too: a traced output's `Spec`
-(or `NO_SPEC`), a model's symbolic `Trace` (`TracedCall`, `TracedTensor`), a
-train step's `StepOutcome`, and the `TrainStep` (with the optional
-`OrderedTrainStep`), `StartableStep`/`StartedPiece`, `Accumulator` and
-`Guard` objects the step factories return.
+Everything that depends on Keras's backend is a member of one package,
+`keras_memfit.backend.<name>`, whose `__init__` imports it from the modules
+named below; `keras_memfit.backend.get()` returns the active one. `Backend`
+is every concern's protocol together. A capability a backend lacks is None
+(`placement` on JAX and torch). The values that cross the seam are typed
+here too.
 """
 
 from __future__ import annotations
@@ -113,12 +102,6 @@ class ProcessFailed(RuntimeError):
     failure (its error is named) or did not reach the agreement within its
     timeout (`KERAS_MEMFIT_PROCESS_TIMEOUT`). Public as
     `keras_memfit.ProcessFailed`.
-
-    Example:
-        >>> try:
-        ...     model.fit(x, y, callbacks=[keras_memfit.MemFit()])
-        ... except keras_memfit.ProcessFailed as err:
-        ...     print(err)  # "process 1 of 2 failed: ValueError(...)"
     """
 
 
@@ -168,13 +151,7 @@ class StartedPiece(Protocol):
 
 @runtime_checkable
 class StartableStep(Protocol):
-    """A predict or test step that can also be started without waiting.
-
-    Where a backend's steps run asynchronously (JAX), waiting for each piece
-    before dispatching the next loses the overlap of one piece's computation
-    with the next one's dispatch; `runner.run_in_pieces` keeps pieces
-    started ahead with `start` (see there).
-    """
+    """A predict or test step that can also be started without waiting (JAX)."""
 
     def __call__(self, data: Any) -> Any:
         """Run the step on `data` and wait for it; returns its result."""
@@ -205,14 +182,7 @@ class TrainStep(Protocol):
 
 @runtime_checkable
 class OrderedTrainStep(TrainStep, Protocol):
-    """A `TrainStep` that chooses, per call, when its optimizer update may begin.
-
-    TensorFlow's default step (`backend/tensorflow/training.py`): in the
-    strict order the update waits for every gradient (any OOM before it is
-    retriable); in the free order it may begin once one gradient exists, as
-    in Keras's own step (a lower peak where the weights dominate). It runs
-    strict where that costs little against the estimated peak of the step.
-    """
+    """A `TrainStep` whose update waits for every gradient where that is cheap (TensorFlow)."""
 
     def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
         """Give the estimated training peak in bytes at a number of rows (None: unknown)."""
@@ -233,32 +203,22 @@ class Accumulator(Protocol):
         """Apply the summed gradients as one optimizer step."""
 
     def held(self) -> Optional[str]:
-        """What the last `apply` held that grows with the batch, in words; None: only sums.
-
-        For the message of an OOM in the update: None when it held sums the
-        size of the weights (memory that does not depend on the batch size).
-        """
+        """What the last `apply` held that grows with the batch, in words; None: only sums."""
 
 
 # ---------------------------------------------------------------- the seam
-# One protocol per concern, each provided by the module of that name in every
-# backend package (`CONCERNS`). The members are documented here, once; a
-# backend's function says only what is its own.
+# One protocol per concern, provided by the module of that name in every
+# backend package. The members are documented here, once.
 
 
 class OutOfMemory(Protocol):
-    """The framework's own out-of-memory errors (module `oom`).
-
-    The forms every backend shares are in `keras_memfit.oom`; these are the
-    framework's own, and the classes `OutOfMemoryError` is made on.
-    """
+    """The framework's own out-of-memory errors (module `oom`)."""
 
     def is_oom_error(self, exc: BaseException) -> bool:
         """Whether `exc` is one of the framework's own out-of-memory forms."""
 
     def oom_error_bases(self) -> Tuple[type, ...]:
-        """The bases of `OutOfMemoryError`: the framework's OOM error class, so
-        that existing `except` clauses for it still catch keras_memfit's."""
+        """The framework's OOM error classes, the bases of `OutOfMemoryError`."""
 
     def init_oom_error(self, err: BaseException, message: str) -> None:
         """Initialize `err`, an `OutOfMemoryError`, as its framework base with `message`."""
@@ -287,23 +247,13 @@ class Memory(Protocol):
         input), a workspace no recomputation frees."""
 
     def compiles_per_shape(self, model: Any) -> bool:
-        """Whether `model`'s steps compile once per piece shape (XLA).
-
-        Each new piece size then costs a compilation, so the planner avoids
-        probe sizes and keeps few shapes.
-
-        Example:
-            >>> backend.get().compiles_per_shape(model)  # on JAX
-            True
-        """
+        """Whether `model`'s steps compile once per piece shape (XLA)."""
 
 
 class Steps(Protocol):
     """Inference steps, their traced outputs, undoing their state (module `steps`).
 
-    A step that fails leaves the model as it was before it. Under a
-    distribution the backend chooses, when it makes a step, how its pieces
-    run (on every replica, laid out over the devices); callers do not see it.
+    A step that fails leaves the model as it was before it.
 
     Attributes:
         KERAS_COUNTS_EACH_BATCH_ONCE: Whether Keras's own test step counts each
@@ -319,13 +269,8 @@ class Steps(Protocol):
     KERAS_BEGINS_BATCH_BEFORE_FETCH: bool
 
     def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable:
-        """A step `x -> outputs` running `model.predict_step`, then `postprocess`.
-
-        It may also be a `StartableStep` (steps that run asynchronously).
-
-        Example:
-            >>> outputs = backend.get().make_predict_step(model)(x[:64])
-        """
+        """A step `x -> outputs` running `model.predict_step`, then `postprocess`
+        (a `StartableStep` where steps run asynchronously)."""
 
     def make_test_step(self, model: Any, exact: bool = False) -> Callable:
         """A step `(x, y, sample_weight) -> logs` running `model.test_step`.
@@ -333,11 +278,7 @@ class Steps(Protocol):
         Args:
             model: A compiled model.
             exact: Count per-output losses per sample, where Keras's own step
-                counts each batch once (`KERAS_COUNTS_EACH_BATCH_ONCE`);
-                elsewhere every step already counts per sample.
-
-        Example:
-            >>> logs = backend.get().make_test_step(model)((x[:64], y[:64], None))
+                counts each batch once (`KERAS_COUNTS_EACH_BATCH_ONCE`).
         """
 
     def prepare_test(self, model: Any, batch: Any) -> None:
@@ -347,12 +288,7 @@ class Steps(Protocol):
         """The output structure of `step(x)` by tracing only; `NO_SPEC` where it cannot be traced.
 
         Each array leaf becomes a `Spec` whose dimensions that follow the
-        batch size are None; a leaf that is not an array is returned as it
-        is. A wrapper's `__wrapped__` step is traced.
-
-        Example:
-            >>> backend.get().output_spec(make_predict_step(model), x[:8])
-            Spec(shape=(None, 10), dtype=dtype('float32'))
+        batch size are None; other leaves are returned as they are.
         """
 
     def guard_variables(self, variables: Sequence[Any]) -> Guard:
@@ -360,61 +296,30 @@ class Steps(Protocol):
 
 
 class Training(Protocol):
-    """MemFit's train steps and gradient accumulation (module `training`).
-
-    The backend chooses once, when it makes a step, how it runs under the
-    active distribution (one device, replicas or devices, several
-    processes); callers do not see it.
-    """
+    """MemFit's train steps and gradient accumulation (module `training`)."""
 
     def check_training_mode(self, model: Any, mode: str) -> None:
         """Raise where MemFit cannot train `model` in `mode` ("accumulate" or "shrink") here.
-
-        Under several processes every batch is one agreement of every
-        process, so one update of all: only "accumulate", with Keras's
-        default `train_step` and losses reduced with "sum_over_batch_size" or
-        "mean". Nothing elsewhere.
 
         Raises:
             NotImplementedError: Naming what was received and what to do.
         """
 
     def make_train_step(self, model: Any) -> TrainStep:
-        """A `TrainStep` running Keras's default `train_step` on `model`.
-
-        Example:
-            >>> logs = backend.get().make_train_step(model)((x[:64], y[:64]))
-        """
+        """A `TrainStep` running Keras's default `train_step` on `model`."""
 
     def make_custom_train_step(self, model: Any, data: Any) -> TrainStep:
-        """A `TrainStep` running the model's own `train_step`.
-
-        Made ready as Keras makes its own on `data`, Keras's first batch
-        (TensorFlow traces it there, which builds the model).
-        """
+        """A `TrainStep` running the model's own `train_step`, made ready on Keras's first batch."""
 
     def checkpoint(self, fn: Callable) -> Callable:
         """`fn`, a function of tensors, recomputed in the backward pass (rematerialization).
 
-        What `fn` computes is not kept for the gradients: the backward pass
-        runs `fn` again on the same inputs (`tf.recompute_grad`,
-        `jax.checkpoint`, torch's non-reentrant `checkpoint`). `fn` takes
-        and returns tensors only (nested outputs allowed); the caller closes
-        over everything else.
-
-        Example:
-            >>> block = backend.get().checkpoint(lambda x: layer(x, training=True))
+        `fn` takes and returns tensors only (nested outputs allowed); the
+        caller closes over everything else.
         """
 
     def make_accumulator(self, model: Any) -> Accumulator:
-        """An `Accumulator` over `model`'s trainable weights.
-
-        Example:
-            >>> acc = backend.get().make_accumulator(model)
-            >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5, 1.0)
-            >>> acc.add((x[32:], y[32:]), 0.5, 1.0)
-            >>> acc.apply()
-        """
+        """An `Accumulator` over `model`'s trainable weights."""
 
 
 class Trainer(Protocol):
@@ -435,9 +340,6 @@ class Trainer(Protocol):
 
         Raises:
             ValueError: If `kind` is not one of the three (`check_step_kind`).
-
-        Example:
-            >>> model.train_function = step_function(model, "train", run.train)
         """
 
     def is_end_of_data(self, exc: BaseException) -> bool:
@@ -449,50 +351,18 @@ class Trainer(Protocol):
     def call_keras_function(
         self, model: Any, kind: str, function: Callable, batches: List[Any]
     ) -> Any:
-        """Keras's own `<kind>_function` on `batches` (those MemFit passes through unsplit).
-
-        `function` is the one Keras made, saved before MemFit installed its
-        own; returns what it returned (the logs; for "predict", the outputs).
-
-        Example:
-            >>> logs = call_keras_function(model, "train", keras_train_function, batches)
-        """
+        """Keras's own `<kind>_function` (saved before MemFit's) on `batches`; what it returns."""
 
     def materialize(self, model: Any) -> None:
         """Inside Keras's loops, put the state the backend threads through its
         steps into the model's variables, so that an eager call reads it."""
 
 
-class Devices(Protocol):
-    """Naming devices; placing variables and calls for `place` (module `devices`).
-
-    Attributes:
-        PLACES_LAYERS: Whether `place` can keep layers on another device.
-            False: the five placement functions (`device_scope`,
-            `move_variable`, `creating_on`, `call_on_device`,
-            `follow_variable_devices`) raise `NotImplementedError` with the
-            backend's reason.
-    """
-
-    PLACES_LAYERS: bool
-
-    def host_device(self) -> str:
-        """The host device, that layers kept off the accelerator live on."""
-
-    def list_accelerators(self) -> List[str]:
-        """The canonical names of the devices other than the host."""
-
-    def canonical_device(self, name: str) -> Optional[str]:
-        """`name` as the backend names its devices, or None if unparsable."""
-
-    def device_exists(self, name: str) -> bool:
-        """Whether `name` (canonical) is one of the backend's devices."""
+class Placement(Protocol):
+    """Keeping layers on another device, for `place` (module `placement`, TensorFlow only)."""
 
     def device_scope(self, device: str) -> ContextManager[Any]:
         """A context placing ops and new variables on `device`."""
-
-    def variable_device(self, variable: Any) -> Optional[str]:
-        """The canonical device of a Keras variable's value; None if it has none yet."""
 
     def move_variable(self, variable: Any, device: str) -> bool:
         """Move a built variable's storage to `device`, keeping its value; whether it moved."""
@@ -507,14 +377,34 @@ class Devices(Protocol):
         """Make `optimizer` create each slot, and run each update, on its variable's device."""
 
 
+class Devices(Protocol):
+    """Naming devices (module `devices`); `placement`: the capability, None where absent."""
+
+    placement: Optional[Placement]
+
+    def host_device(self) -> str:
+        """The host device, that layers kept off the accelerator live on."""
+
+    def list_accelerators(self) -> List[str]:
+        """The canonical names of the devices other than the host."""
+
+    def canonical_device(self, name: str) -> Optional[str]:
+        """`name` as the backend names its devices, or None if unparsable."""
+
+    def device_exists(self, name: str) -> bool:
+        """Whether `name` (canonical) is one of the backend's devices."""
+
+    def variable_device(self, variable: Any) -> Optional[str]:
+        """The canonical device of a Keras variable's value; None if it has none yet."""
+
+
 class Tracing(Protocol):
     """The model's layer calls, traced symbolically (module `tracing`), for the analysis."""
 
     def trace_layer_calls(self, model: Any) -> Trace:
         """Every layer and operation call of one symbolic forward pass of `model`.
 
-        Nothing runs and nothing is allocated; the calls are recorded by
-        wrapping `Layer.__call__` and `Operation.__call__` for the trace.
+        Nothing runs and nothing is allocated.
 
         Args:
             model: A built Keras model.
@@ -528,31 +418,14 @@ class Tracing(Protocol):
         Raises:
             ValueError: If the model has not been built, or its forward pass
                 makes different calls at two batch sizes.
-
-        Example:
-            >>> trace = backend.get().trace_layer_calls(model)
-            >>> [type(call.op).__name__ for call in trace.calls][:2]
-            ['Conv2D', 'Conv2D']
         """
 
 
 class Distribution(Protocol):
-    """How the backend runs under a distribution (module `distribution`).
-
-    What the library asks about replicas, devices and processes; how the
-    steps are laid out over them stays in the backend, chosen when a step
-    is made (`Steps`, `Training`).
-    """
+    """What the library asks about replicas, devices and processes (module `distribution`)."""
 
     def distribution_of(self, model: Any) -> Optional[str]:
-        """The distribution `model` runs under, named for messages, or None.
-
-        A question only, refusing nothing.
-
-        Example:
-            >>> backend.get().distribution_of(model)  # under MirroredStrategy
-            'tf.distribute.MirroredStrategy'
-        """
+        """The distribution `model` runs under, named for messages, or None."""
 
     def training_replicas(self, model: Any) -> Optional[Any]:
         """May MemFit train under the current distribution, and how.
@@ -568,63 +441,34 @@ class Distribution(Protocol):
         """
 
     def replica_devices(self, model: Any) -> Tuple[str, ...]:
-        """The devices of `model`'s replicas when each piece is split across several; else ().
-
-        The planner then sizes each piece for all of them: the budget is
-        the smallest free memory among them, the measured peak the largest.
-        () when every piece runs on `compute_device()`.
-        """
+        """The devices of `model`'s replicas when each piece is split across several; else ()."""
 
     def piece_multiple(self) -> int:
         """What every planned piece size must be a multiple of (the devices a
         batch is laid out over); 1 for any size."""
 
     def evaluation(self, model: Any) -> ContextManager[None]:
-        """Around a standalone evaluate's batches (`safe_evaluate`), for several processes.
-
-        With several processes, an error raised inside is told to the other
-        processes (they stop at once), and at its end each process's metric
-        state (its own rows') becomes the sum over the processes (one
-        agreement, one sum), as Keras's multi-process evaluate reports.
-        Nothing with one process.
-
-        Example:
-            >>> with backend.get().evaluation(model):
-            ...     run_batches()
-        """
-
-
-# Each concern's module in every backend package, and the protocol it provides.
-CONCERNS: Tuple[Tuple[str, type], ...] = (
-    ("oom", OutOfMemory),
-    ("memory", Memory),
-    ("steps", Steps),
-    ("training", Training),
-    ("trainer", Trainer),
-    ("devices", Devices),
-    ("tracing", Tracing),
-    ("distribution", Distribution),
-)
+        """Around `safe_evaluate`'s batches: under several processes, a failure told to the
+        others and the metrics summed across them once; nothing with one process."""
 
 
 class Backend(
     OutOfMemory, Memory, Steps, Training, Trainer, Devices, Tracing, Distribution, Protocol
 ):
-    """What `keras_memfit.backend.get()` returns: every concern's members (`CONCERNS`)."""
+    """What `keras_memfit.backend.get()` returns: every concern's members."""
 
 
 def members(protocol: type) -> Tuple[str, ...]:
-    """The names a concern's protocol declares: its attributes, then its methods.
-
-    Example:
-        >>> members(OutOfMemory)
-        ('is_oom_error', 'oom_error_bases', 'init_oom_error')
-    """
-    own = vars(protocol)
-    methods = tuple(
-        name for name, value in own.items() if callable(value) and not name.startswith("_")
-    )
-    return tuple(own.get("__annotations__", {})) + methods
+    """The names a protocol and its protocol bases declare: attributes, then methods."""
+    names: List[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls.__module__ != __name__:  # object, typing's Protocol and Generic
+            continue
+        own = vars(cls)
+        names += own.get("__annotations__", {})
+        names += [name for name, value in own.items()
+                  if callable(value) and not name.startswith("_")]
+    return tuple(dict.fromkeys(names))
 
 
 # ------------------------------------------- shared by the backends' modules

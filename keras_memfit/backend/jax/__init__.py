@@ -1,8 +1,9 @@
-"""JAX implementation of the backend seam (see `keras_memfit.backend.base`).
+"""JAX implementation of the backend seam (`keras_memfit.backend.base`).
 
-One module per concern; the first eight provide the seam's protocols, as in
-every backend package (`base.CONCERNS`), and `assemble` below makes their
-members this package's.
+What can run out of memory donates nothing (Keras's own JAX steps donate the
+state, which an OOM then destroys); the train step's optimizer update runs as
+a second program that updates the state in place. `place` is not available
+(`placement` is None).
 
 - `oom`: JAX's OOM forms, the bases of `OutOfMemoryError`;
 - `memory`: memory statistics and limits of JAX's devices (the address-space
@@ -11,7 +12,7 @@ members this package's.
 - `training`: train steps that never lose the model's state to an OOM; the
   variant (one device, `DataParallel`, several processes) chosen once;
 - `trainer`: Keras's step functions in JAX's calling convention;
-- `devices`: naming devices (`place` is not implemented);
+- `devices`: naming devices;
 - `tracing`: the model's layer calls, traced with `jax.eval_shape`;
 - `distribution`: `keras.distribution.DataParallel`: pieces laid out over
   the devices; which variant the steps run as; evaluate under processes;
@@ -20,18 +21,31 @@ members this package's.
 - `processes`: several JAX processes: their agreement, local copies, sums;
 - `process_training`: MemFit's train step and accumulator under several
   processes.
-
-Keras's JAX trainer donates the model's state to its compiled steps, so an
-out-of-memory error loses the model. Here what can run out of memory donates
-nothing and writes the new state only once it succeeded (see `steps`); the
-train step's optimizer update, which needs no memory that grows with the
-batch, runs as a second program that updates the state in place
-(`training.TrainStep`). Inside Keras's loops the steps work on Keras's own
-state tuple (see `state`).
-`memory_report` traces the model with `jax.eval_shape` (`tracing`). Not
-implemented yet: `place` (`devices`) raises `NotImplementedError`.
 """
 
-from keras_memfit.backend import assemble
+from keras_memfit.backend.jax.oom import (
+    init_oom_error, is_oom_error, oom_error_bases,
+)
+from keras_memfit.backend.jax.memory import (
+    compiles_per_shape, compute_device, conv_columns, memory_limit, memory_stats, reset_peak,
+)
+from keras_memfit.backend.jax.steps import (
+    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE, guard_variables,
+    make_predict_step, make_test_step, output_spec, prepare_test,
+)
+from keras_memfit.backend.jax.training import (
+    check_training_mode, checkpoint, make_accumulator, make_custom_train_step,
+    make_train_step,
+)
+from keras_memfit.backend.jax.trainer import (
+    adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
+)
+from keras_memfit.backend.jax.devices import (
+    canonical_device, device_exists, host_device, list_accelerators, variable_device,
+)
+from keras_memfit.backend.jax.tracing import trace_layer_calls
+from keras_memfit.backend.jax.distribution import (
+    distribution_of, evaluation, piece_multiple, replica_devices, training_replicas,
+)
 
-assemble(__name__)
+placement = None  # `place` cannot keep layers on another device here

@@ -1,26 +1,10 @@
-"""Naming JAX's devices; placing variables and calls (`place`) is not implemented yet.
-
-Device names are "platform:id" ("cpu:0", "gpu:1"), as JAX prints them.
-`keras_memfit.place` (layers kept on the host) needs to move variables and
-pin calls and their gradients to a device; on JAX that would mean host
-memory kinds and sharding annotations, which keras_memfit does not do yet:
-those functions raise `NotImplementedError`.
-"""
+"""Naming JAX's devices: "platform:id" ("cpu:0", "gpu:1"), as JAX prints them."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional
 
 import jax
-
-from keras_memfit.backend._placement_refused import PlacementRefused
-
-_NOT_YET = (
-    "keras_memfit.place is not implemented for the JAX backend yet ({what}); "
-    "run the model without placement, or use KERAS_BACKEND=tensorflow for place()."
-)
-# `keras_memfit.place` cannot keep layers on another device here (its functions refuse).
-PLACES_LAYERS = False
 
 
 def _name(device: Any) -> str:
@@ -63,7 +47,3 @@ def variable_device(variable: Any) -> Optional[str]:
     devices = list(value.devices()) if hasattr(value, "devices") else []
     return _name(devices[0]) if len(devices) == 1 else None
 
-
-# The five placement functions, each refusing with the reason above.
-device_scope, move_variable, creating_on, call_on_device, follow_variable_devices = (
-    PlacementRefused(_NOT_YET).functions())

@@ -1,8 +1,4 @@
-"""TensorFlow implementation of the backend seam (see `keras_memfit.backend.base`).
-
-One module per concern; the first eight provide the seam's protocols, as in
-every backend package (`base.CONCERNS`), and `assemble` below makes their
-members this package's.
+"""TensorFlow implementation of the backend seam (`keras_memfit.backend.base`).
 
 - `oom`: TensorFlow's OOM forms, the bases of `OutOfMemoryError`;
 - `memory`: memory statistics and limits of TensorFlow's devices;
@@ -10,7 +6,8 @@ members this package's.
 - `training`: train steps that say how far a failed call got (under XLA
   split as JAX's are);
 - `trainer`: Keras's step functions in TensorFlow's calling convention;
-- `devices`: naming devices, moving variables, pinning calls (`place`);
+- `devices`: naming devices;
+- `placement`: keeping layers on another device (`place`);
 - `tracing`: the model's layer calls, traced symbolically;
 - `distribution`: the seam's answers about `tf.distribute` strategies (from
   `replicas` and `distribute`);
@@ -25,6 +22,28 @@ members this package's.
   under XLA.
 """
 
-from keras_memfit.backend import assemble
-
-assemble(__name__)
+from keras_memfit.backend.tensorflow.oom import (
+    init_oom_error, is_oom_error, oom_error_bases,
+)
+from keras_memfit.backend.tensorflow.memory import (
+    compiles_per_shape, compute_device, conv_columns, memory_limit, memory_stats, reset_peak,
+)
+from keras_memfit.backend.tensorflow.steps import (
+    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE, guard_variables,
+    make_predict_step, make_test_step, output_spec, prepare_test,
+)
+from keras_memfit.backend.tensorflow.training import (
+    check_training_mode, checkpoint, make_accumulator, make_custom_train_step,
+    make_train_step,
+)
+from keras_memfit.backend.tensorflow.trainer import (
+    adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
+)
+from keras_memfit.backend.tensorflow.devices import (
+    canonical_device, device_exists, host_device, list_accelerators, variable_device,
+)
+from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
+from keras_memfit.backend.tensorflow.distribution import (
+    distribution_of, evaluation, piece_multiple, replica_devices, training_replicas,
+)
+from keras_memfit.backend.tensorflow import placement

@@ -1,8 +1,9 @@
-"""PyTorch implementation of the backend seam (see `keras_memfit.backend.base`).
+"""PyTorch implementation of the backend seam (`keras_memfit.backend.base`).
 
-One module per concern, the eight that provide the seam's protocols in every
-backend package (`base.CONCERNS`); `assemble` below makes their members this
-package's.
+Keras's torch trainer runs its steps eagerly and updates the weights in
+place; nothing is donated, so an OOM in a forward or backward pass leaves the
+weights as they were. `place` is not available (`placement` is None): Keras's
+torch backend runs every layer on its one device.
 
 - `oom`: PyTorch's OOM forms, the bases of `OutOfMemoryError`;
 - `memory`: CUDA's caching allocator (nothing on the CPU);
@@ -10,25 +11,34 @@ package's.
 - `training`: train steps that say how far a failed call got, and gradient
   accumulation;
 - `trainer`: Keras's step functions in torch's calling convention;
-- `devices`: naming devices (`place` is not implemented);
+- `devices`: naming devices;
 - `tracing`: the model's layer calls, traced on the "meta" device;
 - `distribution`: one process on one device (`torch.distributed` refused).
-
-Keras's torch trainer runs its steps eagerly and updates the weights in
-place; nothing is donated, so an OOM in a forward or backward pass leaves the
-model's weights as they were. What a failed step may already have changed
-(the loss tracker, metrics, BatchNorm statistics, RNG seeds) is snapshotted
-and restored (`steps.VariableGuard`, `training.TrainStep`); the train step
-knows whether its optimizer update had begun. After an OOM the next step
-returns PyTorch's cached CUDA blocks first (`torch.cuda.empty_cache()`).
-Memory statistics come from CUDA's caching allocator; the CPU has none (the
-planner learns from the first OOM). `memory_report` traces the model on the
-"meta" device (`tracing`). Not implemented: `place` (`devices`) raises
-`NotImplementedError`; `torch.distributed` is refused (`distribution`). Models
-compiled with `jit_compile=True` run keras_memfit's steps eagerly (no
-`torch.compile`).
 """
 
-from keras_memfit.backend import assemble
+from keras_memfit.backend.torch.oom import (
+    init_oom_error, is_oom_error, oom_error_bases,
+)
+from keras_memfit.backend.torch.memory import (
+    compiles_per_shape, compute_device, conv_columns, memory_limit, memory_stats, reset_peak,
+)
+from keras_memfit.backend.torch.steps import (
+    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE, guard_variables,
+    make_predict_step, make_test_step, output_spec, prepare_test,
+)
+from keras_memfit.backend.torch.training import (
+    check_training_mode, checkpoint, make_accumulator, make_custom_train_step,
+    make_train_step,
+)
+from keras_memfit.backend.torch.trainer import (
+    adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
+)
+from keras_memfit.backend.torch.devices import (
+    canonical_device, device_exists, host_device, list_accelerators, variable_device,
+)
+from keras_memfit.backend.torch.tracing import trace_layer_calls
+from keras_memfit.backend.torch.distribution import (
+    distribution_of, evaluation, piece_multiple, replica_devices, training_replicas,
+)
 
-assemble(__name__)
+placement = None  # `place` cannot keep layers on another device here

@@ -1,30 +1,10 @@
-"""Naming torch's devices; placing variables and calls (`place`) is not implemented.
-
-Device names are "type:index" ("cpu:0", "cuda:1"), as `torch.device` has
-them with the index always given. `keras_memfit.place` (layers kept on the
-host) would need a layer's variables on the CPU while Keras's torch backend
-converts every input and creates every variable on its one device
-(`keras.src.backend.torch.core.get_device`), moving tensors back there at
-each op: there is no clean way to keep a layer's computation on the host, so
-those functions raise `NotImplementedError` naming the backend.
-"""
+"""Naming torch's devices: "type:index" ("cpu:0", "cuda:1"), the index always given."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional
 
 import torch
-
-from keras_memfit.backend._placement_refused import PlacementRefused
-
-_NOT_YET = (
-    "keras_memfit.place is not implemented for the torch backend ({what}): Keras's "
-    "torch backend runs every layer on its one device, so a layer cannot be kept on "
-    "the CPU; run the model without placement, or use KERAS_BACKEND=tensorflow for "
-    "place()."
-)
-# `keras_memfit.place` cannot keep layers on another device here (its functions refuse).
-PLACES_LAYERS = False
 
 
 def host_device() -> str:
@@ -64,7 +44,3 @@ def variable_device(variable: Any) -> Optional[str]:
         return None
     return f"{device.type}:{device.index or 0}"
 
-
-# The five placement functions, each refusing with the reason above.
-device_scope, move_variable, creating_on, call_on_device, follow_variable_devices = (
-    PlacementRefused(_NOT_YET).functions())
