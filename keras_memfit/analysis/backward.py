@@ -1,8 +1,7 @@
 """One layer's own backward pass: what it needs at once, whatever else is recomputed.
 
-A layer's gradient holds its inputs and outputs and a gradient of each; a
-convolution's gradients on some kernels (the backend's `conv_columns`) also
-build the column matrix of its input: the kernel's size times the input.
+Its inputs, outputs and a gradient of each; where the backend's `conv_columns` says, a
+convolution's column matrix too (the kernel's size times the input).
 """
 
 from __future__ import annotations
@@ -17,13 +16,8 @@ from keras_memfit.analysis.graph import LayerGraph
 
 
 class LayerNeed(NamedTuple):
-    """The bytes per sample one layer call's backward pass needs at once.
-
-    Attributes:
-        layer: The layer.
-        total: Its inputs and outputs, their gradients and `columns`.
-        columns: Its convolution's column matrix (0 for other layers).
-    """
+    """Bytes per sample one layer call's backward pass needs at once (`total`), of which
+    `columns` its convolution's column matrix (0 for other layers)."""
 
     layer: Any
     total: int
@@ -31,12 +25,8 @@ class LayerNeed(NamedTuple):
 
 
 def heaviest(graph: LayerGraph, columns: bool) -> Optional[LayerNeed]:
-    """The layer call (of no sublayer) whose backward pass needs the most, or None.
-
-    Args:
-        graph: The model's traced graph.
-        columns: Whether convolutions build their input's column matrix.
-    """
+    """The layer call (of no sublayer) whose backward pass needs the most, or None
+    (`columns`: whether convolutions build their input's column matrix)."""
     classes = _keras_compat.convolution_layer_classes()
     convolutions = (classes["conv"], classes["depthwise_conv"], classes["separable_conv"])
     found = None

@@ -1,10 +1,7 @@
-"""Which top-level layers to keep on the host so that the rest fits the accelerator.
+"""Which top-level layers `place` keeps on the host so that the rest fits the accelerator.
 
-`place` asks this for its automatic choice: among the layers that use each
-weight at most once per sample ("cheap" layers: lookups, a Dense on flat
-features), pin those freeing the most bytes of weights and slots per byte
-crossing the cut, until what stays on the accelerator fits its share of the
-budget.
+Cheap layers (each weight used at most once per sample), those freeing the most bytes of
+weights and slots per byte crossing the cut first.
 """
 
 from __future__ import annotations
@@ -40,12 +37,8 @@ def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
 def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
     """Whether `layer` uses each of its weights at most once per sample.
 
-    A lookup (an instance of Keras's `Embedding` and the other layers that
-    read weights by index, subclasses such as keras-rs's `EmbedReduce` or
-    KerasHub's `ReversibleEmbedding` too) always is. Otherwise from the
-    analysis's FLOPs where known (at most 2 per weight per sample: one
-    multiply-add), else by class: lookups by name, and a Dense/EinsumDense
-    on flat (batch, features) inputs.
+    Lookups (subclasses too) always; else from the analysis's FLOPs where known (at most one
+    multiply-add per weight), else by class: lookups by name, a Dense/EinsumDense on flat inputs.
     """
     if isinstance(layer, lookup_layer_classes()):
         return True
@@ -77,23 +70,15 @@ def choose(
     oversized_bytes: int,
     dominant_share: float,
 ) -> Tuple[List[Any], str]:
-    """The cheap layers to pin to the host, and why.
+    """The cheap layers to pin to the host (in model order), and why, in words.
 
     Args:
-        analysis: The model's analysis (its rows give FLOPs, its graph the
-            bytes crossing a cut).
-        layers: The model's top-level layers, in order.
         sizes: Weights plus slots of each layer with weights, by name.
         budget: Bytes of the accelerator, or None when unknown.
         weight_share: Share of `budget` weights and slots may use.
-        oversized_bytes: With no budget, the size from which a cheap layer is
-            pinned.
-        dominant_share: When pinning every cheap layer still does not fit,
-            only cheap layers holding at least this share of the total stay
-            pinned.
-
-    Returns:
-        (the layers to pin, in model order; the reason, in words).
+        oversized_bytes: With no budget, the size from which a cheap layer is pinned.
+        dominant_share: Where pinning every cheap layer still does not fit, only those holding
+            at least this share of the total stay pinned.
     """
     candidates = [layer for layer in layers
                   if layer.name in sizes and is_cheap(layer, analysis.first_row(layer))]

@@ -1,9 +1,7 @@
 """Forward FLOPs per sample of the traced calls, where they can be derived.
 
-A multiply-add counts as 2; bias adds and activations inside a layer are
-not counted. Layers of an unknown kind have unknown FLOPs (None), unless
-they have sublayers whose FLOPs are all known (a MultiHeadAttention adds its
-two attention products to its projections').
+A multiply-add counts 2; biases and activations inside a layer count 0. An unknown kind of
+layer is None unless its sublayers' FLOPs are all known.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ _NORMALIZATION_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNorma
 
 
 def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
-    """Forward FLOPs per sample of call `index`, its sublayers' if its own kind is unknown.
-
-    Returns:
-        The FLOPs, or None where some part cannot be derived.
-    """
+    """Forward FLOPs per sample of call `index` (its sublayers' if its own kind is unknown), or
+    None where some part cannot be derived."""
     own = layer_flops(graph.calls[index])
     if own is not None:
         return own

@@ -1,11 +1,6 @@
 """The traced layer graph of a model: its calls, its cuts, the bytes crossing them.
 
-One symbolic forward pass (`keras_memfit.backend.get().trace_layer_calls`)
-records every layer and operation call with the tensors it takes and makes.
-`LayerGraph` turns that record into the questions the analysis asks: which
-tensors a call produces and consumes, the bytes per sample alive after each
-call of a sequence (a cut), the busiest live set inside a call, and the bytes
-per sample crossing between any set of top-level layers and the rest.
+Built from one symbolic forward pass (the backend's `trace_layer_calls`).
 """
 
 from __future__ import annotations
@@ -24,18 +19,9 @@ Call = TracedCall
 class LayerGraph:
     """The calls of one traced forward pass, with tensor sizes per sample.
 
-    Args:
-        trace: What `keras_memfit.backend.get().trace_layer_calls(model)` returned.
-        tensor_bytes: Bytes per sample of a tensor, from its shape (batch
-            dimension first) and dtype.
-
-    Attributes:
-        inputs: The model's input tensors.
-        outputs: Keys of the model's output tensors.
-        calls: Every call, in call order.
-        top: Indices of the model's own calls (its top-level layers and ops).
-        sizes: Bytes per sample of every tensor, by key.
-        shapes: Shape of every tensor, by key.
+    `tensor_bytes(shape, dtype)`: bytes per sample of a tensor (batch dimension first).
+    `calls`: every call, in call order; `top`: the indices of the model's own calls;
+    `children`: call indices by parent (None: the model); `sizes`, `shapes`: by tensor key.
     """
 
     def __init__(self, trace: Trace, tensor_bytes: Callable[[Sequence[Optional[int]], Any], int]):
@@ -70,12 +56,8 @@ class LayerGraph:
         return self._produced[index]
 
     def consumed(self, index: int) -> List[str]:
-        """Keys of the tensors a call takes from outside itself (no repeats).
-
-        Its own arguments, plus what its sublayers take that some other call
-        produced (a tensor its sublayers get from an operation inside its
-        `call` that is not a layer is internal to it).
-        """
+        """Keys of the tensors a call takes from outside itself (no repeats): its arguments, plus
+        what its sublayers take that another call produced (not a non-layer op inside it)."""
         if index not in self._consumed:
             keys = dict.fromkeys(t.key for t in self.calls[index].inputs)
             inner = set(self.produced(index))
@@ -100,21 +82,11 @@ class LayerGraph:
         sizes: Optional[Dict[str, int]] = None,
         entering: Optional[Sequence[str]] = None,
     ) -> List[int]:
-        """Bytes per sample alive across a cut after each call of `sequence`.
+        """Bytes per sample alive across the cut after each call of `sequence` (call indices).
 
-        A tensor counts at the cut after a call when it was produced at or
-        before that call and is consumed after it. Tensors in `entering` (by
-        default the model's inputs) are produced before the first call; a
-        tensor nobody in `sequence` produced is taken as produced right before
-        its first consumer.
-
-        Args:
-            sequence: Call indices, in call order (e.g. `top`).
-            sizes: Bytes per sample by key; defaults to `self.sizes`.
-            entering: Keys of the tensors present before the first call.
-
-        Returns:
-            The bytes per sample at the cut after each call.
+        A tensor counts when produced at or before the call and consumed after it. `entering`
+        (default: the model's inputs) are produced before the first call; a tensor no call
+        produced, right before its first consumer. `sizes` defaults to `self.sizes`.
         """
         sizes = self.sizes if sizes is None else sizes
         entering = self.input_keys if entering is None else entering
@@ -136,10 +108,8 @@ class LayerGraph:
     def working(self, index: int, sizes: Optional[Dict[str, int]] = None) -> int:
         """Bytes per sample a call holds at its busiest, beyond the tensors it was given.
 
-        A leaf call: what it produces. A call with sublayers: the largest, over
-        its sublayers in order, of what crosses into that sublayer from before
-        plus that sublayer's own working bytes (its inputs from outside are
-        counted by the caller).
+        A leaf: its outputs; else the largest, over its sublayers in order, of what crosses into
+        one from before plus that sublayer's own working bytes.
         """
         sizes = self.sizes if sizes is None else sizes
         inner = self.children.get(index, [])
@@ -155,23 +125,11 @@ class LayerGraph:
         return max(live, own)
 
     def crossing(self, layers: Iterable[Any]) -> int:
-        """Bytes per sample crossing between the top-level `layers` and the rest.
+        """Bytes per sample crossing between the top-level `layers` and the rest, each tensor once.
 
-        Counted over the model's top-level layer calls (every call of each):
-        a tensor a call of `layers` takes from another top-level layer, and a
-        tensor it produces that some other top-level layer, or no layer (the
-        model's own operations, a returned output), consumes. The model's
-        inputs and what operations that are not layers produce are not
-        counted; a nested layer in `layers` adds nothing. What a call of
-        `layers` returns is a new tensor, as it is once placed (its call runs
-        on its own device): a pinned layer that returns its input (Dropout at
-        inference) sends it back across.
-
-        Args:
-            layers: The layers on one side of the cut (the rest is the other).
-
-        Returns:
-            Bytes per sample; each tensor counted once.
+        Over every top-level layer call; the model's inputs, what non-layer ops produce and
+        nested layers in `layers` do not count. A pinned call's output is a new tensor (it runs
+        on its own device): a pinned layer returning its input sends it back across.
         """
         pinned = {id(layer) for layer in layers}
         sizes = dict(self.sizes)

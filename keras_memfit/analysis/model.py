@@ -1,11 +1,7 @@
 """`ModelAnalysis`: one analysis of a model, shared by `memory_report` and `place`.
 
-It traces the model once (`LayerGraph`), counts every weight and optimizer
-slot with one counter (`sizes`), sums each top-level call's activations,
-working set, cut and FLOPs per sample, and estimates the peak of one step for
-the model and for each device its variables live on (`peak`).
-`training_peak` is that training estimate as a function of the rows, made
-lazily (MemFit's TensorFlow train step chooses its order from it).
+One trace, one byte and slot counter, a row per top-level call, peak estimates per device;
+`training_peak`, the training estimate as a function of the rows, made lazily.
 """
 
 from __future__ import annotations
@@ -30,24 +26,13 @@ logger = logging.getLogger("keras_memfit")
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One top-level call of the forward pass (or the weights no call owns).
+    """One top-level call of the forward pass (or, `op` None, the weights no call owns).
 
-    Byte quantities that grow with the batch are per sample.
-
-    Attributes:
-        op: The layer or operation called (None for the weights no call owns).
-        name: Its name; `"name (call 2)"` for a later call of a shared layer.
-        class_name: Its class name ("-" for the weights no call owns).
-        output_shape: Per-sample output shape, or a tuple of them.
-        weights: The variables first met at this call (counted here only).
-        params, param_bytes, slot_bytes, trainable_bytes: Of `weights`.
-        produced: Bytes of the tensors it and its sublayers produce.
-        inside: Bytes of those that are not its outputs: what recomputing the
-            call in the backward pass frees (rematerialization).
-        working: Bytes it holds at its busiest beyond its inputs.
-        cut: Bytes alive after it (consumed later).
-        flops: Forward FLOPs, or None where unknown.
-        devices: The devices its weights live on, sorted (short form).
+    Bytes that grow with the batch are per sample. `name`: "name (call 2)" for a later call of
+    a shared layer; `weights`: the variables first met at this call (counted here only);
+    `produced`: bytes it and its sublayers make, `inside` those not its outputs (what
+    recomputing it frees); `working`: held at its busiest beyond its inputs; `cut`: alive after
+    it; `flops`: None where unknown; `devices`: its weights', sorted, in short form.
     """
 
     op: Any
@@ -77,11 +62,7 @@ def short_device(name: str) -> str:
 
 
 def check_built(model: keras.Model) -> None:
-    """Refuse a model whose layers are not all built: tracing would build them.
-
-    Raises:
-        ValueError: Naming the unbuilt layers and how to build them.
-    """
+    """Raise `ValueError` where some layer of `model` is not built (tracing would build it)."""
     unbuilt = [layer.name for layer in _keras_compat.all_layers(model) if not layer.built]
     if unbuilt:
         raise ValueError(
@@ -94,14 +75,7 @@ def check_built(model: keras.Model) -> None:
 
 
 def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
-    """Trace a built `model` once and analyse it.
-
-    Args:
-        model: A built Keras model.
-        policy: A `keras.DTypePolicy` to count bytes under, or None.
-
-    Returns:
-        The `ModelAnalysis`.
+    """Trace a built `model` once and analyse it (`policy`: a `keras.DTypePolicy`, or None).
 
     Raises:
         ValueError: If the model (or one of its layers) has not been built.
@@ -115,10 +89,8 @@ def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
 def training_peak(model: keras.Model) -> Callable[[int], Optional[int]]:
     """`peak_at(rows)`: the estimated training peak of `model` in bytes at `rows` rows.
 
-    The model is analysed on the first call only (`analyse`, then
-    `ModelAnalysis.peak(training=True)` on its default device); when that
-    fails, every call returns None. The model is held weakly (None once it
-    is gone).
+    Analysed at the first call only; None on every call where that fails or the model (held
+    weakly) is gone.
     """
     model_ref = weakref.ref(model)
     memo: Dict[str, Any] = {}
@@ -141,17 +113,8 @@ def training_peak(model: keras.Model) -> Callable[[int], Optional[int]]:
 class ModelAnalysis:
     """Sizes, traced graph, rows and peak estimates of one model.
 
-    Args:
-        model: The model.
-        counter: The byte counter (dtype policy) to count with.
-        graph: Its traced `LayerGraph`, or None when it could not be traced
-            (an unbuilt model): weights and slots are then still counted.
-
-    Attributes:
-        rows: One `Row` per top-level call, then one for the weights no call
-            owns if any (empty without a graph).
-        variables: Every weight as the peak estimate sees it.
-        input_bytes_per_sample: Bytes per sample of the model's inputs.
+    `rows`: one `Row` per top-level call, then one for the weights no call owns, if any. Without
+    a `graph` (a model not traced) only weights and slots are counted.
     """
 
     def __init__(self, model: keras.Model, counter: ByteCounter,
@@ -241,22 +204,13 @@ class ModelAnalysis:
     ) -> Tuple[Optional[str], DeviceMemory, Dict[str, DeviceMemory]]:
         """The peak estimate of one step, for the model or for one of its devices.
 
-        When the variables span several devices, each device gets its own
-        estimate: a weight, its slots, gradient and update temporaries count
-        on its device; each top-level call runs on the device of its weights
-        (a call without weights, or with weights on several devices, on the
-        default device: the one other than the host holding the most weight
-        bytes); a tensor counts where it is produced and where it is consumed.
-
-        Args:
-            training: Estimate a training step (else inference).
-            device: The device to estimate for (any spelling `short_device`
-                reads), or None for the default one.
+        Over several devices, a weight and what it brings count on its device; a top-level call
+        runs on its weights' device (else on the default: the non-host device holding the most
+        weight bytes); a tensor counts where it is made and where it is used. `device`: any
+        spelling `short_device` reads, or None for the default.
 
         Returns:
-            (the device estimated for, or None for a model without variables;
-            its estimate; the estimate of every device, empty without a
-            device).
+            (the device estimated for, None without variables; its estimate; every device's).
 
         Raises:
             ValueError: If `device` is not one the variables live on.

@@ -1,19 +1,12 @@
 """The one estimate of a step's peak memory: `fixed + batch_size * per_sample`.
 
-`estimate` is the formula, for the whole model or for the share of one
-device; `device_steps` says what of the traced forward pass lives on one
-device of a model whose variables span several (after `keras_memfit.place`).
+- Inference: fixed = weights (+ slots once the optimizer is built); per sample = the inputs
+  plus the largest live set along the forward pass (a call's working bytes plus the cut before).
+- Training: fixed = weights + slots + gradients + `UPDATE_WORKING_COPIES` of the largest
+  trainable weight; per sample = the inputs, every activation, and `BACKWARD_WORKING_COPIES`
+  more of the largest one.
 
-- Inference: fixed = weights, plus optimizer slots when the optimizer is
-  built (they stay on the device); per sample = the inputs (held by the
-  caller throughout) plus the largest live set along the forward pass: for
-  each top-level call, the tensors still needed after the previous one (the
-  previous cut) plus its working bytes.
-- Training: fixed = weights + slots + gradients (one per trainable weight) +
-  `UPDATE_WORKING_COPIES` of the largest trainable weight (the optimizer
-  update's temporaries); per sample = the inputs, every activation (all are
-  kept for the backward pass), plus `BACKWARD_WORKING_COPIES` more of the
-  largest one (the gradients flowing back through it).
+`device_steps`: one device's share of a model whose variables span several (`place`).
 """
 
 from __future__ import annotations
@@ -33,13 +26,7 @@ UPDATE_WORKING_COPIES = 2
 
 
 class Step(NamedTuple):
-    """One top-level call as the estimate sees it (bytes per sample).
-
-    Attributes:
-        produced: What it and its sublayers produce (kept for the backward pass).
-        working: What it holds at its busiest beyond the tensors it was given.
-        cut: What is still alive after it.
-    """
+    """One top-level call as the estimate sees it, bytes per sample (as in `Row`)."""
 
     produced: int
     working: int
@@ -47,14 +34,7 @@ class Step(NamedTuple):
 
 
 class VariableBytes(NamedTuple):
-    """One variable as the estimate sees it.
-
-    Attributes:
-        device: Where it lives, short form ("CPU:0"); "" when not created yet.
-        nbytes: Bytes of its value.
-        slot_bytes: Bytes of its optimizer slots (0 for a non-trainable one).
-        trainable: Whether it gets a gradient and an update.
-    """
+    """One variable as the estimate sees it (`device` in short form, "" before it is created)."""
 
     device: str
     nbytes: int
@@ -64,16 +44,8 @@ class VariableBytes(NamedTuple):
 
 @dataclasses.dataclass
 class DeviceMemory:
-    """The peak estimate of a model, or of one device of a model whose variables span several.
-
-    Attributes:
-        device: The device ("CPU:0", "GPU:0").
-        param_bytes: Bytes of the weights living there.
-        slot_bytes: Bytes of the optimizer slots of those weights.
-        fixed_bytes: The part of the device's estimated peak that does not
-            grow with the batch.
-        bytes_per_sample: The part of the device's estimated peak per sample.
-    """
+    """The peak estimate of a model, or of one device of a model whose variables span several:
+    `fixed_bytes + batch_size * bytes_per_sample` (`param_bytes`, `slot_bytes`: held there)."""
 
     device: str
     param_bytes: int
@@ -99,20 +71,8 @@ def estimate(
     slots_resident: bool,
     device: Optional[str] = None,
 ) -> DeviceMemory:
-    """The peak estimate of one step (see the module docstring for the formula).
-
-    Args:
-        steps: The top-level calls in call order.
-        variables: The variables counted (all, or those of one device).
-        input_bytes: Bytes per sample of the model's inputs held there.
-        training: A training step (else inference).
-        slots_resident: Whether the optimizer's slots exist (built optimizer):
-            they then count for inference too.
-        device: The device estimated for (None: a model without variables).
-
-    Returns:
-        The `DeviceMemory`.
-    """
+    """The peak estimate of one step (the module's formula) over `variables` (all, or one
+    device's); `slots_resident`: the optimizer is built, so slots count for inference too."""
     params = sum(v.nbytes for v in variables)
     slots = sum(v.slot_bytes for v in variables)
     trainable = [v.nbytes for v in variables if v.trainable]
@@ -134,16 +94,10 @@ def estimate(
 def device_steps(
     graph: LayerGraph, sides: Sequence[str], default: str, device: str
 ) -> Tuple[List[Step], int]:
-    """The top-level steps and input bytes of `graph` as they land on `device`.
+    """(steps, input bytes per sample) of `graph` as they land on `device`.
 
-    `sides[i]` is the device top-level call `graph.top[i]` runs on. A tensor
-    lives on the device of the call producing it and on that of every
-    top-level call consuming it (a model input: on its consumers' devices, or
-    on `default`). A call on `device` holds its full working set there; a call
-    elsewhere holds only what it produces there.
-
-    Returns:
-        (steps, input bytes per sample on `device`).
+    `sides[i]`: the device `graph.top[i]` runs on. A tensor lives where it is made and where a
+    top-level call uses it (else on `default`); a call elsewhere holds only what it makes here.
     """
     residence: Dict[str, set] = {}
     for position, index in enumerate(graph.top):

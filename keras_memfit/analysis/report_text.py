@@ -8,16 +8,7 @@ from keras_memfit._internal.units import format_bytes, format_count, format_shap
 
 
 def table(report: Any, line_length: Optional[int]) -> str:
-    """The text table `MemoryReport.summary()` prints.
-
-    Args:
-        report: A `keras_memfit.report.MemoryReport`.
-        line_length: Width to fit the table to, or None for its natural width.
-
-    Returns:
-        The table, its totals, the peak estimate and, for a model on several
-        devices, one line per device.
-    """
+    """The text table `MemoryReport.summary()` prints (`line_length` None: its natural width)."""
     header = ["Layer (type)", "Output shape", "Params", "Weights", "Slots",
               "Activations", "Remat frees", "FLOPs", "Device", "Cut/sample"]
     body = [

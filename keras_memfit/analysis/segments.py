@@ -1,12 +1,7 @@
 """Cutting a sequence of calls into segments to recompute in the backward pass.
 
-Recomputing a segment keeps only what crosses its end (the tensors it makes
-that later calls use, and the model's outputs) and frees what it makes
-inside. With every segment recomputed, the backward pass of segment `s`
-holds what the segments up to `s` keep plus what `s` makes inside again;
-`cut` chooses the segments whose largest such sum is the smallest, keeping
-the fewest bytes among those. A chain of n equal tensors gets about sqrt(n)
-segments; a U-Net's skips are kept across the cuts they cross.
+With every segment recomputed, segment `s`'s backward pass holds what the segments up to `s`
+keep plus what `s` makes inside; `cut` makes the largest of these the smallest.
 """
 
 from __future__ import annotations
@@ -21,14 +16,13 @@ def cut(tensors: Sequence[Sequence[Tuple[int, int]]],
     """Segments of positions 0..n-1 with the lowest peak once every one is recomputed.
 
     Args:
-        tensors: Per position, the (bytes, last use) of each tensor made
-            there (last use: the position of its last consumer, n or more
-            for a tensor alive to the end).
+        tensors: Per position, (bytes, last use) of each tensor made there (last use: its last
+            consumer's position, n or more for a tensor alive to the end).
         alone: Positions that must be a segment of their own.
 
     Returns:
-        (start, stop, frees) of each segment in order: positions
-        start..stop-1, and the bytes made inside it that nothing after it uses.
+        (start, stop, frees) per segment in order: `frees`, bytes made inside that nothing after
+        it uses.
     """
     n = len(tensors)
     if not n:

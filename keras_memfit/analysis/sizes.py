@@ -1,10 +1,4 @@
-"""The one byte counter and the one optimizer-slot counter of the analysis.
-
-`ByteCounter` gives the bytes of a tensor (per sample) and of a variable,
-optionally as if the model ran under another dtype policy; `slot_bytes`
-counts the optimizer slots of every trainable variable without building the
-optimizer. `memory_report` and `place` both count through them.
-"""
+"""The one byte counter (`ByteCounter`) and the one optimizer-slot counter (`slot_bytes`)."""
 
 from __future__ import annotations
 
@@ -40,16 +34,11 @@ def itemsize(dtype: Any) -> int:
 
 
 def is_floating(dtype: Any) -> bool:
-    """Whether `dtype` is a floating dtype (float16, bfloat16, float32...)."""
     return "float" in dtype_name(dtype)
 
 
 def dtype_policy(value: Any) -> Any:
-    """`value` as a `keras.DTypePolicy` (None stays None).
-
-    Raises:
-        ValueError: If `value` names no dtype policy.
-    """
+    """`value` as a `keras.DTypePolicy` (None stays None); `ValueError` if it names none."""
     if value is None:
         return None
     try:
@@ -62,15 +51,8 @@ def dtype_policy(value: Any) -> Any:
 
 
 class ByteCounter:
-    """Bytes of tensors and variables, optionally under another dtype policy.
-
-    Under a policy, floating tensors count at its compute dtype and floating
-    variables (optimizer slots included) at its variable dtype; other dtypes
-    keep their own size.
-
-    Args:
-        policy: A `keras.DTypePolicy`, or None for the dtypes the model has.
-    """
+    """Bytes of tensors and variables; under a `policy`, floating tensors at its compute dtype
+    and floating variables (slots too) at its variable dtype."""
 
     def __init__(self, policy: Any = None) -> None:
         self.policy = policy
@@ -101,23 +83,12 @@ class _SlotStandIn:
 
 
 def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
-    """Bytes of the optimizer slots of each trainable variable of `model`.
+    """Bytes of the optimizer slots of each trainable variable of `model`, by `id`.
 
-    Counted for the compiled optimizer (a `LossScaleOptimizer` is looked
-    through) without building it: a copy made from its config builds against
-    the model's trainable variables while recording the shapes of the slots it
-    asks for, and allocates none of them. Slots not tied to one variable are
-    shared among the variables in proportion to their size. An optimizer that
-    cannot be copied this way is counted from its own variables once built
-    (0 before, with a warning).
-
-    Args:
-        model: A Keras model, compiled or not.
-        counter: The byte counter (and dtype policy) to count with.
-
-    Returns:
-        Slot bytes by `id` of each trainable variable (empty without an
-        optimizer or trainable variables).
+    Counted without building the optimizer: a copy from its config builds while recording the
+    slots it asks for, allocating none (a `LossScaleOptimizer` looked through). Slots not tied
+    to one variable are shared in proportion to size. An optimizer that cannot be copied is
+    counted from its own variables once built (0 before, with a warning).
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:

@@ -1,27 +1,9 @@
 """What makes a split batch differ from the unsplit one, and MemFit's warnings about it.
 
-Two things make a batch that MemFit splits compute something else than the
-whole batch:
-
-- layers whose *training* computation depends on the batch
-  (`batch_dependent_layers`): BatchNormalization normalises with the batch's
-  statistics, and random layers draw a mask or noise per call. Accumulated
-  micro-batches see their own statistics and draws; `mode="shrink"` is
-  Keras's own behaviour at a smaller batch_size.
-- a model whose outputs *couple the rows* of a batch (`couples_rows`): an op
-  in its `call` reduces over the batch axis, such as `ops.tensordot(a, b, 2)`
-  where a per-row `ops.sum(a * b, axis=-1)` was meant. A row's output then
-  depends on the other rows in its batch, so no split (and no other
-  batch_size, in plain Keras too) gives the unsplit batch's result.
-
-A loss-scale optimizer (mixed precision) also sees a split batch otherwise:
-float16 overflow depends on the batch size (`warn_loss_scale`).
-
-`SplitWarnings` logs each of them once per MemFit run, when a batch is first
-split. A coupled model is still split, warned: the coupling is usually a bug
-in the model (plain Keras already computes it differently on every epoch's
-shorter last batch), the check is a heuristic that can miss a coupling, and
-refusing would turn a recoverable OOM into a failed `fit`.
+Batch-dependent layers (`batch_dependent_layers`), a model that couples the rows of a batch
+(`couples_rows`), a loss-scale optimizer (`warn_loss_scale`); `SplitWarnings` warns of each
+once per run. A coupled model is still split: the check is a heuristic, and refusing would
+turn a recoverable OOM into a failed `fit`.
 """
 
 from __future__ import annotations
@@ -55,12 +37,8 @@ RELATIVE_TOLERANCE_16_BIT = 1e-2
 def batch_dependent_layers(model: keras.Model) -> List[Any]:
     """The layers whose training computation depends on how the batch is split.
 
-    BatchNormalization that trains (batch statistics, and moving statistics
-    updated per call; a frozen one, `trainable=False`, runs in inference
-    mode), and every layer that draws random numbers in training: it holds a
-    `keras.random.SeedGenerator` (Dropout and its kin, GaussianNoise, RNN
-    cells, random augmentation layers), unless each of its `RATE_ATTRIBUTES`
-    it has is 0 (an `LSTMCell` with `dropout=0` and `recurrent_dropout=0`).
+    A trainable BatchNormalization, and every layer holding a `keras.random.SeedGenerator`
+    unless each of its `RATE_ATTRIBUTES` is 0.
     """
     found = []
     for layer in _keras_compat.all_layers(model):
@@ -89,28 +67,14 @@ def _draws(layer: Any) -> bool:
 def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
     """Whether the model's output for a row depends on the other rows of its batch.
 
-    Runs the model's forward pass (inference, in a `keras.StatelessScope`: no
-    variable changes, random layers off) on three batches of two rows: the
-    first two rows of `x` together, the first one twice and the second one
-    twice. Each row then has its output beside the other row and beside a
-    copy of itself, from the same shapes, so the same kernels and the same
-    rounding: a difference above `RELATIVE_TOLERANCE` of the outputs'
-    magnitude is a coupling. Three eager forward passes of two rows: cheap
-    next to a step.
-
-    Not checked where steps compile per shape (the backend's
-    `compiles_per_shape`: JAX, TensorFlow with `jit_compile`): there each op
-    of an eager pass is one more compilation, and MemFit keeps its
-    compilations within two of Keras's.
-
-    Args:
-        model: A built model.
-        x: The inputs of a batch (a structure of arrays or tensors).
+    Three eager inference passes on two rows of `x`: together, and each beside a copy of
+    itself (same shapes, so the same rounding). Not run where steps compile per shape, where
+    each eager op would be one more compilation.
 
     Returns:
-        True or False; None when it cannot tell: steps compiled per shape,
-        fewer than two rows or two equal ones, no floating output of one row per sample, or a forward
-        pass that raised (logged at DEBUG).
+        True or False; None when it cannot tell: steps compiled per shape, fewer than two
+        rows or two equal ones, no floating output of one row per sample, or a forward pass
+        that raised (logged at DEBUG).
     """
     if _data.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
         return None
@@ -159,10 +123,7 @@ def _stacked(first: Any, second: Any) -> Any:
 def _forward(model: keras.Model, x: Any) -> List[np.ndarray]:
     """The model's floating outputs on `x`, as float64 arrays.
 
-    Runs in a `keras.StatelessScope`: what the call assigns (a seed
-    generator's state, a stateful layer's) stays in the scope, so every call
-    starts from the same state and a random layer that draws even in
-    inference draws the same numbers for batches of the same shape.
+    In a `keras.StatelessScope`, so every call starts from the same state (same random draws).
     """
     with keras.StatelessScope():
         outputs = model(x, training=False)
@@ -181,11 +142,7 @@ def coupled(model: keras.Model, x: Any) -> bool:
 
 
 class SplitWarnings:
-    """The WARNINGs MemFit logs once per run, when it first splits a batch.
-
-    Args:
-        model: The model being run.
-    """
+    """The WARNINGs MemFit logs once per run, when it first splits a batch."""
 
     def __init__(self, model: keras.Model) -> None:
         self.model = model
@@ -193,8 +150,7 @@ class SplitWarnings:
         self._coupling = False
 
     def accumulated(self) -> None:
-        """A training batch is accumulated as micro-batches: name the batch-dependent layers,
-        and say what a loss-scale optimizer sees."""
+        """A training batch is accumulated: warn of batch-dependent layers and loss scaling."""
         if not self._batch_statistics:
             self._batch_statistics = True
             warn_batch_statistics(self.model)

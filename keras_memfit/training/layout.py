@@ -1,38 +1,11 @@
 """How a Keras batch is laid out for MemFit: what its pieces are, and what runs them.
 
-MemFit's `Run` (`keras_memfit.training.run`) runs every batch one way: the
-whole batch first, then, after an OOM, pieces through the one retry loop
-(`runner.run_in_pieces`). The layout says what a batch and a piece are, and
-makes the steps that run them:
-
-- `OneDevice`, the identity layout: a batch is its rows, a piece a run of
-  consecutive rows (`Rows`), run by the backend's own steps;
-- `Replicated`, under a `tf.distribute.MirroredStrategy` (or
-  `OneDeviceStrategy`): each Keras batch arrives already split, every
-  replica holding its own rows on its own device, the step runs on all
-  replicas at once, and the optimizer all-reduces their gradients into one
-  update. One replica that runs out of memory aborts the whole step, so a
-  batch is split *per replica*: piece `i` runs on every replica at once,
-  each replica taking its own part of its own rows, and every replica runs
-  the same number of pieces (the all-reduce must line up).
-
-Under replicas the pieces go through the loop as *slots* (`Slots`): a batch
-whose largest replica holds `m` rows is a chunk of `m` slots, and slots
-`a:b` are, on a replica holding `n` rows, its rows `a*n//m : b*n//m` (all of
-them for the largest replica, proportionally for a smaller one: the last
-batch can divide unevenly). So the planner plans the rows of the largest
-replica, and the split is agreed before any replica runs it; the sizes in
-MemFit's events are rows per replica (the largest replica's). In
-`mode="accumulate"` each replica's micro-batch gradient is weighted within
-that replica's rows (by its share of them, for Keras's default reduction:
-`_internal.reductions`), summed per replica and applied once (one
-all-reduce, one optimizer step): the same update as Keras's step on the
-whole batch, whose loss each replica computes on its own rows. Every
-replica's copy of the small state is snapshotted before an attempt and
-restored after a failed one. The backend's `training_replicas(model)` gives
-the replicas (see `keras_memfit.backend.tensorflow.distribute`).
-
-Every step a layout makes takes the Keras batch of a piece (`Cut.batch`).
+`OneDevice`: a batch is its rows, a piece a run of consecutive rows (`Rows`). `Replicated`
+(`tf.distribute` MirroredStrategy, OneDeviceStrategy): one replica's OOM aborts the whole
+step, so every replica runs the same number of pieces, as *slots* (`Slots`): a batch whose
+largest replica holds `m` rows is `m` slots, and slots `a:b` are, on a replica of `n` rows,
+its rows `a*n//m : b*n//m`; the planner sizes the largest replica's rows. Every step a
+layout makes takes the Keras batch of a piece (`Cut.batch`).
 """
 
 from __future__ import annotations
@@ -57,13 +30,9 @@ from keras_memfit.planning import data as _data
 class Cut(Protocol):
     """One Keras batch as a layout cuts it.
 
-    Attributes:
-        chunk: What `run_in_pieces` cuts: an `(x, y, sample_weight)` chunk
-            whose rows are the batch's slots (on one device, its rows).
-        slots: The chunk's rows: what the planner sizes.
-        rows: The batch's rows, on every device.
-        signature: The planner's key for the batch's shapes.
-        x: The inputs of one device's rows (MemFit's warnings check them).
+    `chunk` is what `run_in_pieces` cuts, its rows the batch's slots (`slots`, what the
+    planner sizes); `rows`: the batch's rows on every device; `signature`: the planner's key;
+    `x`: one device's inputs (for MemFit's warnings).
     """
 
     chunk: tuple
@@ -76,8 +45,7 @@ class Cut(Protocol):
         """The Keras batch of `piece`'s rows, as the layout's steps take it."""
 
     def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
-        """`piece`'s batch, its weight and loss factor, for `Accumulator.add` (`how`: the
-        model's `reductions.weighting`)."""
+        """`piece`'s batch, weight and loss factor for `Accumulator.add` (`how`: a weighting)."""
 
     def rows_in(self, piece: tuple) -> int:
         """The rows `piece` runs, on every device."""
@@ -112,11 +80,7 @@ class Rows:
 
 
 class OneDevice:
-    """The identity layout: a batch is its rows, run by the backend's own steps.
-
-    Attributes:
-        key: Part of the cache keys of the steps it makes.
-    """
+    """The identity layout: a batch is its rows, run by the backend's own steps."""
 
     key: Hashable = "one device"
 
@@ -142,7 +106,6 @@ class OneDevice:
         return backend.make_train_step(model)
 
     def guard(self, variables: List[Any]) -> Guard:
-        """A guard over `variables`."""
         return _backend.get().guard_variables(variables)
 
     def accumulator(self, model: keras.Model) -> Accumulator:
@@ -156,8 +119,8 @@ class OneDevice:
     def test_parts(
         self, model: keras.Model, cut: Rows
     ) -> Tuple[Callable[[Any], Any], Guard, SplitBatches]:
-        """The test step, traced as Keras's `evaluate` traces its own, a guard over the metric
-        state, and what counts a split batch once for the per-output losses."""
+        """The test step (traced as `evaluate` traces Keras's), a guard over the metric state,
+        and what counts a split batch once for the per-output losses."""
         step, guard = test_step_and_guard(model, cut.chunk, exact=False)
         return step, guard, SplitBatches(model, False)
 
@@ -172,14 +135,7 @@ class OneDevice:
 
 
 class Slots:
-    """A batch split across replicas, as slots (see the module's docstring and `Cut`).
-
-    Args:
-        replicas: The backend's `Replicas`.
-        batch: The distributed Keras batch (`distributed`).
-        local: Each replica's rows, as `(x, y, sample_weight)` chunks.
-        counts: Each replica's number of rows.
-    """
+    """A distributed batch as slots (`local`: each replica's rows as chunks; see `Cut`)."""
 
     def __init__(self, replicas: Any, batch: Any, local: List[tuple], counts: List[int]) -> None:
         self.replicas = replicas
@@ -226,7 +182,7 @@ class Slots:
         return sum(_data.num_rows(chunk) for chunk in self._parts(piece))
 
     def join(self, outputs: List[Any]) -> Any:
-        """Each replica's pieces joined in order, then the replicas in order, as Keras joins them."""
+        """Each replica's pieces in order, then the replicas in order, as Keras joins them."""
         return concatenate([
             concatenate([per_replica[r] for per_replica in outputs])
             for r in range(self.replicas.count)
@@ -234,14 +190,7 @@ class Slots:
 
 
 class Replicated:
-    """The replicas of a `tf.distribute` strategy, each batch split alike on all of them.
-
-    Args:
-        replicas: The backend's `Replicas` (`training_replicas(model)`).
-
-    Attributes:
-        key: Part of the cache keys of the steps it makes.
-    """
+    """The replicas of a `tf.distribute` strategy, each batch split alike on all of them."""
 
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas
@@ -282,8 +231,8 @@ class Replicated:
     def test_parts(
         self, model: keras.Model, cut: Slots
     ) -> Tuple[Callable[[Any], Any], Guard, SplitBatches]:
-        """Keras's test step on a distributed batch and a guard over the metric state, cached,
-        and what counts a split batch once for each replica's per-output losses."""
+        """Keras's test step on a distributed batch, a guard over the metric state (cached), and
+        what counts a split batch once for each replica's per-output losses."""
         self.prepare(model, cut)
         step, guard = _cache.per_model(
             model, self._test_key(model, "evaluate"),
@@ -313,8 +262,7 @@ def layout_of(model: keras.Model) -> Layout:
     """The layout of `model`'s batches: `Replicated` under a strategy's replicas, else `OneDevice`.
 
     Raises:
-        NotImplementedError: For a distribution MemFit cannot train under
-            (the backend's `training_replicas`).
+        NotImplementedError: For a distribution MemFit cannot train under.
     """
     replicas = _backend.get().training_replicas(model)
     return OneDevice() if replicas is None else Replicated(replicas)

@@ -1,34 +1,8 @@
 """MemFit's rung after splitting: recomputing layers in the backward pass (rematerialization).
 
-Splitting a batch helps until a piece is one sample. When one sample runs
-out of memory in training, MemFit recomputes parts of the model in the
-backward pass instead of keeping what they produce inside (the backend's
-`checkpoint`: `tf.recompute_grad`, `jax.checkpoint`, torch's non-reentrant
-`checkpoint`), and runs the batch again. The parts come from the model's
-analysis (`keras_memfit.analysis`, what `memory_report` shows): the graph of
-a functional model (a Sequential's too) cut into segments where few bytes
-are alive (`analysis.segments`), each run as a functional part; a nested
-functional model's own segments (a KerasHub task's backbone); in a
-subclassed model, each top-level layer that holds tensors inside beyond its
-outputs (a transformer block). The largest saving first, each OOM at one
-sample doubles how many are recomputed (1, 2, 4, ... all); the number is
-remembered per model and input signature, so a later `fit` starts there.
-What one layer's own backward pass needs (`analysis.backward`) no
-recomputation frees: where that alone is more than is free, MemFit says so.
-
-The update stays the one plain Keras makes. A recomputed call passes the
-layer's non-trainable state (seed generator states, BatchNormalization's
-moving statistics) in as inputs, assigns it first and returns its final
-values: the recomputation draws the forward pass's random values and ends on
-the forward pass's state, which is assigned once, outside.
-
-Example:
-    >>> remat = Rematerialization(model, "auto")
-    >>> remat.apply(signature)        # the signature's layers, wrapped
-    ()
-    >>> remat.escalate(signature)     # after an OOM at one sample
-    True
-    >>> remat.release()               # at the end of fit: the model as it was
+Where one sample runs out of memory in training, blocks found by the model's analysis run
+through the backend's `checkpoint`, the largest saving first, 1, 2, 4, ... per OOM, the count
+remembered per model and input signature (docs/training.md).
 """
 
 from __future__ import annotations
@@ -61,16 +35,11 @@ class Block:
     """Calls MemFit may recompute together: a segment of a functional graph, or one layer.
 
     Attributes:
-        layers: The layers, in call order.
-        saving: Bytes per sample they make inside that nothing after them
-            uses (what recomputing them frees, estimated).
-        flops: Their forward FLOPs per sample, or None where unknown.
-        owner: The functional model whose graph the segment cuts, held
-            weakly (`span`: its calls start..stop-1), or None for one layer
-            recomputed wherever it is called.
-        span: The segment's positions in `owner`'s graph.
-        top: The call of the analysed model the block lies in (its first
-            call, or the nested model holding it): its `memory_report` row.
+        saving: Bytes per sample made inside that nothing after uses (estimated).
+        flops: Forward FLOPs per sample, or None where unknown.
+        owner: A weakref to the functional model whose calls `span` (start, stop) the
+            segment is, or None for one layer recomputed wherever it is called.
+        top: The analysed model's call the block lies in: its `memory_report` row.
     """
 
     layers: Tuple[Any, ...]
@@ -82,9 +51,8 @@ class Block:
 
 
 class Found(NamedTuple):
-    """What one analysis of a model found for the rung: its blocks (largest saving
-    first), its forward FLOPs per sample, and its heaviest layer's backward need
-    without and with convolutions' column matrices."""
+    """One analysis's findings: blocks (largest saving first), forward FLOPs per sample, and
+    the heaviest layer's backward need without and with convolutions' column matrices."""
 
     blocks: List[Block]
     flops: int
@@ -92,12 +60,7 @@ class Found(NamedTuple):
 
 
 def blocks(model: keras.Model, analysis: Optional[ModelAnalysis] = None) -> Tuple[List[Block], int]:
-    """The blocks of `model` worth recomputing, the largest saving first,
-    and the model's forward FLOPs per sample (0 where unknown).
-
-    Args:
-        model: A built model.
-        analysis: Its analysis, where already made (`memory_report`).
+    """The blocks worth recomputing, largest saving first, and forward FLOPs per sample (0: none).
 
     Raises:
         ValueError: If the model has not been built.
@@ -116,16 +79,14 @@ def blocks(model: keras.Model, analysis: Optional[ModelAnalysis] = None) -> Tupl
 
 
 def _nested(op: Any) -> List[Block]:
-    """A nested functional model's own blocks, shown on its row (recomputed
-    whole, it would free nothing at its backward pass's peak)."""
+    """A nested functional model's own blocks (recomputed whole, it would free nothing)."""
     if not isinstance(op, keras.Model) or _keras_compat.functional_graph(op) is None:
         return []
     return [dataclasses.replace(block, top=op) for block in blocks(op)[0]]
 
 
 def _embeds(op: Any) -> bool:
-    """Whether `op` holds an `Embedding`: recomputed (`tf.recompute_grad`), its
-    table's gradient would be dense, the size of the table."""
+    """Whether `op` holds an `Embedding` (recomputed, its table's gradient would be dense)."""
     return isinstance(op, keras.layers.Layer) and any(
         isinstance(layer, keras.layers.Embedding) for layer in _keras_compat.all_layers(op))
 
@@ -146,8 +107,7 @@ def _layer_blocks(rows: Sequence[Row]) -> List[Block]:
 
 
 def _segments(model: keras.Model, analysis: ModelAnalysis, rows: Sequence[Row]) -> List[Block]:
-    """A functional model's graph cut into segments (`analysis.segments.cut`);
-    a nested functional model is a segment of its own, cut in turn."""
+    """A functional model's graph cut into segments; a nested functional model is cut in turn."""
     graph = analysis.graph
     n = len(rows)
     inner: Dict[int, List[Block]] = {}  # position -> a nested model's own blocks
@@ -200,11 +160,8 @@ def check_setting(remat: Any) -> None:
 class Rematerialization:
     """Which layers of one model MemFit recomputes, per input signature, and their wrapping.
 
-    Args:
-        model: The model being trained.
-        setting: "auto" (recompute where one sample does not fit), False
-            (never) or the names of the layers to recompute from the start
-            (a nested model's layers too).
+    `setting`: "auto" (where one sample does not fit), False (never), or the names of layers
+    (a nested model's too) to recompute from the start.
 
     Raises:
         ValueError: If a name in `setting` is not a layer of `model`.
@@ -244,8 +201,7 @@ class Rematerialization:
         return self._candidates()[:count]
 
     def _analysed(self, x: Any = None) -> Found:
-        """What the model's analysis found, at the first need (once per model;
-        `x`: the batch's inputs)."""
+        """The analysis's findings, made once per model at the first need (`x`: batch inputs)."""
         if self._found is None:
             if self.model not in _BLOCKS:
                 _BLOCKS[self.model] = _find(self.model, x)
@@ -280,12 +236,10 @@ class Rematerialization:
         return self.names(signature)
 
     def escalate(self, signature: Hashable, x: Any = None) -> bool:
-        """Recompute more layers for `signature` after one sample ran out of memory
-        (`x`: the batch's inputs, whose lengths fill the model's unknown dimensions).
+        """Recompute more layers for `signature` after one sample ran out of memory.
 
-        Returns:
-            False when there is nothing more to recompute (`setting` False or
-            a list, or every block already is).
+        `x`: the batch's inputs, whose lengths fill the model's unknown dimensions. False when
+        there is nothing more to recompute.
         """
         if self.setting != "auto":
             return False
@@ -297,16 +251,12 @@ class Rematerialization:
         return True
 
     def heaviest(self, columns: bool, x: Any = None) -> Optional[LayerNeed]:
-        """The layer whose own backward pass needs the most (`analysis.backward`),
-        with convolutions' column matrices where `columns`; None where unknown."""
+        """The layer whose own backward pass needs the most (column matrices where `columns`)."""
         return self._analysed(x).heaviest[columns]
 
     def step_time(self, signature: Hashable) -> Optional[float]:
-        """The estimated step time over that without recomputation, or None.
-
-        A train step costs about three forward passes; the recomputation
-        adds the recomputed layers' forward FLOPs once more.
-        """
+        """The estimated step time over that without recomputation, or None (a step: three
+        forward passes, plus the recomputed layers' once more)."""
         total = self._analysed().flops
         if self._forced is not None or not total:
             return None
@@ -329,9 +279,8 @@ class Rematerialization:
 
 
 def _named_blocks(model: keras.Model, named: Sequence[Any]) -> List[Block]:
-    """The blocks recomputing the `named` layers: in a functional graph (the model's
-    or a nested one's), each run of consecutive calls of them one segment; a
-    layer called nowhere in one, recomputed wherever it is called."""
+    """The blocks recomputing the `named` layers: in a functional graph, each run of consecutive
+    calls one segment; a layer called in none, recomputed wherever it is called."""
     wanted = {id(layer) for layer in named}
     found: List[Block] = []
     cut: set = set()  # the named layers a segment holds
@@ -355,9 +304,8 @@ def _named_blocks(model: keras.Model, named: Sequence[Any]) -> List[Block]:
 
 
 def _find(model: keras.Model, x: Any) -> Found:
-    """What the rung needs of `model`'s analysis, traced at the lengths of `x` where
-    the model leaves them unknown (a KerasHub model's tokens); nothing where the
-    analysis fails."""
+    """The analysis's findings, traced at the lengths of `x` where the model leaves them unknown;
+    nothing where the analysis fails."""
     _backend.get().materialize(model)  # inside Keras's JAX loop: the variables, readable
     shapes = [tuple(leaf.shape) for leaf in keras.tree.flatten(x) if hasattr(leaf, "shape")]
     length = shapes[0][1] if shapes and len(shapes[0]) > 1 else None
@@ -376,14 +324,10 @@ def _find(model: keras.Model, x: Any) -> Found:
 def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
     """Make `layer`'s call recompute in the backward pass, exactly (`del layer.call` undoes it).
 
-    The call's tensor arguments become the recomputed function's inputs,
-    with copies of the layer's non-trainable state (not its frozen weights,
-    LoRA's base kernel: the call only reads them); everything else
-    (`training=`, masks given as None, Python values, and the arguments at
-    the flat positions `fixed`, which no gradient reaches) is closed over:
-    `tf.recompute_grad` computes a gradient for each input, and that of an
-    image (a convolution's input gradient) can outweigh what recomputing
-    frees. A symbolic call (Keras tensors) runs as it is.
+    Its tensor arguments and copies of its non-trainable state go in, the final state comes out
+    (assigned once, outside). The arguments at the flat positions `fixed`, which no gradient
+    reaches, are closed over: `tf.recompute_grad` would compute a gradient for every input (an
+    image's can outweigh the saving). A symbolic call runs as it is.
     """
     original = layer.call
     checkpoint = _backend.get().checkpoint
@@ -419,12 +363,9 @@ def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
 
 
 def _call_in_parts(owner: Any, recomputed: Sequence[Tuple[int, int]], trained: bool) -> Callable:
-    """A call for the functional `owner` that runs its graph as functional parts:
-    each span of `recomputed` one part, recomputed (`_wrap`), the calls between
-    them parts run as they are. A part takes the tensors its calls use from
-    before it and returns those used after it. Where `owner` is the model
-    trained, its inputs and what only weightless calls make of them get no
-    gradient."""
+    """A call for the functional `owner` running its graph as functional parts: each span of
+    `recomputed` one part, recomputed (`_wrap`), the calls between them as they are. Where
+    `owner` is the model trained (`trained`), its inputs get no gradient."""
     graph = _keras_compat.functional_graph(owner)
     nodes = graph.nodes
     graded = set() if trained else {id(t) for t in keras.tree.flatten(graph.inputs)}

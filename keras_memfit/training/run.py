@@ -1,41 +1,11 @@
-"""MemFit's work during one call, backend-neutral: what it does with each batch.
+"""MemFit's work during one call, backend-neutral: what it does with each batch (`Run`).
 
-`Run` is what `MemFit` (the public callback, `keras_memfit.callbacks`) hands
-the batches to, on one device and across the replicas of a `tf.distribute`
-strategy alike: the layout of a batch (`keras_memfit.training.layout`) says
-what its pieces are and makes the steps that run them. Every batch goes
-through the one loop of `keras_memfit.planning.runner.run_in_pieces`, with a
-strategy per phase (a training batch the planner runs whole is tried by
-`runner.run_whole`, that loop's first try without the loop, and goes on to
-the loop only when it is split or ran out of memory):
-
-- training, `mode="shrink"`: the batch as pieces, one train step each (the
-  full batch first, while the planner says it fits);
-- training, `mode="accumulate"`: the full batch as one train step while it
-  fits, else its pieces all or nothing (`runner.Accumulation`): micro-batch
-  gradients summed by the layout's `Accumulator` and applied once;
-- validation and `evaluate`: the batch as pieces of the test step, its
-  metric state guarded;
-- `predict`: the batch as pieces of the predict step, outputs joined in the
-  input's order.
-
-A train step that snapshots its own small state (`TrainStep.snapshots_itself`)
-runs unguarded; one that does not (a custom `train_step`, a step across
-replicas) runs inside a `Guard`. A step whose optimizer update had begun when
-it ran out of memory (`StepOutcome.UPDATE_BEGAN`) is not retried; an
-`OrderedTrainStep` gets the model's training peak estimate
-(`analysis.training_peak`). The accumulator's sums are made when a batch is
-first split, freed when the fit ends.
-
-Every phase runs the whole batch first and splits only after an OOM, so a
-call that never runs out of memory computes what Keras computes; `predict`
-then returns the step's own tensors, as Keras's `predict_function` does.
-Batches MemFit cannot split (sparse or ragged tensors, optional inputs that
-arrive as `tf.experimental.Optional`, anything but arrays and dense tensors)
-go to Keras's own step function (`Run.keras_function`), untouched; only when
-one of those runs out of memory does MemFit raise, naming what it received.
-So do all the batches of a model with stateful layers
-(`model_state.stateful_layers`), which must run at Keras's batch size.
+Every phase runs the whole batch first (`runner.run_whole`) and, after an OOM, its pieces
+through `runner.run_in_pieces`: training as one train step per piece (`mode="shrink"`) or as
+micro-batches summed and applied once (`mode="accumulate"`, all or nothing), validation and
+`evaluate` on the guarded test step, `predict` with outputs joined in input order. The
+batch's layout (`training.layout`) makes the steps. Batches MemFit cannot split, and every
+batch of a model with stateful layers, go to Keras's own step function (`Run.keras_call`).
 """
 
 from __future__ import annotations
@@ -88,13 +58,8 @@ _PHASE_OF_KIND = {"test": "evaluate"}  # Keras's function kinds, as OutOfMemoryE
 class TrainParts:
     """What training one model needs, built once and cached per model and layout.
 
-    Attributes:
-        step: The compiled train step.
-        guard: Guards the small state a step updates (steps not snapshotting it).
-        counted: Counts an accumulated batch once for the per-output loss
-            trackers, as Keras's step counts a batch.
-        accumulator: The gradient accumulator (the size of the weights),
-            made when a batch is first split, dropped by `Run.release`.
+    `guard` covers the small state of steps that do not snapshot it; `accumulator` (the size
+    of the weights) is made when a batch is first split and dropped by `Run.release`.
     """
 
     step: TrainStep
@@ -107,38 +72,19 @@ class Run:
     """MemFit's state during one `fit`, or one standalone `evaluate` or `predict`.
 
     Args:
-        model: The model being run.
         mode: "accumulate" or "shrink" (see `MemFit`).
         keras_function: `keras_function(kind, batches)` runs Keras's own
-            `model.<kind>_function` on the batches already pulled (for the
-            batches MemFit cannot split).
-        fallback: Why `mode="accumulate"` was asked for but "shrink" is used,
-            logged as a warning when that first matters (the first OOM in
-            training); None when the mode is the one asked for.
-        remat: Where one sample does not fit in training, which layers to
-            recompute in the backward pass: "auto", False or layer names
-            (`keras_memfit.training.remat`).
+            `model.<kind>_function` on batches already pulled (those MemFit cannot split).
+        fallback: Why "shrink" is used where "accumulate" was asked for, logged at the first
+            OOM in training; None when the mode is the one asked for.
+        remat: "auto", False or layer names (`training.remat`).
 
     Attributes:
-        layout: How a batch is cut into pieces and run: on one device, or on
-            every replica of a `tf.distribute` strategy alike
-            (`keras_memfit.training.layout`).
-        stateful: The names of the model's stateful layers; with any, every
-            batch runs through `keras_call`.
-        events: One `Event` per adaptation, located at `epoch` and `step`.
-        epoch: The current epoch of `fit` (0 outside `fit`).
-        step: The index of the current training batch in its epoch.
-        epoch_ooms: OOMs caught in this epoch (training and validation).
-        epoch_split: The most pieces one training batch was run as in this
-            epoch (1 when none was split).
-        epoch_remat: The most layers recomputed in the backward pass for a
-            training batch of this epoch (0 when none).
-        most_pieces: Per phase that split a batch, the most pieces one batch
-            was run as during the call, and that batch's rows.
+        epoch_ooms, epoch_split, epoch_remat: This epoch's OOMs caught, most pieces one
+            training batch ran as (1: none split), most layers recomputed (the epoch logs).
 
     Raises:
-        NotImplementedError: For a distribution MemFit cannot run under
-            (the backend's `training_replicas`).
+        NotImplementedError: For a distribution MemFit cannot run under.
     """
 
     def __init__(
@@ -182,8 +128,7 @@ class Run:
         self.epoch_remat = 0
 
     def _cut(self, batch: Any) -> Optional[Cut]:
-        """A Keras batch as the layout cuts it, or None when it cannot be split
-        (a stateful model's batches never are)."""
+        """A Keras batch as the layout cuts it, or None when it cannot (a stateful model's)."""
         return None if self.stateful else self.layout.cut(batch)
 
     def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
@@ -202,11 +147,8 @@ class Run:
         return logs
 
     def _train_batch(self, cut: Cut) -> Any:
-        """Train on one Keras batch; where one sample does not fit, recompute more layers.
-
-        The batch is run again only while none of it was applied (always
-        with "accumulate", all or nothing; with "shrink", until a piece ran).
-        """
+        """Train on one Keras batch; where one sample does not fit, recompute more layers and
+        run it again, while none of it was applied ("shrink": until a piece ran)."""
         while True:
             names = self.remat.apply(cut.signature)
             if names != self._remat_names:  # steps traced again, memory planned afresh
@@ -371,8 +313,7 @@ class Run:
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
 
     def release(self) -> None:
-        """Free the accumulator's sums (the weights' size; made again when next needed),
-        and put the recomputed layers' calls back as they were."""
+        """Free the accumulator's sums (made again when needed); put recomputed calls back."""
         if self._train_parts is not None:
             self._train_parts.accumulator = None
         self.remat.release()
@@ -480,11 +421,8 @@ class Run:
 
     # -------------------------------------------------------------- predict
     def predict(self, batches: Iterable[Any]) -> Any:
-        """Predict each Keras batch; returns the outputs, in the input's order.
-
-        A batch run whole gives the step's own tensors, as Keras's
-        `predict_function` does; pieces are gathered on the host.
-        """
+        """Predict each Keras batch; the outputs in the input's order (a batch run whole: the
+        step's own tensors, as Keras's `predict_function` gives; pieces: gathered on the host)."""
         batches = list(batches)
         cuts = self._cuts(batches)
         if cuts is None:
@@ -514,14 +452,8 @@ class Run:
 
     # ------------------------------------------------- batches MemFit passes on
     def keras_call(self, kind: str, batches: List[Any]) -> Any:
-        """Keras's own `<kind>_function` on `batches`, which MemFit cannot split.
-
-        Args:
-            kind: "train", "test" or "predict".
-            batches: The batches already pulled from Keras's iterator. If
-                Keras's function runs out of memory, the error names what in
-                them cannot be split (the layout's `unsplittable`).
-        """
+        """Keras's own `<kind>_function` on the pulled `batches`, which MemFit cannot split;
+        its OOM raises `cannot_split`, naming what in them cannot be split."""
         try:
             return self.keras_function(kind, batches)
         except Exception as exc:
@@ -532,11 +464,8 @@ class Run:
 
     # --------------------------------------------------------------- shared
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
-        """The planner of `phase` at `cut`'s signature, told that a batch of its slots begins.
-
-        Every phase tries the whole batch first (`probe="after_oom"`): a
-        batch that fits runs as Keras would run it.
-        """
+        """The planner of `phase` at `cut`'s signature, told that a batch of its slots begins
+        (`probe="after_oom"`: a batch that fits runs whole, as in Keras)."""
         key = self._planner_key(phase, cut)
         planner = self._planners.get(key)
         if planner is None:
@@ -563,7 +492,7 @@ class Run:
             self.most_pieces[phase] = (pieces, rows)
 
     def _note_events(self, batch_rows: Optional[int]) -> None:
-        """Locate the planners' new events at the current epoch and step (a batch of `batch_rows`)."""
+        """Locate the planners' new events at the current epoch and step."""
         for event in self._unlocated:
             if event.kind in ("oom", "remat"):  # a rung of remat follows an OOM too
                 self.epoch_ooms += 1

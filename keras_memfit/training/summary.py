@@ -1,10 +1,4 @@
-"""MemFit's record of a call: the end-of-call summary line and History's entries.
-
-`MemFit.events` is the full record; `summary` says it in one line, logged at
-INFO at the end of a call that adapted anything. `pad_history` keeps
-`History.history` one entry per epoch when MemFit's epoch-log entries
-(`memfit_ooms`, `memfit_split`, `memfit_remat`) first appear after the first epoch.
-"""
+"""MemFit's record of a call: the end-of-call summary line and History's entries."""
 
 from __future__ import annotations
 
@@ -28,23 +22,11 @@ def summary(
     events: List[Dict[str, Any]],
     most_pieces: Dict[str, Tuple[int, int]],
 ) -> str:
-    """One line saying what MemFit adapted during a call.
+    """One line saying what MemFit adapted during a call (`call`: "fit", "evaluate", "predict").
 
     Args:
-        call: "fit", "evaluate" or "predict".
-        model_name: The model's name.
-        events: `MemFit.events` of the call.
-        most_pieces: Per phase that split a batch: the most pieces one batch
-            was run as, and that batch's rows.
-
-    Returns:
-        The line, for example `MemFit: fit on model 'cnn' adapted: 2 OOMs
-        caught (train 2); train batches of 64 rows run as up to 4 pieces;
-        1 growth; details in MemFit.events (3 events).`
-
-    Example:
-        >>> summary("fit", "m", memfit.events, {"train": (4, 64)})
-        "MemFit: fit on model 'm' adapted: 1 OOM caught (train 1); ..."
+        most_pieces: Per phase that split a batch: the most pieces one batch was run as, and
+            that batch's rows.
     """
     parts = []
     ooms = Counter(e["phase"] for e in events if e["kind"] == "oom")
@@ -69,12 +51,7 @@ def summary(
 
 
 def pad_history(history: Any) -> None:
-    """Give `history` MemFit's entries for the epochs before they first appeared.
-
-    Args:
-        history: The `keras.callbacks.History` of the running `fit` (anything
-            else is left alone).
-    """
+    """Give a `keras.callbacks.History` (anything else: left alone) MemFit's earlier entries."""
     if not isinstance(history, keras.callbacks.History) or not history.history:
         return
     epochs = max(
