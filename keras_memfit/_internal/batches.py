@@ -1,11 +1,8 @@
 """Keras's batches as MemFit receives them: chunks of rows, what cannot be split.
 
-Keras's step functions receive each batch as `x`, `(x,)`, `(x, y)` or
-`(x, y, sample_weight)`; MemFit splits it as an `(x, y, sample_weight)`
-chunk of rows (`keras_memfit.planning.data`) and hands each piece back in Keras's
-form. Only numpy arrays, dense tensors and `None` can be split by rows: a
-sparse or ragged tensor, or an optional input that arrives as a
-`tf.experimental.Optional`, cannot, and `unsplittable` names it.
+A batch (`x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`) is split as an `(x, y,
+sample_weight)` chunk and each piece handed back in Keras's form. Only numpy arrays, dense
+tensors and None split by rows: sparse, ragged or `tf.experimental.Optional` inputs do not.
 """
 
 from __future__ import annotations
@@ -19,12 +16,9 @@ import numpy as np
 # scipy) and ragged (TensorFlow) tensors.
 _NOT_DENSE = ("indices", "row_splits", "nnz")
 
-# Classes every instance of which is a dense array and a leaf for `keras.tree`:
-# numpy's, and each dense tensor class met so far (JAX's array, TensorFlow's
-# EagerTensor), never torch.Tensor, whose sparse tensors share its class (see
-# `_DENSE_LAYOUTS`). The
-# checks made on every batch of Keras's loop then need neither `keras.tree`
-# nor attribute probes for a batch of them (see `leaves`).
+# Classes every instance of which is a dense array and a leaf for `keras.tree`
+# (numpy's, and each dense tensor class met so far; never torch.Tensor, whose sparse
+# tensors share its class), so the per-batch checks skip `keras.tree` (see `leaves`).
 _DENSE_CLASSES: Set[type] = {np.ndarray}
 # Classes whose instances are dense leaves exactly when their `layout` is the
 # one recorded here (torch.Tensor: `torch.strided`), met so far: one attribute
@@ -33,7 +27,6 @@ _DENSE_LAYOUTS: Dict[type, Any] = {}
 
 
 def _note_dense_class(leaf: Any) -> None:
-    """Remember the class of `leaf`, a tensor found dense (or, for torch, its dense layout)."""
     if keras.tree.is_nested(leaf):
         return
     if not hasattr(leaf, "is_sparse"):
@@ -43,7 +36,7 @@ def _note_dense_class(leaf: Any) -> None:
 
 
 def _known_dense(leaf: Any) -> bool:
-    """Whether `leaf` is of a class met before as a dense leaf (a cheap test, no false yes)."""
+    """Whether `leaf`'s class was met before as a dense leaf (cheap, no false yes)."""
     cls = type(leaf)
     if cls in _DENSE_CLASSES:
         return True
@@ -54,13 +47,7 @@ def _known_dense(leaf: Any) -> bool:
 def leaves(structure: Any) -> List[Any]:
     """`keras.tree.flatten(structure)`, without `keras.tree` for a Keras batch of arrays.
 
-    A tuple of dense arrays (see `_DENSE_CLASSES`) and None, as Keras's loops
-    hand a batch, or one such array, is its own list of leaves; anything else
-    is flattened by `keras.tree`.
-
-    Example:
-        >>> leaves((np.zeros((4, 2)), None))
-        [array(...), None]
+    A tuple of known dense arrays and None, or one such array, is its own list of leaves.
     """
     if type(structure) is tuple:
         for part in structure:
@@ -80,20 +67,13 @@ def as_chunk(batch: Any) -> tuple:
 def form_of(batch: Any) -> int:
     """How Keras packed `batch`: 0 for a bare `x`, else the tuple's length (1 to 3).
 
-    Keras's loops hand a step `x` itself when there are no targets and `x` is
-    not a tuple (`keras.utils.pack_x_y_sample_weight`); a model's own
-    `train_step` may read its `data` as that `x`.
+    A model's own `train_step` may read its `data` as that bare `x`.
     """
     return len(batch) if isinstance(batch, (tuple, list)) else 0
 
 
 def as_batch(chunk: tuple, form: int) -> Any:
-    """An `(x, y, sample_weight)` chunk (or a piece of it) back as a Keras batch of `form`.
-
-    Example:
-        >>> as_batch((x, None, None), form_of(x)) is x
-        True
-    """
+    """An `(x, y, sample_weight)` chunk (or a piece of it) back as a Keras batch of `form`."""
     if form == 0:
         return chunk[0]
     return tuple(chunk[:form])
@@ -149,16 +129,7 @@ def _name(path: tuple) -> str:
 def unsplittable(chunk: tuple) -> Optional[str]:
     """What in `chunk` cannot be split by rows, in words, or None if all of it can.
 
-    Args:
-        chunk: An `(x, y, sample_weight)` chunk (see `as_chunk`).
-
-    Returns:
-        For example `"x['tokens']=SparseTensor(shape=(32, 100), dtype=float32)"`,
-        or None when every leaf is an array, a dense tensor or None.
-
-    Example:
-        >>> unsplittable((np.zeros((4, 2)), None, None)) is None
-        True
+    For example `"x['tokens']=SparseTensor(shape=(32, 100), dtype=float32)"`.
     """
     for path, leaf in keras.tree.flatten_with_path(chunk):
         if not _splittable(leaf):
@@ -167,7 +138,7 @@ def unsplittable(chunk: tuple) -> Optional[str]:
 
 
 def first_unsplittable(chunks: Iterable[tuple]) -> Optional[str]:
-    """What cannot be split (see `unsplittable`) in the first of `chunks` that has such an input, else None."""
+    """`unsplittable` of the first of `chunks` that has such an input, else None."""
     for chunk in chunks:
         found = unsplittable(chunk)
         if found is not None:
@@ -178,12 +149,7 @@ def first_unsplittable(chunks: Iterable[tuple]) -> Optional[str]:
 def splittable_rows(chunk: tuple) -> Optional[int]:
     """The rows of `chunk` if every leaf can be split by rows, else None.
 
-    `unsplittable(chunk) is None` and `data.num_rows(chunk)` in one pass over
-    the leaves, for the checks made on every batch of Keras's loop.
-
-    Example:
-        >>> splittable_rows((np.zeros((4, 2)), None, None))
-        4
+    `unsplittable` and `data.num_rows` in one pass, for the checks made on every batch.
     """
     rows = None
     for leaf in leaves(chunk):
@@ -197,9 +163,7 @@ def splittable_rows(chunk: tuple) -> Optional[int]:
 def concatenate(parts: List[Any]) -> Any:
     """The outputs of consecutive pieces as one structure, in the step's own form.
 
-    One part is returned as it is (the step's own tensors, as Keras's
-    `predict_function` returns them); several are joined on the host and
-    converted back to the backend's tensors.
+    One part is returned as it is; several are joined on the host and converted back to tensors.
     """
     if len(parts) == 1:
         return parts[0]
@@ -218,20 +182,8 @@ def pull_batches(
 ) -> Iterator[Any]:
     """Up to `count` batches from a Keras epoch iterator, each pulled when the one before is done.
 
-    As Keras's multi-step functions pull them: a batch is held only while it
-    runs, not the `count` of them at once.
-
-    Args:
-        iterator: The epoch's iterator of batches.
-        count: The model's `steps_per_execution`.
-        is_end_of_data: The backend's test for the iterator's end-of-data
-            error (`StopIteration`, TensorFlow's `OutOfRangeError`).
-
-    Returns:
-        An iterator over the batches; fewer than `count` at the end of the epoch.
-
-    Raises:
-        The end-of-data error itself, at once, when no batch was left.
+    As Keras's multi-step functions pull them: a batch is held only while it runs. Fewer than
+    `count` at the end of the epoch; the end-of-data error itself where no batch was left.
     """
     return _pulled(next(iterator), iterator, count, is_end_of_data)
 

@@ -1,8 +1,6 @@
-"""Compiled steps and state guards kept per model, so repeated calls do not retrace.
+"""Compiled steps and state guards kept per model (weakly), so repeated calls do not retrace.
 
-Entries are keyed weakly by the model; what is cached must not hold the model
-strongly (the backend's step factories reach it through a weak reference),
-so a model that is deleted is freed together with its entries.
+What is cached must not hold the model strongly, so that a deleted model is freed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Every use of Keras's private API, in one place, with the range it was tested on.
+"""Every use of Keras's private API shared by the backends, with the range it was tested on.
 
-keras_memfit reaches into Keras where no public API exists (its training
-loop, its loss tracker, its symbolic build). Each such access is a function
-here, so that a Keras release that moves something breaks one module, and
-`TESTED_KERAS` says which releases CI checks.
+A Keras release that moves something then breaks one module; `TESTED_KERAS` says which
+releases CI checks.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def all_layers(model: keras.Model) -> Iterable[Any]:
 def calling_callback_list(callback: Any) -> Optional[Any]:
     """The `keras.callbacks.CallbackList` whose hook is calling `callback`'s, or None.
 
-    Keras's `fit` wraps its callbacks in a `CallbackList` that no callback
-    can reach; the list's hook (`on_train_begin`, say) is a few frames up.
+    Keras's `fit` keeps its `CallbackList` out of the callbacks' reach: it is a few frames up.
     """
     frame = sys._getframe(1)
     for _ in range(4):
@@ -59,10 +56,7 @@ def symbolic_build(model: keras.Model, data_batch: Any) -> None:
 
 
 def has_per_output_loss_trackers(model: keras.Model) -> bool:
-    """Whether the compiled loss tracks one loss per output (multi-output models).
-
-    Keras weights those trackers by the *static* batch size of the outputs.
-    """
+    """Whether the compiled loss tracks one loss per output (multi-output models)."""
     compile_loss = getattr(model, "_compile_loss", None)
     return bool(getattr(compile_loss, "metrics", None))
 
@@ -70,8 +64,7 @@ def has_per_output_loss_trackers(model: keras.Model) -> bool:
 def per_output_loss_trackers(model: keras.Model) -> list:
     """The compiled loss's per-output loss trackers (`keras.metrics.Mean`s), or [].
 
-    Keras updates each with the output's batch loss, weighted by the *static*
-    batch size of the output (one per batch when it is unknown).
+    Keras weights each batch's loss by the output's *static* batch size (1 when it is unknown).
     """
     compile_loss = getattr(model, "_compile_loss", None)
     return [m for m in (getattr(compile_loss, "metrics", None) or []) if m is not None]
@@ -88,12 +81,9 @@ def layer_and_operation_classes() -> Tuple[Type[Any], Type[Any]]:
 def input_structure(model: keras.Model) -> Tuple[Any, bool]:
     """The inputs `model` is called with, as `keras.KerasTensor`s: (structure, positional).
 
-    Functional and Sequential models give their `Input`s; other models the
-    shapes they were built with (`_build_shapes_dict`, float32 or the model's
-    `input_dtype`), a dict or list of them included. Call `model(inputs)`
-    when `positional`, else `model(**inputs)`. Input dimensions after the
-    batch's that the model leaves unknown (a text model's tokens) get
-    `keras_memfit._internal.lengths.sequence_length`, where there is one.
+    Functional and Sequential models give their `Input`s, others the shapes they were built with.
+    Call `model(inputs)` when `positional`, else `model(**inputs)`. Unknown dimensions after the
+    batch's get `lengths.sequence_length` where there is one.
 
     Raises:
         ValueError: If the model has not been built.
@@ -136,11 +126,7 @@ def input_structure(model: keras.Model) -> Tuple[Any, bool]:
 def data_adapter(
     x: Any, y: Any = None, sample_weight: Any = None, batch_size: Optional[int] = None
 ) -> Any:
-    """Keras's own data adapter for `x` (tf.data, PyDataset, generators, arrays), unshuffled.
-
-    Raises:
-        ValueError: If Keras does not accept `x` as input data.
-    """
+    """Keras's own data adapter for `x`, unshuffled; ValueError if Keras does not take `x`."""
     from keras.src.trainers.data_adapters import get_data_adapter
 
     return get_data_adapter(
@@ -192,8 +178,7 @@ class GraphNode(NamedTuple):
 
 
 class FunctionalGraph(NamedTuple):
-    """The graph a functional model runs: its `Input`s and outputs (as nested as the
-    model takes and returns them) and its calls in the order Keras runs them."""
+    """The graph a functional model runs: its nested `Input`s and outputs, its calls in order."""
 
     inputs: Any
     outputs: Any
@@ -201,11 +186,9 @@ class FunctionalGraph(NamedTuple):
 
 
 def functional_graph(model: Any) -> Optional[FunctionalGraph]:
-    """The graph `model.call` runs, or None: not a functional model or a Sequential
-    of one input tensor, or a class with a `call` of its own.
+    """The graph `model.call` runs, or None (not functional, or a class with its own `call`).
 
-    The order is `Functional._run_through_graph`'s: by depth, deepest first,
-    each node once its inputs are computed.
+    In `Functional._run_through_graph`'s order: by depth, deepest first.
     """
     from keras.src.models.functional import Functional
 
@@ -229,8 +212,7 @@ def functional_graph(model: Any) -> Optional[FunctionalGraph]:
 
 
 def made_trainable(layer: Any) -> Iterable[Any]:
-    """The variables `layer` made as trainable weights (`_trainable_variables`), also
-    those frozen since (LoRA's base kernel, a layer set `trainable=False`)."""
+    """The variables `layer` made as trainable weights, also those frozen since (LoRA's base)."""
     return layer._trainable_variables
 
 
@@ -277,16 +259,10 @@ def loss_tracker(model: keras.Model) -> Any:
 def assert_same_structure(a: Any, b: Any) -> None:
     """Raise unless `a` and `b` are nested alike (`keras.tree.assert_same_structure`).
 
-    Keras 3.8 and later compare the nesting only; before 3.8 the function
-    also compared the types of the leaves by default (`check_types=True`),
-    which refuses arrays against traced specs, so the check is turned off
-    there. From 3.8 on `check_types` is deprecated and not passed.
+    Before Keras 3.8 the leaves' types were compared too, so that is turned off there.
 
     Raises:
         ValueError: If the nesting differs (TypeError on some Keras releases).
-
-    Example:
-        >>> assert_same_structure([1, (2, 3)], ["a", ("b", "c")])
     """
     version = keras_version()
     if version and version < (3, 8):
@@ -301,17 +277,8 @@ _UNTRACKED_SETATTR: dict = {}  # class -> whether Keras's __setattr__ only track
 def set_function(obj: Any, name: str, function: Any) -> None:
     """`setattr(obj, name, function)` for a function attribute, at `object.__setattr__`'s cost.
 
-    Keras's `Layer.__setattr__` passes the value through its `_setattr_hook`
-    (the identity, unless a backend's layer overrides it) and its tracker
-    (variables, layers, metrics, seed generators and containers are tracked; a
-    function is returned as it is), then calls the next `__setattr__`. Where
-    that is `object`'s (Keras's JAX layers without NNX; TensorFlow's and
-    torch's layers have their own, which run as usual), the function is set
-    with `object.__setattr__` directly: MemFit installs and removes its step
-    function at every step (2.5 us each through Keras, 0.1 us directly).
-
-    Example:
-        >>> set_function(model, "train_function", function)
+    Where Keras's `Layer.__setattr__` would only track and then call `object`'s (JAX layers
+    without NNX), it is skipped: MemFit installs and removes its step function every step.
     """
     cls = type(obj)
     plain = _UNTRACKED_SETATTR.get(cls)

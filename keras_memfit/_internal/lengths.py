@@ -1,11 +1,7 @@
 """The length given to an input dimension a model leaves unknown (a text model's tokens).
 
-KerasHub backbones take `token_ids` of shape `(batch, None)`: a symbolic
-trace (`memory_report`, the planner's analytic estimate) needs a number
-there. It is the one asked for (`memory_report(..., sequence_length=N)`,
-through `given`), else the model's `max_sequence_length` (KerasHub
-backbones, and tasks through their `backbone`), else the dimension stays
-unknown (the trace then counts it as one).
+For a symbolic trace: the one asked for (`given`), else the model's (or its backbone's)
+`max_sequence_length`, else unknown (the trace counts it as one).
 """
 
 from __future__ import annotations

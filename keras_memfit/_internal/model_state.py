@@ -1,9 +1,7 @@
 """What a compiled Keras model holds, read through Keras's public API alone.
 
-Backend-neutral helpers that every backend's steps and the analysis share:
-the small state a failed train step may have touched, an optimizer's slot
-variables for one weight, and the stateful layers (whose batches
-keras_memfit never splits).
+The small state a failed train step may touch, an optimizer's slots for one weight, and the
+stateful layers (whose batches keras_memfit never splits).
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ from keras_memfit._internal import keras_compat as _keras_compat
 def stateful_layers(model: keras.Model) -> Tuple[str, ...]:
     """The names of the layers of `model` built with `stateful=True` (stateful RNNs).
 
-    Such a layer carries its state from one batch to the next at the batch
-    size it was built for, so its model runs only Keras's own batches.
-    Anything but a Keras layer or model has none.
+    Their state carries over between batches of the size they were built for, so the model runs
+    only Keras's own batches. Anything but a Keras layer or model has none.
     """
     if not isinstance(model, keras.layers.Layer):
         return ()
@@ -37,20 +34,11 @@ def has_default_train_step(model: keras.Model) -> bool:
 
 
 def train_state_variables(model: keras.Model) -> List[Any]:
-    """The small state a failed train step may have updated before failing.
+    """The small state a failed train step may have updated, each variable once, to snapshot.
 
-    Metric and loss-tracker variables, the non-trainable variables of
-    trainable layers (BatchNorm moving statistics, RNG seed states) and the
-    optimizer's scalar variables (iterations, loss-scale counters). Trainable
-    weights and optimizer slots are not included: the train steps
-    keras_memfit compiles update them only after every gradient exists, so a
-    step that fails has not touched them.
-
-    Args:
-        model: A built, compiled Keras model.
-
-    Returns:
-        The variables to snapshot before a train step, each once.
+    Metric and loss-tracker variables, the non-trainable variables of trainable layers (moving
+    statistics, seed states) and the optimizer's scalars. Not the weights and slots: the steps
+    keras_memfit compiles update them only after every gradient exists.
     """
     frozen = set()
     for layer in _keras_compat.all_layers(model):
@@ -77,15 +65,7 @@ def train_state_variables(model: keras.Model) -> List[Any]:
 
 
 def slot_variables(optimizer: Any, variable: Any) -> List[Any]:
-    """The optimizer variables created from `variable` (Adam's m and v, ...).
-
-    Args:
-        optimizer: A Keras optimizer, built or not (None gives none).
-        variable: One of the model's weights.
-
-    Returns:
-        The built optimizer's variables named after `variable` with its shape.
-    """
+    """The built optimizer's variables made from `variable` (Adam's m and v...); [] if unbuilt."""
     if optimizer is None or not getattr(optimizer, "built", False):
         return []
     prefix = variable.path.replace("/", "_") + "_"

@@ -1,25 +1,9 @@
 """How a part of a batch weighs in the batch's loss, by the model's loss reductions.
 
-MemFit accumulates a batch that does not fit as micro-batches whose
-gradients, each times its weight, add up to the whole batch's. The weight
-follows from how the compiled losses reduce (Keras's `Loss.reduction`,
-`keras/src/losses/loss.py`):
-
-- "sum_over_batch_size" (Keras's default) and "mean" divide by the values
-  counted: a part weighs its rows over the batch's (`ROWS`);
-- "sum" adds the values up, and so, on TensorFlow, does None ("none"): the
-  loss stays unreduced and the gradient is its sum's (JAX and torch refuse
-  a loss that is not a scalar, in plain Keras too): each part weighs 1
-  (`ONE`);
-- "mean_with_sample_weight" divides by the sum of the sample weights: a
-  part weighs its sum of sample weights over the batch's (without sample
-  weights, its rows) (`SAMPLE_WEIGHTS`).
-
-`loss_weights` only scale each loss, so they need nothing. Regularization
-(a weight's or an activity regularizer) counts once per batch: the parts'
-weights must add up to 1, which `ONE` breaks. One weight per part serves
-every loss only when they all weigh a part alike; `weighting` says how, or
-why not (MemFit then trains such a model as `mode="shrink"`).
+Micro-batch gradients, each times its weight, add up to the whole batch's: `ROWS` for
+"sum_over_batch_size" and "mean", `ONE` for "sum" (and None on TensorFlow), `SAMPLE_WEIGHTS`
+for "mean_with_sample_weight". Regularizers count once per batch, which `ONE` breaks;
+`weighting` says how, or why no one weight per part is exact (MemFit then shrinks instead).
 """
 
 from __future__ import annotations
@@ -46,15 +30,7 @@ _HOW = {
 
 
 def loss_reductions(model: keras.Model) -> List[Optional[str]]:
-    """The reductions of the losses `model` was compiled with.
-
-    Args:
-        model: A compiled Keras model.
-
-    Returns:
-        One reduction per loss; strings and plain functions count as
-        Keras's default, "sum_over_batch_size".
-    """
+    """One reduction per compiled loss; strings and plain functions: "sum_over_batch_size"."""
     reductions = []
     for loss in keras.tree.flatten(getattr(model, "loss", None)):
         if loss is None:
@@ -79,12 +55,9 @@ def _regularized(model: keras.Model) -> bool:
 def weighting(model: keras.Model) -> Tuple[Optional[str], Optional[str]]:
     """How a part of `model`'s batch is weighted, or why no one weight per part is exact.
 
-    Args:
-        model: A compiled Keras model.
-
     Returns:
-        `(how, None)`, `how` one of `ROWS`, `ONE`, `SAMPLE_WEIGHTS`; or
-        `(None, why)`, `why` a sentence naming the losses.
+        `(how, None)`, `how` one of `ROWS`, `ONE`, `SAMPLE_WEIGHTS`; or `(None, why)`, `why` a
+        sentence naming the losses.
     """
     reductions = loss_reductions(model)
     kinds = {_HOW[r] for r in reductions} or {ROWS}
@@ -130,17 +103,10 @@ def sample_weight_sum(chunk: tuple) -> Optional[float]:
 def weights(how: str, part: tuple, whole: tuple) -> Tuple[float, float]:
     """`part`'s weight in `whole`'s loss, and the factor its loss is tracked with.
 
-    Args:
-        how: `weighting(model)`'s `how`.
-        part: Rows of `whole`, an `(x, y, sample_weight)` chunk.
-        whole: The batch, an `(x, y, sample_weight)` chunk.
-
     Returns:
-        `(weight, loss_factor)`: the weight of `part`'s gradient in the
-        batch's, and `weight x whole's rows / part's rows`, what the loss
-        tracker (weighted by rows) multiplies `part`'s loss by so that it
-        records the batch's loss as Keras's step would. A part of a part
-        has the product of both pairs.
+        `(weight, loss_factor)`: the weight of `part`'s gradient in the batch's, and
+        `weight x whole's rows / part's rows`, so the loss tracker (weighting by rows) records
+        the batch's loss as Keras's step would. A part of a part has the product of both pairs.
     """
     rows, total = _rows(part), _rows(whole)
     if not rows:

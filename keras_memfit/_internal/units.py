@@ -45,15 +45,10 @@ def format_table(
     line_length: Optional[int] = None,
     left: Sequence[int] = (0, 1),
 ) -> List[str]:
-    """A ruled text table: title, header, body rows and a total row.
+    """A ruled text table's lines: title, header, body rows and a total row.
 
-    Columns are as wide as their widest cell; the columns in `left` are
-    left-aligned, the others right-aligned. With `line_length`, the first two
-    (free-text) columns give or take the difference, and cells too long for
-    their column end in "…".
-
-    Returns:
-        The table's lines.
+    Columns in `left` are left-aligned, the others right-aligned. With `line_length`, the first
+    two (free-text) columns give or take the difference, and cells too long end in "…".
     """
     widths = [max(len(row[i]) for row in [header, total, *body]) for i in range(len(header))]
     natural = sum(widths) + 2 * (len(widths) - 1)

@@ -1,11 +1,8 @@
-"""What `safe_predict` and `safe_evaluate` are made of: their batch loop, steps, outputs, losses.
+"""What `safe_predict`, `safe_evaluate` and `safe_generate` are made of.
 
-- `loop`: Keras's plumbing (callbacks, progress bar, stop flags) around
-  `planning.runner.run_in_pieces`;
-- `steps`: the compiled predict and test steps, cached per model (MemFit's
-  `predict` and validation run them too);
+- `loop`: Keras's callbacks, progress bar and stop flags around `run_in_pieces`;
+- `steps`: the compiled predict and test steps, cached per model (MemFit's too);
 - `outputs`: where each piece's outputs go, in order, on the host;
-- `output_losses`: exact per-output losses over pieces;
-- `generation`: `safe_generate`'s pieces (prompts as rows, few batch shapes,
-  outputs in order).
+- `output_losses`: per-output losses over pieces, as Keras counts them;
+- `generation`: `safe_generate`'s pieces (prompts as rows, few batch shapes).
 """

@@ -1,20 +1,7 @@
 """`safe_generate`'s pieces: prompts as rows, few batch shapes, outputs in order.
 
-KerasHub's `CausalLM.generate` runs every prompt it is given as one batch
-and compiles its generation loop once per batch shape. `safe_generate`
-(`keras_memfit/generate.py`) runs `generate` on pieces of the prompts through
-`run_in_pieces`; this module holds what that needs:
-
-- `prompt_chunks`: the prompts as chunks of rows (`keras_memfit.planning.data`'s
-  `(x, None, None)`): strings as a numpy object array, a dict of arrays
-  (token ids and padding masks, or a preprocessor's named string inputs) as
-  it is, a `tf.data.Dataset` as its batches.
-- `ShapeKeeper`: a piece smaller than a batch shape already run is padded up
-  to that shape (copies of its last prompt, dropped from the outputs) when
-  the padding at most doubles it, so a call's last, shorter piece compiles
-  nothing new. The shapes run are remembered per model.
-- `GeneratedOutputs`: the pieces' outputs joined as `generate` joins its
-  batches (strings as one list, arrays concatenated).
+KerasHub's `CausalLM.generate` runs all its prompts as one batch and compiles its loop once
+per batch shape; `safe_generate` runs it on pieces of the prompts through `run_in_pieces`.
 """
 
 from __future__ import annotations
@@ -71,23 +58,16 @@ def _is_dataset(inputs: Any) -> bool:
 
 
 def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool, Optional[int]]:
-    """The prompts of a `generate` call as chunks of rows.
-
-    Args:
-        inputs: What `CausalLM.generate` takes: a string, a list/array/tensor
-            of strings, a dict of them or of arrays (`token_ids`,
-            `padding_mask`), or a batched `tf.data.Dataset`.
+    """The prompts of a `generate` call as chunks of `(x, None, None)` rows.
 
     Returns:
-        (chunks, scalar, rows): the chunks (`(x, None, None)` tuples, one for
-        array-like input, one per batch for a dataset), whether `inputs` was
-        a single string (then `generate` returns one string), and the number
-        of prompts (None for a dataset).
+        (chunks, scalar, rows): the chunks (one for array-like input, one per batch of a
+        dataset), whether `inputs` was one string (`generate` then returns one string), and
+        the number of prompts (None for a dataset).
 
     Raises:
-        TypeError: If `inputs` is of another type.
-        ValueError: If the leaves of a dict differ in their number of rows,
-            or the input is empty.
+        TypeError: If `inputs` is not something `generate` takes.
+        ValueError: If the leaves of a dict differ in their rows, or there is no prompt.
     """
     if _is_dataset(inputs):
         batches = ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator())
@@ -117,9 +97,7 @@ def _rows_of(inputs: Any) -> Any:
 def to_generate_input(x: Any) -> Any:
     """A piece as `generate` takes it: a 1-D object array of strings as a list of `str`.
 
-    A dataset's strings come as bytes (`as_numpy_iterator`), which KerasHub's
-    tokenizers refuse ("Input should be a string or a list of strings"):
-    they are decoded as UTF-8.
+    A dataset's bytes are decoded as UTF-8: KerasHub's tokenizers refuse bytes.
     """
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1:
@@ -136,16 +114,9 @@ _SHAPES: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Set[int]]]" = weakref.We
 class ShapeKeeper:
     """Pads a piece up to a batch shape already run, so that it compiles nothing new.
 
-    Args:
-        model: The `CausalLM` (the key under which the shapes are kept).
-        signature: What else the compiled shape depends on (the prompts'
-            row signature, `max_length`).
-
-    Example:
-        >>> keeper = ShapeKeeper(causal_lm, signature)
-        >>> padded, rows = keeper.pad(x)
-        >>> outputs = causal_lm.generate(padded)
-        >>> keeper.ran(padded)
+    At most `MAX_PADDING_FACTOR` times its rows, with copies of the last prompt (dropped from
+    the outputs); the shapes run are kept per model and `signature` (rows' signature,
+    `max_length`).
     """
 
     def __init__(self, model: Any, signature: Hashable) -> None:
@@ -181,8 +152,7 @@ class ShapeKeeper:
     def failed(self, rows: int, own: int) -> None:
         """After a piece run as `rows` rows (`own` of them its own) failed: pad no more.
 
-        A padded piece that ran out of memory could fail again at any smaller
-        size padded up to it; the rest of the call runs its pieces as they are.
+        A padded piece that ran out of memory could fail again at any smaller size padded up to it.
         """
         if rows > own:
             self.padding = False

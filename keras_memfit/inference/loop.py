@@ -1,28 +1,9 @@
 """The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`.
 
-`run_in_pieces` (see `keras_memfit.planning.runner`) decides the pieces and retries
-them; this module gives the run what `model.predict`/`model.evaluate` give
-theirs: a `keras.callbacks.CallbackList` receiving the `on_predict_*` or
-`on_test_*` calls, a `keras.utils.Progbar` counting samples, and the model's
-stop flag (`stop_predicting`/`stop_evaluating`) that a callback sets to end
-the run early. Each piece actually run is one batch for the callbacks: its
-`on_*_batch_begin` is sent once, before its first attempt (not again for a
-retry after an OOM), and its `on_*_batch_end` after it succeeded.
-
-With the model's `steps_per_execution` (`spe`) above 1 the callbacks see
-executions of `spe` batches, as in Keras: `on_*_batch_begin(i)` before batch
-`i` when `i` is a multiple of `spe`, `on_*_batch_end(i + spe - 1, logs)` after
-the execution's last batch (also for a last, shorter execution, as Keras
-does), the logs merged over the execution (`merge_logs`), and the stop flag is
-read after each execution. When nothing runs out of memory the batches are
-the ones Keras runs, so the calls are Keras's. After an OOM splits a batch,
-its pieces are batches for the callbacks (the indices count pieces), so an
-execution then covers `spe` pieces: fewer samples than Keras's would.
-
-When the step can start without waiting (JAX) and no callback has its own
-batch-level hook for the phase, the next piece starts before the last one
-ended (`run_in_pieces`'s `start`), as Keras's loops overlap their steps; the
-(default) batch hooks are then sent when a piece ended.
+Callbacks, a progress bar counting samples and the model's stop flag, as `model.predict` and
+`model.evaluate` have them. Each piece run is one batch for the callbacks: `on_*_batch_begin`
+once before its first attempt (not for a retry), `on_*_batch_end` after it succeeded; with
+`steps_per_execution` above 1 they see executions of that many pieces, as in Keras.
 """
 
 from __future__ import annotations
@@ -45,15 +26,7 @@ def requested_size(
 ) -> Optional[int]:
     """The largest piece to run: the batch size asked for (arrays), bounded by `max_batch_size`.
 
-    Args:
-        source: The input's chunks.
-        batch_size: The validated `batch_size` argument.
-        max_batch_size: The validated `max_batch_size` argument (predict only).
-
-    Returns:
-        `batch_size` (default `data.DEFAULT_BATCH_SIZE`) for array input, None
-        for batched input (its own batches bound the pieces), either bounded
-        by `max_batch_size` when given.
+    None for batched input without `max_batch_size`: its own batches bound the pieces.
     """
     requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
     if max_batch_size is not None:
@@ -64,23 +37,14 @@ def requested_size(
 class BatchLoop:
     """Callbacks, progress bar and stop flag around one `run_in_pieces` run.
 
-    Use: `begin()`; one loop over `pieces(...)`, calling `batch_ended` after
-    each piece and leaving when it returns True; `data_ended(...)`; `end(...)`.
-
-    Example:
-        >>> loop.begin()
-        >>> for piece in loop.pieces(chunks, step, requested=32):
-        ...     if loop.batch_ended(piece.rows, logs_of(piece.result)):
-        ...         break
-        >>> loop.data_ended(source, steps)
-        >>> loop.end()
+    Use: `begin()`; one loop over `pieces(...)`, calling `batch_ended` after each piece and
+    leaving when it returns True; `data_ended(...)`; `end(...)`.
 
     Attributes:
-        batch: Number of batches (pieces) finished so far.
-        done: Number of samples finished so far.
-        shows_logs: Whether anything displays the per-batch logs (a progress
-            bar or a callback); reading them back from the device every step
-            would serialise the steps, so callers skip it otherwise.
+        batch: Batches (pieces) finished so far.
+        done: Samples finished so far.
+        shows_logs: Whether anything displays the per-batch logs (else callers skip reading
+            them back from the device, which would serialise the steps).
     """
 
     def __init__(
@@ -96,14 +60,8 @@ class BatchLoop:
         """Create the callback list and the progress bar (nothing is called yet).
 
         Args:
-            model: The model the callbacks see.
-            phase: "predict" or "evaluate".
-            callbacks: The user's Keras callbacks, or None.
-            verbose: 0, 1 or 2 (already validated).
-            num_samples: Total number of samples when known (the bar's target).
-            merge_logs: With `steps_per_execution` > 1, makes one execution's
-                logs from the list of its batches' logs; the last batch's by
-                default.
+            merge_logs: With `steps_per_execution` > 1, makes one execution's logs from its
+                batches' logs; the last batch's by default.
         """
         self.model = model
         self.phase = phase
@@ -145,23 +103,9 @@ class BatchLoop:
     ) -> Iterator[Piece]:
         """`run_in_pieces` over `chunks`: its successful pieces, one callback batch each.
 
-        Call `batch_ended` after each piece; leave the loop when it says the
-        run stopped.
-
         Args:
-            chunks: The input's chunks (see `keras_memfit.planning.data`).
-            step: Runs one piece and returns its result; the piece's
-                `on_*_batch_begin` is sent before its first attempt.
-            requested: Largest piece size (see `requested_size`).
-            guard: State guard passed to `run_in_pieces`.
-            start: Starts `step` without waiting (see `run_in_pieces`). It is
-                used only when no callback has a batch-level hook for this
-                phase: a piece starts before the one before it ended, and
-                Keras's order of batch calls (begin, step, end, next begin)
-                cannot hold then; nothing sees that with no such hook.
-
-        Returns:
-            The pieces (`keras_memfit.planning.runner.Piece`), in input order.
+            start: Starts `step` without waiting; used only where no callback has a batch-level
+                hook for this phase, since a piece then starts before the one before it ended.
         """
 
         def attempt(piece: Any) -> Any:
@@ -175,17 +119,7 @@ class BatchLoop:
         )
 
     def batch_ended(self, rows: int, logs: Any, values: Optional[list] = None) -> bool:
-        """Count a finished piece of `rows` and send its `on_*_batch_end`; True when stopped.
-
-        Args:
-            rows: The piece's rows.
-            logs: The logs for `on_*_batch_end`.
-            values: The progress bar's values (a list of (name, value), or None).
-
-        Returns:
-            Whether a callback stopped the run (the model's stop flag, read
-            after each execution).
-        """
+        """Count a finished piece of `rows` and send its `on_*_batch_end`; True when stopped."""
         self._begin_batch()  # a piece started ahead (`start`) began here for the hooks
         self.batch += 1
         self.done += rows
@@ -219,17 +153,10 @@ class BatchLoop:
         )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
-        """End the batches: a last, shorter execution; the begin Keras sends when input ends early.
+        """End the batches (call after the loop over `pieces`): close a last, shorter execution.
 
-        With `steps_per_execution` above 1, an execution the pieces left open
-        ends now (`on_*_batch_end`, as Keras ends a last, shorter one).
-
-        Keras calls `on_*_batch_begin` before it fetches a batch, so when the
-        input runs out before the number of batches it expected (`steps`, or
-        the input's announced length; always for a generator, whose length
-        is unknown) it has called it once more, for a batch that never came;
-        that call is sent here, unless the run was stopped. Call after the
-        loop over `pieces`.
+        Keras sends `on_*_batch_begin` before fetching a batch, so where the input ends before the
+        batches it expected (always for a generator) it sent one more; that call is sent here too.
         """
         if self._execution_logs:  # a last, shorter execution
             self._end_execution()
@@ -255,24 +182,14 @@ class BatchLoop:
         return bool(getattr(self.model, self._stop_flag, False))
 
     def end(self, logs: Any = None, values: Optional[list] = None) -> None:
-        """Finish the progress bar (stopped early, or of unknown length) and send `on_*_end`.
-
-        Args:
-            logs: The logs for `on_{predict,test}_end`.
-            values: The progress bar's final values, as in `batch_ended`.
-        """
+        """Finish the progress bar (stopped early, or of unknown length) and send `on_*_end`."""
         if self.progbar is not None and self.done != self.num_samples:
             self.progbar.update(self.done, values=values, finalize=True)
         self._on_end(logs)
 
 
 class Then:
-    """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too).
-
-    Example:
-        >>> started = Then(step.start(x), to_host)
-        >>> host_outputs = started.wait()
-    """
+    """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too)."""
 
     __slots__ = ("_started", "_fn")
 
@@ -289,9 +206,8 @@ class Then:
 def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     """`first`, then the items of `rest`.
 
-    Unlike `itertools.chain`, closing it (which dropping it does) closes
-    `rest` too, so an input left unfinished (`steps`, an early stop) ends its
-    epoch as soon as the run is over.
+    Unlike `itertools.chain`, closing it closes `rest` too, so an unfinished input ends its epoch
+    as soon as the run is over.
     """
     yield first
     yield from rest

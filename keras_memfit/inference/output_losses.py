@@ -1,27 +1,9 @@
 """Counting a batch split after an OOM as the one batch it is, for per-output losses.
 
-Keras's own `evaluate` on TensorFlow traces its test step on a dataset whose
-batch dimension is unknown, so the per-output loss trackers of a
-multi-output model (`"<output>_loss"`) count each batch's mean once,
-whatever the batch's size: the result is the mean of the batch means, not
-the mean over samples (the two differ when the last batch is shorter).
-`safe_evaluate` runs its test step the same way (see the backend's
-`make_test_step`), so a batch run whole counts exactly as in Keras.
-
-MemFit's training (`mode="accumulate"`) counts a split batch once the same
-way (`CountedOnce`), as Keras's train step counts each batch.
-
-A batch split into pieces after an OOM must still count once. Its pieces run
-the exact step (traced per piece size: each tracker weights a piece by its
-rows, so the pieces add up to rows x the batch mean); when the batch's last
-piece is done, each tracker's contribution is rescaled to the one Keras's
-whole batch would have made: `(batch mean, weight 1)`. That costs two reads
-of the trackers per split batch, and nothing for a batch run whole. The mean
-loss of a batch is its pieces' means weighted by their rows, which holds for
-Keras's default reduction ("sum_over_batch_size"). For losses reduced with
-"sum" or "mean_with_sample_weight" the total `"loss"` of a split batch is
-settled too (`SplitLoss`): the pieces' sum, or their mean weighted by their
-sample weights, recorded with the batch's rows.
+Keras's per-output loss trackers (`"<output>_loss"`) count each batch's mean once, whatever
+its rows. A split batch's pieces run the exact step (weighting each piece by its rows); after
+its last piece each tracker's contribution is rescaled to `(batch mean, weight 1)`. For "sum"
+and "mean_with_sample_weight" reductions the total `"loss"` is settled too (`SplitLoss`).
 """
 
 from __future__ import annotations
@@ -41,24 +23,17 @@ Copies = Callable[[Any], Sequence[Any]]
 class CountedOnce:
     """Settles a split batch's per-output loss trackers to the one count Keras gives a batch.
 
-    Call `begin()` before the batch's first piece (after any failed try was
-    undone) and `settle()` after its last: each tracker's contribution since
-    `begin()` becomes `(the pieces' mean weighted by their counts, weight 1)`,
-    on each of its `copies` (a strategy's replicas: Keras counts each
-    replica's batch once).
-    Nothing to do (no trackers) on a backend whose Keras weights batches by
-    rows, or for a model run eagerly (static shapes: Keras weights by rows).
+    `begin()` before the batch's first piece (after any failed try was undone), `settle()` after
+    its last, on each of `copies` (a strategy's replicas: Keras counts each replica's batch once).
+    No trackers where Keras weights batches by rows (its backend, or a model run eagerly).
     """
 
     def __init__(
         self, model: keras.Model, exact: bool = False, copies: Optional[Copies] = None
     ) -> None:
         """Args:
-            model: The compiled model being run.
-            exact: Per-output losses are wanted as means over samples
-                (`safe_evaluate(exact_output_losses=True)`): nothing to settle.
-            copies: A variable's copies that pieces update separately, each
-                one readable and assignable (default: the variable itself).
+            exact: Per-output losses are wanted as means over samples: nothing to settle.
+            copies: A variable's copies that pieces update separately (default: the variable).
         """
         counts_once = (
             not exact
@@ -92,11 +67,8 @@ class CountedOnce:
 class SplitLoss:
     """Settles a split batch's total loss where its pieces' mean by rows is not it.
 
-    Keras's loss tracker weights each batch's loss by its rows. Reduced with
-    "sum" the batch's loss is its pieces' sum; with "mean_with_sample_weight"
-    their mean weighted by their sample weights (by rows without any).
-    `begin()` before the first piece, `piece(data)` after each, `settle()`
-    after the last.
+    "sum": the pieces' sum; "mean_with_sample_weight": their mean weighted by their sample
+    weights. `begin()` before the first piece, `piece(data)` after each, `settle()` after the last.
     """
 
     def __init__(self, model: keras.Model, how: str, copies: Copies) -> None:
@@ -139,18 +111,11 @@ class SplitLoss:
 class SplitBatches:
     """Tracks the batch being run, and settles the per-output losses of a split one.
 
-    Use: `begin_batch(rows)` as each of Keras's batches starts (or run the
-    chunks from `tag(chunks)`), run it with the step from `step(...)`, and
-    call `finished(piece)` after each successful piece.
+    Use: `begin_batch(rows)` as each of Keras's batches starts (or run the chunks from
+    `tag(chunks)`), run it with `step(...)`, and call `finished(piece)` after each piece.
     """
 
     def __init__(self, model: keras.Model, exact: bool, copies: Optional[Copies] = None) -> None:
-        """Args:
-            model: The compiled model being evaluated.
-            exact: Whether per-output losses are exact means over samples
-                (nothing to settle then).
-            copies: As `CountedOnce`'s.
-        """
         self.model = model
         self.counted = CountedOnce(model, exact, copies)
         how = _reductions.weighting(model)[0]
@@ -174,11 +139,8 @@ class SplitBatches:
     def tag(self, chunks: Iterable[Any], batch_size: Optional[int]) -> Iterator[Any]:
         """The batches Keras would run, noting each one's rows as it starts.
 
-        Args:
-            chunks: The input's chunks.
-            batch_size: For array input (a single chunk), Keras's batch size:
-                when there are losses to settle, the chunk is yielded as
-                batches of it, so that no piece spans two of Keras's batches.
+        Array input is cut at `batch_size` where there are losses to settle, so that no piece spans
+        two of Keras's batches.
         """
         for chunk in chunks:
             n = _data.num_rows(chunk)
@@ -193,10 +155,7 @@ class SplitBatches:
     ) -> Callable[[Any], Any]:
         """`keras_step` for whole batches; the exact step for pieces of a split one.
 
-        Args:
-            keras_step: The step traced as Keras traces its own.
-            make_exact: Returns the exact step (traced per piece size), given
-                a piece; called once, at the first split.
+        `make_exact(piece)` gives the exact step (traced per piece size), once, at the first split.
         """
         if not self.trackers and self.loss is None:
             return keras_step
@@ -220,8 +179,7 @@ class SplitBatches:
         return run
 
     def finished(self, piece: Any) -> bool:
-        """Note a successful piece (its `rows` and `data`); True when it ended a split batch
-        (now settled)."""
+        """Note a successful piece; True when it ended a split batch (now settled)."""
         self.done += piece.rows
         if not self.split:
             return False

@@ -1,10 +1,7 @@
-"""Where `safe_predict` puts each piece's outputs: in order, on the host, as `model.predict` returns them.
+"""Where `safe_predict` puts each piece's outputs: in order, on the host, as `predict` returns them.
 
-`OutputWriter` checks the outputs (against the traced spec before any work,
-and against `out` when the caller passes one), then collects every piece's
-host outputs in order: into `out`, into arrays allocated once when the number
-of samples is known, or as parts concatenated at the end. Ragged and sparse
-outputs are returned as they are, as `model.predict` does (`is_native`).
+Into `out`, into arrays allocated once when the number of samples is known, or as parts
+concatenated at the end; ragged and sparse outputs as they are (`is_native`).
 """
 
 from __future__ import annotations

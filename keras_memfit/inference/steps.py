@@ -1,7 +1,6 @@
 """The compiled predict and test steps of a model, built by the backend and cached per model.
 
-`safe_predict`, `safe_evaluate` and MemFit (for `predict` and the
-validation inside `fit`) all run these, so a model traces each once.
+`safe_predict`, `safe_evaluate` and MemFit's `predict` and validation share them.
 """
 
 from __future__ import annotations
@@ -17,11 +16,7 @@ from keras_memfit.planning import data as _data
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
-    """The compiled predict step (then `postprocess`) for `model`, cached per model.
-
-    One per set of replica devices: a model used inside a strategy's scope
-    and outside it gets a step for each.
-    """
+    """The compiled predict step (then `postprocess`), cached per model and replica devices."""
     key = (
         "predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile,
         _backend.get().replica_devices(model),
@@ -32,14 +27,10 @@ def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> 
 
 
 def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> Tuple[Any, Any]:
-    """The compiled test step for `model` and a guard over its metric state.
+    """The compiled test step for `model` and a guard over its metric state, cached per model.
 
-    Builds the model's metrics from `batch` (an `(x, y, sample_weight)`
-    chunk) first: from its first row, or, for a model with stateful layers,
-    from all of it (a Keras batch); both are cached per model, so repeated
-    calls (and MemFit's validation) trace once. `exact` is the backend's
-    `make_test_step`'s: per-output loss trackers weighted by rows (True), or
-    as Keras's own `evaluate` weights them (False).
+    The metrics are built from `batch`'s first row (all of it for a stateful model or sparse
+    input). `exact`: per-output loss trackers weighted by rows (True), or as Keras's `evaluate`.
     """
     backend = _backend.get()
     whole = _model_state.stateful_layers(model) or not _data.splittable(batch)

@@ -1,12 +1,9 @@
 """How a batch is cut into pieces that fit, and the one retry loop that runs them.
 
-- `data`: the input as Keras takes it, as chunks of rows (arrays, datasets,
-  generators, sparse batches);
+- `data`: the input as Keras takes it, as chunks of rows;
 - `planner`: the next piece size, learned from OOMs and the device's memory;
-- `records`: what the planner knows about a model's pieces, kept between
-  calls, and its `Event`s;
+- `records`: what the planner keeps per model between calls, and its `Event`s;
 - `shape_plan`: sizes from the analytic estimate where each shape compiles;
 - `replica_memory`: the memory of the devices a piece runs on;
-- `runner`: `run_in_pieces`, the one retry loop, yielding the pieces it ran
-  in input order, with accumulation as its all-or-nothing mode.
+- `runner`: `run_in_pieces`, the one retry loop, yielding the pieces it ran in input order.
 """

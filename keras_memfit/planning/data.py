@@ -1,20 +1,10 @@
 """Turning what `model.predict`/`evaluate` accept into chunks of rows.
 
-A *chunk* is a structure (array, list, dict, or an `(x, y, sample_weight)`
-tuple of those) whose leaves share a leading dimension. Array-like input is a
-single chunk holding every sample, sliced into pieces of any size without a
-copy; tf.data datasets, `keras.utils.PyDataset` objects and generators yield
-one chunk per batch they produce, and each can still be split into smaller
-pieces. Either way samples come out in input order, and every sample is in
-exactly one piece.
-
-Batches keep the form `model.predict` gives its step: on the TensorFlow
-backend a `tf.data.Dataset`'s batches are TensorFlow tensors (strings,
-ragged and sparse tensors as they are), other batched kinds numpy arrays
-(strings as object arrays) or None for optional inputs. Sparse input
-(`tf.SparseTensor`, scipy sparse matrices) cannot be split into rows here:
-sparse arrays are batched by Keras's own adapter, and a batch holding a
-sparse leaf runs whole (`rows` raises a clear error when asked for part of it).
+A *chunk* is a structure (or an `(x, y, sample_weight)` tuple) whose leaves share
+a leading dimension: array-like input is one chunk of every sample, sliced
+without a copy; datasets, PyDatasets and generators yield one chunk per batch.
+Samples come out in input order, each in exactly one piece. Batches keep the form
+`model.predict` gives its step; a batch holding a sparse leaf runs whole.
 """
 
 from __future__ import annotations
@@ -38,15 +28,11 @@ class Chunks:
     """The input as chunks of rows.
 
     Attributes:
-        chunks: Iterator over chunk structures.
-        num_samples: Total number of samples when known in advance (arrays).
-        from_arrays: Whether the input was array-like (a single chunk).
-        batched_arrays: Whether array-like input was batched by Keras
-            instead (sparse arrays, whose rows cannot be taken), one chunk
+        num_samples: Total samples when known in advance (arrays), else None.
+        batched_arrays: Array input Keras batched instead (sparse arrays), one chunk
             per batch of `batch_size`.
-        num_batches: For batched input, the number of batches Keras's data
-            adapter announces (None when unknown, as for generators); set
-            once the chunks are first iterated.
+        num_batches: Keras's adapter's batch count (None when unknown), set once
+            iteration began.
     """
 
     def __init__(
@@ -106,15 +92,10 @@ def num_rows(chunk: Any) -> int:
 
 
 def rows(chunk: Any, start: int, stop: int) -> Any:
-    """Rows `start:stop` of every leaf of `chunk` (views for numpy arrays).
-
-    All the rows of a chunk are the chunk itself, untouched, whatever its
-    leaves are; that is how a batch of sparse tensors, which cannot be
-    split, passes through.
+    """Rows `start:stop` of every leaf of `chunk` (numpy views); all its rows are `chunk` itself.
 
     Raises:
-        TypeError: If `start:stop` is a proper part of a chunk holding a
-            sparse leaf (see `is_sparse`); the message names what was received.
+        TypeError: If `start:stop` is a proper part of a chunk holding a sparse leaf.
     """
     n = num_rows(chunk)
     if start <= 0 and stop >= n:
@@ -145,10 +126,7 @@ _DTYPE_NAMES: Dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
-    """Keras's name of `dtype`; numpy object arrays (strings from a numpy iterator) are "string".
-
-    Remembered per dtype: MemFit asks for every batch.
-    """
+    """Keras's name of `dtype` (numpy object arrays are "string"), cached per dtype."""
     try:
         return _DTYPE_NAMES[dtype]
     except (KeyError, TypeError):
@@ -200,18 +178,8 @@ def from_input(
 ) -> Chunks:
     """Chunks of `(x,)` (predict) or `(x, y, sample_weight)` (evaluate) rows.
 
-    Args:
-        x: Arrays/tensors (or nested lists/dicts of them), a `tf.data.Dataset`,
-            a `keras.utils.PyDataset`, or a generator yielding batches.
-        y: Targets, for array-like `x` only.
-        sample_weight: Sample weights, for array-like `x` only.
-        batch_size: The batch size asked for (arrays only); with `steps` it
-            bounds the number of samples used, as in Keras.
-        steps: Number of batches to use, as in Keras; None for all.
-        with_targets: Whether to keep targets and weights (evaluate).
-
-    Returns:
-        A `Chunks` whose chunks are `(x,)` or `(x, y, sample_weight)` tuples.
+    `y` and `sample_weight` are taken with array-like `x` only; `batch_size` (arrays
+    only) times `steps` bounds the samples used, as in Keras.
     """
     if is_array_like(x):
         x = keras.tree.map_structure(_to_array, x)
@@ -281,12 +249,7 @@ def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
 
 
 def _iterate_adapter(adapter: Any) -> Iterator[Any]:
-    """The adapter's batches, between its `on_epoch_begin` and `on_epoch_end`.
-
-    The batches come in the form Keras's own loops give the backend's steps
-    (the backend's `adapter_batches`): sparse matrices of any kind (scipy,
-    JAX BCOO, `tf.SparseTensor`) as the backend's sparse type.
-    """
+    """The adapter's batches as the backend's own loops give them, within one epoch."""
     on_begin = getattr(adapter, "on_epoch_begin", None)
     if on_begin:
         on_begin()
@@ -299,20 +262,7 @@ def _iterate_adapter(adapter: Any) -> Iterator[Any]:
 
 
 def batch_size_for(x: Any, batch_size: Optional[int], advice: str = "") -> Optional[int]:
-    """`batch_size` for array input; None for input that comes batched already.
-
-    `model.predict`/`evaluate` ignore `batch_size` for a dataset, a PyDataset
-    or a generator, so the drop-ins do too: it bounds nothing, which is
-    logged at INFO.
-
-    Args:
-        x: The input.
-        batch_size: The validated `batch_size` argument.
-        advice: What to use instead, appended to the log message.
-
-    Returns:
-        `batch_size` for array input (and sparse arrays), else None.
-    """
+    """`batch_size` for array input; None (logged at INFO) for input that comes batched."""
     if batch_size is None or is_array_like(x):
         return batch_size
     logging.getLogger("keras_memfit").info(

@@ -1,71 +1,16 @@
-"""Choosing the batch size: estimate first, pay few OOMs, remember, grow back.
+"""Choosing the piece size: estimate first, pay few OOMs, remember, grow back.
 
-Every OOM costs about ten seconds (TensorFlow's allocator waits for memory
-before it gives up), so the planner avoids them rather than searching by
-trial:
+1. Estimate: where the limit is known and a piece may come near it (`NEAR`), two probes
+   (`PROBE_SIZES`, real work) give the bytes per sample, and pieces stay within `MARGIN` of
+   the free memory; elsewhere pieces are the requested ones, and the probes follow the first OOM.
+2. Shrink on OOM: to half, or less where the corrected estimate says so; one sample is final.
+   Where the limit is unknown, the first OOM proves a budget the rest stays within.
+3. Remember what fitted and failed per model, phase and signature (`records`).
+4. Grow back after `GROW_AFTER` full pieces (under MemFit: batches, to fewer pieces per batch),
+   never above the ceiling; a growth that fails freezes it.
 
-1. **Estimate.** Where the allocator's limit is known (the capped CPU
-   allocator, a GPU logical-device limit, NVML, an address-space limit on
-   torch's CPU) and a piece of the requested size may come near the free
-   memory (`NEAR`), the first two pieces of a new input signature run as
-   small probes (16 and 64 samples, real work whose results are kept) whose
-   peak memory gives the bytes per sample (the larger of the slope between
-   them and the larger probe's average: memory per sample is not linear at
-   small sizes); the batch is then chosen so that the estimated peak stays
-   within `MARGIN` of the free memory, before any large batch is tried, and
-   growth never goes above that estimate. Elsewhere the pieces are the
-   requested ones, as Keras runs them, until an OOM: where memory
-   statistics exist, the pieces after that first OOM are the probes.
-2. **Shrink on OOM.** A batch that fails is retried smaller: half its size,
-   or less where the estimate (with the peak memory observed so far as a
-   lower bound on the limit) says so, and the estimate is corrected so that
-   it no longer predicts the failed size to fit. A batch of one that fails
-   is final. Where the limit is unknown, that first OOM also proves a budget
-   (the peak memory at the failure over what was held before the piece):
-   the pieces after it start within `MARGIN` of it and never grow past it,
-   so the call pays no second OOM.
-3. **Remember.** What fitted and what failed is kept per model, phase and
-   input signature (shapes and dtypes without the batch dimension), so a
-   second call on the same model pays no OOM.
-4. **Grow back.** After `GROW_AFTER` successful full batches below the
-   ceiling, the batch grows: it doubles, or goes half way to the ceiling once
-   a size has failed. The ceiling is the requested size, below any size that
-   already failed for this signature, and the estimate where the limit is
-   known (so growth follows memory freed elsewhere). A growth step that fails
-   freezes growth at the largest size that worked; so does the end of a call
-   that saw an OOM: the next call starts at the largest size that worked and
-   stays there, paying no OOM.
-
-Under a `tf.distribute.MirroredStrategy` each piece is split across the
-replicas, so one size is planned for all of them: the budget is the smallest
-free memory among their devices, the measured peak the largest (see
-`keras_memfit.planning.replica_memory`).
-
-Adaptations are logged on the `keras_memfit` logger: WARNING for an OOM
-caught, INFO for estimates and growth.
-
-**Steps compiled per shape** (XLA: JAX unless run eagerly, TensorFlow with
-`jit_compile=True`; the backend's `compiles_per_shape`): each new piece size
-compiles the step again, so there the planner changes what costs shapes
-(see `keras_memfit.planning.shape_plan`). It never probes: the bytes per sample
-(and a training step's gradients and update temporaries) come from the
-analytic estimate `memory_report` shows, corrected by OOMs as above, and
-the estimate's size is kept for later calls while memory stays about the
-same; where no memory statistics exist at all, an OOM shrinks to an eighth
-of the failed size's estimated need (`shape_plan.blind_size`), not half. A size it chooses is evened out over the rows it splits (one piece
-size and one remainder per chunk, the same in a second call); predict and
-evaluate do not grow; a training batch not tried yet is tried whole unless
-the estimate says it cannot fit at all. On JAX's CPU client under an
-address-space limit (`RLIMIT_AS`) that limit is the known limit.
-
-In `fit`, MemFit tells the planner where each Keras batch begins and ends
-(`start_batch`, `finish_batch`): growth then counts batches (not pieces), and
-happens only when it lowers the number of pieces a batch is run as (the size
-goes to the smallest one giving that split, so the pieces are even).
-
-A model with stateful layers (`model_state.stateful_layers`) runs every
-piece at the requested size (Keras's batch): no probe, no estimate, and an
-OOM is final.
+Steps compiled per shape never probe: the analytic estimate sizes them (`shape_plan`). A
+stateful model runs only the requested size: no probe, no estimate, an OOM is final.
 """
 
 from __future__ import annotations
@@ -98,20 +43,14 @@ NEAR = 16
 
 
 class BatchPlanner:
-    """Plans the batch size for one input signature during one call.
+    """Plans the piece size for one input signature during one call.
 
     Args:
-        model: The Keras model (the key under which knowledge is kept).
-        phase: "predict", "evaluate" or "train".
-        signature: Hashable description of the input without the batch dim.
-        requested: Largest batch size allowed, or None for no bound (the
-            pieces are then bounded by the incoming batches).
-        events: Optional list that receives an `Event` per adaptation.
-        probe: "first" to probe before the first large batch of a new
-            signature where the limit is known and the batch near it
-            (inference: the probes are ordinary work), or "after_oom" to try
-            the full batch first and probe only the pieces that follow an
-            OOM (training, where a split has a cost even when it fits).
+        requested: Largest piece size, or None for no bound (the incoming batches bound it).
+        events: Receives an `Event` per adaptation.
+        probe: "first" to probe before the first large piece where the limit is known and the
+            piece near it (inference), or "after_oom" to try the full batch and probe only
+            after an OOM (training, where a split costs even when it fits).
     """
 
     def __init__(
@@ -184,15 +123,11 @@ class BatchPlanner:
 
     # ------------------------------------------------------------------ sizes
     def next_size(self, rows: Optional[int] = None) -> float:
-        """The batch size to try next (may be `math.inf` when unbounded).
+        """The size to try next (`math.inf` when unbounded).
 
         Args:
-            rows: The rows left in the chunk the piece comes from (the
-                runner gives them). Where steps compile per shape, a size just
-                chosen below the request that splits them is first evened out
-                over them (`even_size`), so the chunk runs as pieces of one size
-                and one remainder, and a later chunk of as many rows, or a later
-                call, reuses those shapes (the requested size is Keras's batches).
+            rows: The rows left in the current chunk. Where steps compile per shape, a size just
+                chosen below the request is evened out over them (one size and one remainder).
         """
         if self._probe_first:
             self._probe_first = False
@@ -207,11 +142,7 @@ class BatchPlanner:
         return size if self._multiple == 1 else self._granular(size)
 
     def _near(self, rows: float) -> bool:
-        """Whether a piece of `rows` rows may need more than 1/`NEAR` of the free memory.
-
-        Unknown (no analytic estimate, an unbounded request) counts as near;
-        fewer than `MIN_PROBE_REQUEST` rows are never probed.
-        """
+        """Whether `rows` rows may need over 1/`NEAR` of free memory (unknown: yes; tiny: no)."""
         if rows < MIN_PROBE_REQUEST:
             return False
         free = self._memory.free()
@@ -221,12 +152,7 @@ class BatchPlanner:
         return (fixed + rows * per_sample) * NEAR > free
 
     def _granular(self, size: float) -> float:
-        """`size` down to a multiple of the backend's `piece_multiple`, if it is above one.
-
-        Under JAX's DataParallel a piece is laid out over the devices, one
-        share each, so its size is a multiple of their number (a smaller
-        size, as a requested `batch_size=1`, runs whole on every device).
-        """
+        """`size` down to a multiple of `piece_multiple` (JAX DataParallel: a share per device)."""
         m = self._multiple
         if m == 1 or math.isinf(size) or size < m:
             return size
@@ -259,16 +185,10 @@ class BatchPlanner:
     def _xla_estimate(self, cap: float) -> Optional[int]:
         """The estimate's cap where steps compile per shape, or None.
 
-        The size the estimate gave is kept (`Knowledge.xla_cap`) and reused
-        while a fresh estimate stays above `MARGIN` of it, so that a few
-        bytes more or less in use elsewhere do not make a new shape (a new
-        compilation) in a later call. A training batch not tried yet is
-        tried whole while the estimate says it fits at all (a split costs
-        even when it fits; see `probe="after_oom"`), and where it says that
-        not even one sample fits: its fixed part (the gradients and the
-        update's temporaries) is then more than is free, which splitting the
-        batch cannot lower, so the estimate is no guide and the batch Keras
-        would run is tried (an OOM there leaves the model untouched).
+        Reused (`Knowledge.xla_cap`) while a fresh estimate stays above `MARGIN` of it, so
+        small changes in free memory compile no new shape. A training batch not tried yet runs
+        whole while the estimate says it fits, or where not even one sample fits (splitting
+        cannot lower the fixed part, so the estimate is no guide).
         """
         k = self._k
         if self.phase == "train" and k.smallest_failed is None:
@@ -292,11 +212,7 @@ class BatchPlanner:
         return self._limit is not None and self._limit[1]
 
     def estimate(self, limit: Optional[int] = None, margin: float = MARGIN) -> Optional[int]:
-        """Largest batch estimated to fit within `margin` of the free memory, or None.
-
-        The bytes per sample come from the probes, or (steps compiled per
-        shape) from the analytic estimate; either is corrected by OOMs.
-        """
+        """Largest batch estimated to fit within `margin` of the free memory, or None."""
         k = self._k
         if not k.bytes_per_sample:
             return None
@@ -365,21 +281,11 @@ class BatchPlanner:
 
     # ---------------------------------------------------------- MemFit batches
     def start_batch(self, rows: int) -> None:
-        """Call before the pieces of one Keras batch of `rows` rows (MemFit).
-
-        From then on growth counts whole batches (`finish_batch`), not pieces.
-        """
+        """Call before the pieces of one Keras batch (MemFit): growth then counts batches."""
         self._batch_rows = rows
 
     def finish_batch(self) -> None:
-        """Call after every row of the batch given to `start_batch` ran.
-
-        After `GROW_AFTER` batches in a row that were split and fitted, the
-        size grows to the smallest size that runs the batch as fewer pieces
-        (at least one fewer; as many fewer as the usual growth step allows),
-        if that size is within the ceiling; a growth that would keep the
-        split is no growth.
-        """
+        """Call after the batch ran; growth here only ever lowers its number of pieces."""
         n = self._batch_rows
         if not n or self._probes or self._size >= n:
             return
@@ -413,12 +319,7 @@ class BatchPlanner:
         return math.inf if self.requested is None else self.requested
 
     def failed(self, size: int) -> bool:
-        """Call after a piece of `size` samples ran out of memory.
-
-        Returns:
-            True if a smaller size will be tried, False if `size` was 1 (or
-            one sample per device, see `_granular`) or the model is stateful.
-        """
+        """Call after a piece of `size` ran out of memory; False: no smaller size will be tried."""
         if self.stateful:
             return False
         k = self._k

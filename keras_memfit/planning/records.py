@@ -1,10 +1,7 @@
-"""What the planner records: `Knowledge` per model, phase and signature; `Event`s.
+"""What the planner records: `Knowledge` per model (weakly), phase and signature; `Event`s.
 
-`Knowledge` is kept per model (weakly) across calls, so that a second call
-starts from what the first learned; an `Event` is one adaptation of the batch
-size, by a planner (one per estimate, OOM and growth) or by MemFit, which
-places them in its `fit` (`Event.located`). `keras_memfit.planning.planner` exports
-both.
+An `Event` is one adaptation of the piece size, by a planner or by MemFit, which places
+it in its `fit` (`Event.located`).
 """
 
 from __future__ import annotations
@@ -61,24 +58,15 @@ class Event:
     """One adaptation of the batch size, by a planner (and, in `fit`, MemFit).
 
     Attributes:
-        epoch: The `fit` epoch it happened in (set by MemFit; 0 in a
-            standalone `evaluate` or `predict`), or None (`safe_predict`,
-            `safe_evaluate`).
-        step: The training batch's index in its epoch (set by MemFit), or None.
-        phase: "predict", "evaluate" or "train".
-        kind: "estimate", "oom", "grow" or "remat" (more layers recomputed
-            in the backward pass after one sample ran out of memory).
-        batch_size: Rows of the incoming batch that was split (set by
-            MemFit), or None.
-        old_size: The piece size before (None when there was none).
-        new_size: The piece size from now on.
-        old_split: Pieces per batch of `batch_size` rows at `old_size`
-            (set by MemFit), or None.
-        new_split: The same at `new_size`, or None.
-        reason: Why, in words (also logged).
+        epoch: The `fit` epoch (0 in a standalone `evaluate`/`predict`), or None outside `fit`.
+        step: The training batch's index in its epoch, or None.
+        kind: "estimate", "oom", "grow" or "remat" (more layers recomputed after one sample
+            ran out of memory).
+        batch_size: Rows of the incoming batch that was split (MemFit), or None.
+        old_split, new_split: Pieces per batch of `batch_size` rows at `old_size` and
+            `new_size` (MemFit), or None.
         layers: For "remat", the layers recomputed from now on, else None.
-        step_time: For "remat", the estimated step time over that without
-            recomputation (from the FLOPs), else None.
+        step_time: For "remat", the estimated step time over that without recomputation.
     """
 
     epoch: Optional[int] = _set_by_memfit()

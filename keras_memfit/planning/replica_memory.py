@@ -1,17 +1,8 @@
 """The memory of the devices a piece runs on, for the planner: one device, or every replica's.
 
-Without a distribution strategy a piece runs on the backend's
-`compute_device()`. Under a `tf.distribute.MirroredStrategy` each piece is
-split across the replicas (see the backend's `replica_devices`), every
-replica runs its share at once, and one replica out of memory fails the
-whole piece. So the planner sizes a piece for the worst replica: the budget
-is the smallest free memory among the replicas' devices and the measured
-peak growth the largest (one split, agreed before any replica runs it).
-Piece sizes stay global (rows of the whole piece): a replica running half
-of a piece shows half the growth per global row, so the same estimate
-arithmetic gives a piece twice as large on two devices. Where the replicas
-share one allocator (logical devices of one CPU), every device reports the
-same numbers and the arithmetic is the one-device one.
+Under a `MirroredStrategy` every replica runs its share of a piece at once and one OOM fails
+it all, so a piece is sized for the worst replica: the smallest free memory, the largest peak
+growth. Sizes stay global (rows of the whole piece).
 """
 
 from __future__ import annotations
@@ -20,17 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 
 class ReplicaMemory:
-    """Memory statistics and limits of a group of devices, reduced to the worst one.
-
-    Args:
-        backend: The backend package (`memory_stats`, `memory_limit`, `reset_peak`).
-        devices: The devices each piece runs on (at least one).
-
-    Example:
-        >>> memory = ReplicaMemory(backend, ("GPU:0", "GPU:1"))
-        >>> memory.free()  # bytes free on the fuller of the two
-        7516192768
-    """
+    """Memory statistics and limits of a group of devices, reduced to the worst one."""
 
     def __init__(self, backend: Any, devices: Sequence[str]) -> None:
         if not devices:
@@ -63,8 +44,8 @@ class ReplicaMemory:
         """Bytes free on the device with the least free memory, or None when unknown.
 
         Args:
-            limit: A limit to assume for every device instead of the known
-                ones (a lower bound learned from an OOM).
+            limit: A limit to assume for every device instead of the known ones (a lower
+                bound learned from an OOM).
         """
         each = self._each()
         if each is None:

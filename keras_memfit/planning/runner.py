@@ -1,38 +1,11 @@
 """Running a compiled step over chunks in pieces, retrying smaller on OOM.
 
-This is the one loop behind `safe_predict`, `safe_evaluate` and MemFit: for
-every chunk, run the step on consecutive pieces of the size the planner
-chooses; when a piece runs out of memory, undo what the failed step touched,
-let the planner choose a smaller size and carry on from the same offset. A
-`guard` (see `backend.guard_variables`) snapshots the state a step may touch
-before every attempt and restores it after a failed one. So every sample is
-in exactly one successful piece, in input order. Errors that are not OOMs
-propagate untouched; a piece of one sample that runs out of memory raises
-`OutOfMemoryError`.
-
-`run_in_pieces` is a generator: it yields each successful piece (`Piece`:
-its rows, its data, the step's result) in input order, and the caller reads
-the run as one loop over it. Leaving that loop early (`break`, or an error in
-its body) closes the generator, which undoes the pieces started ahead.
-
-With `accumulation`, a chunk that does not fit in one piece is run all or
-nothing instead (MemFit's gradient accumulation: the chunk is one training
-batch, its pieces are micro-batches whose gradients make one update): see
-`Accumulation`.
-
-With `start` (a backend whose steps run asynchronously: JAX), up to `AHEAD`
-pieces are started before the oldest of them is waited for, as Keras's own
-loops overlap their steps. A started piece's new state is the model's at
-once, so the next piece runs on it; when waiting shows that a piece ran out
-of memory, its step put the state back, the pieces started after it are
-dropped, and they all run again, one piece at a time from then on. The loop
-yields the same pieces, in the same order, as without `start`.
-
-`run_whole` is the loop's first try of one chunk, alone: MemFit runs each
-Keras batch through it (once per training step, where the host's
-microseconds count), and only a batch that the planner splits or that ran
-out of memory (`SPLIT`) goes on to `run_in_pieces`, which carries on from
-there as it would have after that try.
+The one loop behind `safe_predict`, `safe_evaluate` and MemFit: consecutive pieces of the
+planner's size; after an OOM the guard restores what the step touched and the same rows run
+again smaller, so every sample is in exactly one successful piece, in input order. Errors that
+are not OOMs propagate untouched. `run_in_pieces` is a generator: leaving its loop early undoes
+the pieces started ahead (`start`, JAX). `Accumulation` is its all-or-nothing mode;
+`run_whole` its first try of one chunk without the loop (MemFit's batches).
 """
 
 from __future__ import annotations
@@ -54,12 +27,8 @@ class Piece:
     """A piece `run_in_pieces` ran successfully.
 
     Attributes:
-        rows: Its number of rows.
-        data: The piece itself (a chunk structure, see `keras_memfit.planning.data`).
-        result: What the step returned for it (for a chunk run by
-            `Accumulation`, `finish()`'s result).
-        parts: The steps it ran as: 1, or the micro-batches of a chunk run
-            by `Accumulation`.
+        result: The step's result (for a chunk run by `Accumulation`, `finish()`'s).
+        parts: The steps it ran as: 1, or the micro-batches of an `Accumulation`.
     """
 
     rows: int
@@ -72,27 +41,17 @@ class Piece:
 class Accumulation:
     """How `run_in_pieces` runs a chunk that does not fit in one piece: all or nothing.
 
-    When the size planned for a chunk's first piece is smaller than the
-    chunk, the chunk is run as: `begin()`, `guard.snapshot()`, then
-    `add(piece)` for consecutive pieces, then
-    `finish()`, whose result is the chunk's. When a piece runs out of memory,
-    `guard.restore()` undoes the attempt, the planner chooses a smaller size
-    and the chunk starts over; any other exception from a piece (a
-    `KeyboardInterrupt` too) also restores the guard, then propagates. An
-    error from `begin()` or `finish()` propagates as it is. The chunk is
-    yielded once, as one `Piece` of `parts` micro-batches.
-
-    It is passed in rather than yielded piece by piece because the loop
-    itself must start the whole chunk over after an OOM in any of its
-    micro-batches (restore, shrink, `begin()` again): a caller reading
-    micro-batches from the loop would have to repeat that retry.
+    `begin()`, `guard.snapshot()`, `add(piece)` for consecutive pieces, then `finish()`, whose
+    result is the chunk's, yielded as one `Piece`. After an OOM in any piece the guard is restored
+    and the chunk starts over smaller (so the loop, not its caller, owns the retry); any other
+    exception from a piece also restores the guard, then propagates, as does one from `begin()`
+    or `finish()`.
 
     Attributes:
         begin: Starts an attempt (zeroes the gradient sums).
         add: Runs one piece (its gradients added to the chunk's).
         finish: Completes the chunk (applies the summed gradients).
-        guard: The state the pieces update (metrics, counters), restored
-            after a failed attempt.
+        guard: The state the pieces update (metrics, counters).
     """
 
     begin: Callable[[], None]
@@ -118,40 +77,23 @@ def run_in_pieces(
     """Run `step` over every chunk in adaptive pieces, yielding each successful one.
 
     Args:
-        model: The model (key for the planner's memory).
-        phase: "predict", "evaluate" or "train".
-        chunks: Iterable of chunk structures (see `keras_memfit.planning.data`).
-        step: Runs one piece; its first leaf of `x` decides the signature.
+        step: Runs one piece (a chunk's `x` decides its planner's signature).
         requested: Largest piece size, or None to be bounded by the chunks.
-        guard: Object with `snapshot()` and `restore()`, called before every
-            attempt of `step` and after a failed one, for state it may touch.
-        events: Receives one `Event` per adaptation.
-        planner: A planner to use for every chunk instead of one per input
-            signature (the caller keeps it across calls).
-        accumulation: How to run a chunk that does not fit in one piece, all
-            or nothing (see `Accumulation`); None: piece by piece with `step`.
-        detail: Extra sentence for the `OutOfMemoryError` raised when a
-            single sample does not fit.
-        start: Starts `step` on a piece without waiting (a backend's
-            `StartableStep.start`; its `StartedPiece` puts back the state of
-            a failed step itself). Given, up to `AHEAD` pieces are started
-            before the oldest is waited for, as Keras's loops overlap their
-            steps; the pieces are still yielded one by one, in order.
-            After the first OOM, and while the planner measures memory,
-            pieces run one at a time with `step`.
+        guard: `snapshot()` before every attempt of `step`, `restore()` after a failed one.
+        planner: One planner for every chunk (kept by the caller), instead of one per signature.
+        accumulation: Runs a chunk that does not fit in one piece, all or nothing; None:
+            piece by piece with `step`.
+        detail: Extra sentence for the `OutOfMemoryError` of a single sample.
+        start: Starts `step` without waiting (`StartableStep.start`; its `StartedPiece` puts a
+            failed step's state back itself): up to `AHEAD` pieces run ahead, still yielded in
+            order; after the first OOM, or while the planner measures, one at a time with `step`.
 
     Yields:
-        Each successful `Piece`, in input order; every row is in exactly
-        one. A chunk run by `accumulation` is one piece. To stop early, leave
-        the loop: the pieces started ahead are undone.
+        Each successful `Piece`, in input order. To stop early, leave the loop.
 
     Raises:
-        OutOfMemoryError: If a piece of a single sample runs out of memory,
-            or any piece of a model with stateful layers (cause "cannot_split").
-
-    Example:
-        >>> for piece in run_in_pieces(model, "predict", chunks, step, requested=32):
-        ...     outputs.append(piece.result)
+        OutOfMemoryError: If a single sample runs out of memory, or any piece of a model with
+            stateful layers (cause "cannot_split").
     """
     run = _PieceLoop(model, phase, step, guard, detail, start)
     planners: Dict[Hashable, BatchPlanner] = {}
@@ -186,28 +128,13 @@ def run_whole(
 ) -> Any:
     """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
 
-    What `run_in_pieces(model, phase, [chunk], step, ..., planner=planner,
-    guard=guard, detail=detail)` does (and yields) while the planner's next
-    size is at least the chunk's rows, without its loop: for MemFit's
-    batches, which run whole (once per Keras step) unless memory is short.
-    `rows`: the chunk's rows, where the caller knows them.
-
     Returns:
-        `step`'s result, or `SPLIT` when the planner's size is smaller than
-        the chunk or the chunk ran out of memory (the guard restored, the
-        planner told: it chose a smaller size). Then `run_in_pieces` with the
-        same planner runs the chunk, on from that size, as it would have
-        after that first try.
+        `step`'s result, or `SPLIT` when the planner's size is smaller than the chunk or it ran
+        out of memory (guard restored, planner shrunk): then `run_in_pieces` with the same
+        planner carries on as it would have after that try.
 
     Raises:
         OutOfMemoryError: If the chunk is a single sample and ran out of memory.
-
-    Example:
-        >>> logs = run_whole(model, "train", chunk, step, planner)
-        >>> if logs is SPLIT:
-        ...     for piece in run_in_pieces(model, "train", [chunk], step, requested=None,
-        ...                                planner=planner):
-        ...         logs = piece.result
     """
     n = _data.num_rows(chunk) if rows is None else rows
     if not n:
@@ -220,12 +147,7 @@ def run_whole(
 
 def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, size: int,
              planned: float, planner: BatchPlanner, guard: Optional[Guard], detail: str) -> Any:
-    """One try of `step` on `piece` (`size` rows of a planned `planned`): its result, or `SPLIT`.
-
-    `SPLIT` after an OOM that can be retried smaller: the guard restored and
-    the planner told (it shrank). Raises `OutOfMemoryError` when the piece
-    was a single sample, and any other error as it is.
-    """
+    """One try of `step` on `piece`: its result, or `SPLIT` after a retryable OOM."""
     planner.started(size)
     if guard is not None:
         guard.snapshot()
@@ -245,10 +167,8 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
 
 
 # At most this many pieces are left started and not waited for (starting one
-# more waits for the oldest; Keras's own loops never wait). Each holds its
-# outputs until it is waited for. Measured on a small MLP at batch 32 on 2 CPU
-# cores, safe_predict against model.predict: 1 ahead 1.13x, 2 ahead 0.95x,
-# 4 ahead 0.91x (benchmarks/RESULTS.md, overhead-jax notes).
+# more waits for the oldest); each holds its outputs until then. Why 2:
+# benchmarks/RESULTS.md, overhead-jax notes.
 AHEAD = 2
 
 
@@ -264,10 +184,7 @@ class _Ahead:
 
 
 class _PieceLoop:
-    """One `run_in_pieces` call: its pieces, retries, and the pieces started ahead.
-
-    Its methods are generators of the successful pieces, in order.
-    """
+    """One `run_in_pieces` call; its methods are generators of the successful pieces, in order."""
 
     def __init__(self, model: Any, phase: str, step: Callable[[Any], Any],
                  guard: Optional[Guard], detail: str,
@@ -283,12 +200,7 @@ class _PieceLoop:
 
     def rows(self, chunk: Any, planner: BatchPlanner,
              accumulation: Optional[Accumulation] = None) -> Iterator[Piece]:
-        """Run all of `chunk`'s rows in pieces, in order, yielding the successful ones.
-
-        With `accumulation`, a chunk whose first piece would be smaller than
-        the chunk (also after its first try ran out of memory) runs all or
-        nothing instead, as one piece.
-        """
+        """All of `chunk`'s rows in pieces, in order (by `accumulation` where one is too few)."""
         n = _data.num_rows(chunk)
         offset = 0
         while offset < n:
@@ -317,10 +229,9 @@ class _PieceLoop:
 
     def _start(self, planner: BatchPlanner, piece: Any, size: int,
                planned: float) -> Iterator[Piece]:
-        """Start `piece`; then, if more than `AHEAD` pieces are started, wait for the oldest.
+        """Start `piece`, then wait for the oldest if more than `AHEAD` are started.
 
-        Yields the pieces waited for; returns whether `piece` started (False
-        after an OOM at once: the planner shrank).
+        Returns whether `piece` started (False after an immediate OOM: the planner shrank).
         """
         planner.started(size)
         try:
@@ -376,11 +287,7 @@ def _all_or_nothing(
     accumulation: Accumulation,
     detail: str,
 ) -> Tuple[Any, int]:
-    """Run `chunk` by `accumulation`, starting over smaller after an OOM.
-
-    Returns:
-        `finish()`'s result and the micro-batches of the attempt that succeeded.
-    """
+    """Run `chunk` by `accumulation`, starting over smaller after an OOM; (result, parts)."""
     n = _data.num_rows(chunk)
     guard = accumulation.guard
     while True:
@@ -412,12 +319,9 @@ def _all_or_nothing(
 
 
 def drop_frames(exc: BaseException) -> None:
-    """Free what a caught OOM holds before the retry: its traceback's frames hold the failed piece's buffers.
+    """Free what a caught OOM holds before the retry: its frames hold the failed piece's buffers.
 
-    The exception itself stays alive while it is handled (the retry runs
-    inside its `except` block, or after it with the exception kept as the
-    cause of a later error), so its frames, and those of the exceptions it
-    was raised from, are cut from it rather than left to `del`.
+    The exception stays alive while it is handled, so the frames of it and its causes are cut.
     """
     seen = set()
     while exc is not None and id(exc) not in seen:
