@@ -1,11 +1,8 @@
 """Gradient accumulation on JAX: micro-batch gradients summed in place, applied as one step.
 
-`accumulation_programs` compiles the two programs (add a weighted
-micro-batch's gradients to the sums; apply the sums as one optimizer step),
-which `GradientAccumulator` runs on one device (or, through
-`distribution.ShardedAccumulator`, laid out over a `DataParallel`'s devices)
-and `process_training.ProcessAccumulator` on every local device of each of
-several processes.
+`GradientAccumulator` runs the programs of `accumulation_programs` on one device;
+`distribution.ShardedAccumulator` lays its micro-batches over a `DataParallel`'s devices, and
+`process_training.ProcessAccumulator` runs the same programs under several processes.
 """
 
 from __future__ import annotations
@@ -29,14 +26,11 @@ def accumulation_programs(
 ) -> Tuple[Any, Any]:
     """The compiled programs of gradient accumulation: `(add, apply)`.
 
-    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight,
-    loss_factor)` returns `(sums + weight * gradients, non_trainable,
-    metrics)` (the sums donated: added to in place; the loss tracker given
-    the loss times `loss_factor`); `apply(trainable, optimizer, sums)` returns
-    the optimizer's `stateless_apply` (trainable and optimizer donated).
-    `wrap`, if given, transforms `add`'s function before it is compiled (the
-    multi-process accumulator maps it over the local devices:
-    `process_training`).
+    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor)`
+    returns `(sums + weight * gradients, non_trainable, metrics)`, the sums donated (added to
+    in place) and the loss tracker given the loss times `loss_factor`; `apply(trainable,
+    optimizer, sums)` is the optimizer's `stateless_apply`, trainable and optimizer donated.
+    `wrap`, if given, transforms `add`'s function before it is compiled (`process_training`).
     """
     model_ref = weakref.ref(model)
 
@@ -74,21 +68,13 @@ def accumulation_programs(
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them as one optimizer step.
 
-    The sums are JAX arrays the size of the trainable weights (exact
-    accumulation's one extra buffer), made by `reset()` (only once a batch
-    has had to be split), added to in place (donated to `add`'s program), and
-    dropped by `apply`, whose program updates the weights and optimizer
-    variables in place as `TrainStep`'s update program does. A micro-batch
-    that runs out of memory may lose the sums (the attempt restarts from
-    `reset()`), never the model's state; an `apply` that fails loses the
-    donated state (`OutOfMemoryError`, cause "update"). `add` computes
-    the gradient of `weight` times the scaled loss of a micro-batch, as
-    Keras's JAX `train_step` does (`compute_loss_and_updates`), updates the
-    metrics as it does, and writes the metric and non-trainable state only
-    once the micro-batch finished; `apply` runs the optimizer's
-    `stateless_apply` once on the sums (one step: `iterations` + 1), then
-    leaves the state in the model's variables (`state.materialize`), where
-    Keras's `get_metrics_result` reads the batch's metrics.
+    The sums, the size of the trainable weights, are made by `reset()` (only once a batch had to
+    be split). `add` computes the gradient of `weight` times a micro-batch's scaled loss as
+    Keras's JAX `train_step` does, and writes the metric and non-trainable state only once the
+    micro-batch finished: its OOM may lose the sums (the attempt restarts from `reset()`), never
+    the model's state. `apply` is one optimizer step (`iterations` + 1); if it fails the donated
+    state is lost. It leaves the state in the variables (`state.materialize`), where Keras's
+    `get_metrics_result` reads the batch's metrics.
     """
 
     def __init__(self, model: keras.Model) -> None:

@@ -1,59 +1,22 @@
 """`keras.distribution.DataParallel`: keras_memfit's pieces laid out over the devices.
 
-Under `keras.distribution.DataParallel` (JAX's single-controller data
-parallelism), Keras lays every batch out along its first dimension over the
-devices of the mesh's batch axis: each device holds `rows / devices` rows and
-runs the same compiled step on them, and XLA sums the replicated weights'
-gradients across the devices. A batch whose rows are not a multiple of the
-number of devices cannot be laid out so (Keras itself raises JAX's
-`IndivisibleError` on such a last batch).
+Under a single-process `DataParallel` (`variant()` is `Variant.DATA_PARALLEL`) the step
+factories of `steps` and `training` wrap their steps here (`ShardedStep`, `ShardedTrainStep`,
+`ShardedAccumulator`), so that every piece runs as Keras runs a batch:
 
-keras_memfit's steps under such a distribution are wrapped here
-(`ShardedStep`, `ShardedTrainStep`, `ShardedAccumulator`), where the step
-factories of `steps` and `training` find `variant()` to be
-`Variant.DATA_PARALLEL`, so that every piece runs as Keras runs a batch:
+- piece sizes are a multiple of the devices of the mesh's batch axis (`piece_multiple`), so
+  every device runs the same pieces; a piece of one row per device that runs out of memory is
+  final;
+- each piece is laid out with the distribution's data layout before the step runs;
+- a piece whose rows are not a multiple (the end of an input whose length is not one, which
+  Keras's own `fit` never hands over) runs its largest multiple laid out and the rest
+  replicated on every device, as a second call; a train step (one update per piece) runs the
+  whole piece replicated instead.
 
-- The planner plans only piece sizes that are a multiple of the device count
-  (`piece_multiple`): every device runs the same number of pieces, of the
-  same size. A piece of one row per device that runs out of memory is final.
-- Each piece is laid out with the distribution's data layout before the step
-  runs (slicing a laid-out JAX array gathers the slice on every device).
-- A piece whose rows are not a multiple (the last rows of an input whose
-  length is not one): its largest multiple runs laid out, and the remaining
-  rows (fewer than the devices) run replicated on every device, as a second
-  call of the same step. Predict concatenates the two outputs; evaluate's
-  metrics weight every row once either way (Keras's JAX metrics are per
-  sample), and its logs are the second call's; gradient accumulation adds
-  the two parts with their shares of the weight. A train step (one optimizer
-  update per piece) runs the whole piece replicated instead, so the piece is
-  still one update. Keras's own `fit` never hands such a batch over.
-
-One limit no Python code can lift: a step with a cross-device collective
-(evaluate's metric sums, training's gradient sums) whose memory runs out on
-one device while another device reaches the collective. Measured on XLA's
-CPU client (host devices sharing one address-space limit): the waiting device
-gives up after 40 s and XLA aborts the process ("Termination timeout ...
-Exiting to ensure a consistent program state"); Keras's own steps hold the
-same collectives. On GPUs, whose devices each have their own memory and run
-the same piece sizes, an out-of-memory error should strike every device
-alike (reasoned, not measured: no multi-GPU machine was at hand); one device
-with much less free memory than the others (another process on it) could
-still leave the others waiting in the collective.
-
-Whether a step is wrapped is decided when it is made, and steps are cached
-per model: a model's steps first made outside the distribution's scope stay
-unlaid (they run on every device whole, as before).
-
-Other distributions are not split here: `ModelParallel` (and any other
-`keras.distribution.Distribution`) leaves safe_predict and safe_evaluate as
-they are (the pieces are fed unlaid, as host arrays) and is refused by
-MemFit with `NotImplementedError` (`check_trainable`). Multi-process JAX
-(`jax.distributed`, where each process feeds its own rows) runs each
-process's rows on local copies of the state instead (`processes`,
-`process_training`), laid out over the process's own devices with the same
-`piece_multiple` and `split_rows`, but with no collective inside the
-program (one partial gradient sum per device, summed with the other
-processes' once per batch).
+A step is wrapped or not when it is made, and steps are cached per model: steps first made
+outside the distribution's scope stay unlaid. Other distributions (`ModelParallel`) leave
+safe_predict and safe_evaluate unlaid and are refused by MemFit (`check_trainable`); several
+processes run on local copies of the state instead (`processes`, `process_training`).
 """
 
 from __future__ import annotations
@@ -74,15 +37,8 @@ from keras_memfit.backend.jax import state as _state
 
 
 def data_parallel() -> Optional[Any]:
-    """The active single-process `keras.distribution.DataParallel`, or None.
-
-    None without a distribution, under another kind of distribution, or in
-    a multi-process JAX run (see `check_trainable`).
-
-    Example:
-        >>> with keras.distribution.DataParallel().scope():
-        ...     assert data_parallel() is not None
-    """
+    """The active single-process `keras.distribution.DataParallel`, or None (no distribution,
+    another kind, or several JAX processes)."""
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel):
         return None
@@ -100,30 +56,15 @@ class Variant(enum.Enum):
 
 
 def variant() -> Variant:
-    """The one choice the step factories make: how this distribution's steps run.
-
-    Example:
-        >>> with keras.distribution.DataParallel().scope():
-        ...     variant()
-        <Variant.DATA_PARALLEL: 'data parallel'>
-    """
+    """How this distribution's steps run: the one choice the step factories make."""
     if processes.multi_process():
         return Variant.PROCESSES if processes.is_data_parallel() else Variant.ONE_DEVICE
     return Variant.ONE_DEVICE if data_parallel() is None else Variant.DATA_PARALLEL
 
 
 def piece_multiple() -> int:
-    """Under a single-process `DataParallel`, the devices of the mesh's batch axis.
-
-    Under `DataParallel` over several processes, this process's local
-    devices (each process lays its own rows over them: `process_training`);
-    1 without `DataParallel`.
-
-    Example:
-        >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
-        >>> piece_multiple()  # with two JAX devices
-        2
-    """
+    """Under a single-process `DataParallel`, the devices of the mesh's batch axis; under one
+    over several processes, this process's local devices (`process_training`); else 1."""
     if jax.process_count() > 1:
         several = keras.distribution.distribution()
         if not isinstance(several, keras.distribution.DataParallel):
@@ -138,19 +79,8 @@ def piece_multiple() -> int:
 
 
 def check_trainable(model: keras.Model) -> None:
-    """Raise if MemFit cannot train `model` under the active `keras.distribution`.
-
-    MemFit trains under `DataParallel` (or no distribution), in one process
-    or several (`jax.distributed`: see `processes` and `process_training`).
-
-    Raises:
-        NotImplementedError: For `ModelParallel` or another distribution than
-            `DataParallel`; the message names what was received.
-
-    Example:
-        >>> keras.distribution.set_distribution(keras.distribution.ModelParallel(...))
-        >>> check_trainable(model)  # raises NotImplementedError
-    """
+    """Raise `NotImplementedError`, naming what was received, unless the distribution is
+    `DataParallel` (in one process or several) or none."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
@@ -164,12 +94,7 @@ def check_trainable(model: keras.Model) -> None:
 
 # ---------------------------------------------------------------- layouts
 def batch_rows(data: Any) -> int:
-    """The rows of a batch: its first array's leading dimension (0 with no array).
-
-    Example:
-        >>> batch_rows((x[:64], y[:64], None))
-        64
-    """
+    """The rows of a batch: its first array's leading dimension (0 with no array)."""
     for leaf in keras.tree.flatten(data):
         if leaf is not None:
             return int(np.shape(leaf)[0])
@@ -193,11 +118,7 @@ def _lay_out(data: Any, distribution: Any) -> Any:
 
 
 def put(data: Any, sharding: Any) -> Any:
-    """Every array of `data` put on the devices as `sharding` says (None stays None).
-
-    Example:
-        >>> put((x[:64], y[:64], None), sharding)  # rows laid out, or replicated
-    """
+    """Every array of `data` put on the devices as `sharding` says (None stays None)."""
     return keras.tree.map_structure(
         lambda leaf: None if leaf is None else jax.device_put(_as_array(leaf), sharding), data
     )
@@ -213,12 +134,7 @@ def _replicate(data: Any, distribution: Any) -> Any:
 def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
     """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
 
-    A part with no rows is None. Also the split of the multi-process
-    accumulator (`process_training`) over each process's local devices.
-
-    Example:
-        >>> split_rows((x[:203], y[:203]), 2)[2:]
-        (202, 1)
+    A part with no rows is None. Also how `process_training` splits over the local devices.
     """
     n = batch_rows(data)
     cut = n - n % multiple
@@ -238,12 +154,9 @@ def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], 
 class ShardedStep:
     """A predict or test step whose pieces are laid out over the devices (see the module).
 
-    Attributes:
-        __wrapped__: The step it runs (`output_spec` traces that one).
-
-    Example:
-        >>> step = ShardedStep(PredictStep(model, None), concatenate_outputs)
-        >>> step(x[:203])  # 202 rows laid out over two devices, 1 row on both
+    Predict concatenates the two calls' outputs of a piece that is not a multiple; evaluate's
+    metrics count every row once either way. `__wrapped__`: the step it runs (what
+    `output_spec` traces).
     """
 
     def __init__(self, step: Callable[[Any], Any], combine: Callable[[Any, Any], Any]) -> None:
@@ -302,10 +215,6 @@ class ShardedTrainStep:
     """A `TrainStep` whose pieces are laid out over the devices; one update per piece.
 
     A piece whose rows are not a multiple of the devices runs replicated.
-
-    Example:
-        >>> step = ShardedTrainStep(TrainStep(model))
-        >>> logs = step((x[:64], y[:64]))  # 32 rows on each of two devices
     """
 
     def __init__(self, step: Any) -> None:
@@ -333,13 +242,8 @@ class ShardedTrainStep:
 class ShardedAccumulator:
     """An `Accumulator` whose micro-batches are laid out over the devices.
 
-    A micro-batch whose rows are not a multiple of the devices is added as
-    two parts, each with its own weights in the micro-batch
-    (`_internal.reductions.weights`) times the micro-batch's.
-
-    Example:
-        >>> acc = ShardedAccumulator(GradientAccumulator(model))
-        >>> acc.reset(); acc.add((x[:64], y[:64]), 1.0, 1.0); acc.apply()
+    A micro-batch whose rows are not a multiple of the devices is added as two parts, each with
+    its own weights in the micro-batch (`_internal.reductions.weights`) times the micro-batch's.
     """
 
     def __init__(self, accumulator: Any) -> None:
@@ -369,16 +273,14 @@ class ShardedAccumulator:
 
 
 def training_replicas(model: keras.Model) -> None:
-    """None: under `DataParallel` Keras hands MemFit whole global batches, and
-    every piece is laid out over the devices by the steps (see this module's
-    docstring); `check_trainable` refuses the other distributions."""
+    """None: under `DataParallel` Keras hands MemFit whole global batches, which the steps lay
+    out; `check_trainable` refuses the other distributions."""
     check_trainable(model)
     return None
 
 
 def distribution_of(model: keras.Model) -> Optional[str]:
-    """The active `keras.distribution` ("keras.distribution.DataParallel"), with
-    the process count when several."""
+    """The active `keras.distribution`'s name, with the process count when several."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return None
@@ -397,11 +299,9 @@ def replica_devices(model: Any) -> Tuple[str, ...]:
 def evaluation(model: keras.Model) -> Iterator[None]:
     """Under several processes: a failure posted (`processes.post_failure`), the metrics summed.
 
-    The test step runs each process's own rows on its own devices with no
-    collective (the replicated weights' local copies), so each process's
-    metric variables hold its own rows' sums and counts (the evaluate began
-    with `reset_metrics`); summed over the processes they are what Keras's
-    multi-process evaluate holds.
+    Each process's metric variables hold its own rows' sums and counts (evaluate began with
+    `reset_metrics`); summed over the processes, they are what Keras's multi-process evaluate
+    holds.
     """
     try:
         yield

@@ -1,19 +1,14 @@
 """Memory statistics and limits of JAX's devices, for the planner.
 
-From `device.memory_stats()` where the platform gives it (GPU, TPU:
-`bytes_limit`, `bytes_in_use`, `peak_bytes_in_use`). JAX's CPU client gives
-none; where the process runs under an address-space limit (`RLIMIT_AS`,
-which makes JAX's CPU allocations fail with a recoverable
-`RESOURCE_EXHAUSTED`), that limit is the CPU device's real memory limit, and
-the process's virtual size (`/proc/self/status`: `VmSize`, `VmPeak`) its use.
-Without such a limit the CPU reports nothing, and the planner sizes batches
-from the first OOM instead.
+From `device.memory_stats()` where the platform gives it (GPU, TPU). JAX's CPU client gives
+none: under an address-space limit (`RLIMIT_AS`, against which its allocations fail with a
+recoverable `RESOURCE_EXHAUSTED`) that limit is the CPU's limit and the process's virtual size
+(`/proc/self/status`: `VmSize`, `VmPeak`) its use; without one the CPU reports nothing, and
+the planner sizes pieces from the first OOM.
 
-JAX cannot reset a device's peak. `reset_peak` records the peak and the bytes
-in use at that moment; until the device's peak rises above the recorded one,
-`memory_stats` reports the larger of those bytes in use and the current ones
-as the peak (a lower bound of the real peak, so the planner may have to pay
-an OOM to learn more).
+JAX cannot reset a device's peak: `reset_peak` records the peak and the bytes in use then;
+until the peak rises above the recorded one, `memory_stats` reports the larger of those bytes
+in use and the current ones (a lower bound of the real peak).
 """
 
 from __future__ import annotations
@@ -53,11 +48,7 @@ def _raw_stats(name: str) -> Optional[Dict[str, int]]:
 
 
 def _address_space() -> Optional[Dict[str, int]]:
-    """The CPU's memory as `memory_stats()` would give it, from `RLIMIT_AS`; None without one.
-
-    Only an address-space limit is honest here: it is what JAX's CPU
-    allocations fail against. Without it (or off Linux) nothing is known.
-    """
+    """The CPU's memory as `memory_stats()` would give it, from `RLIMIT_AS`; None without one."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY or soft <= 0:
         return None
@@ -98,15 +89,7 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
 
 def free_bytes(device: str) -> Optional[int]:
-    """Bytes `device` can still allocate (its limit less what is in use), or None if unknown.
-
-    On JAX's CPU client under `RLIMIT_AS` the limit less the process's
-    virtual size (what an allocation fails against); on a GPU its allocator's
-    `bytes_limit` less `bytes_in_use`; None without either (CPU, no limit).
-
-    Example:
-        >>> free_bytes(compute_device())  # no limit on this CPU
-    """
+    """Bytes `device` can still allocate (its limit less what is in use), or None if unknown."""
     stats = _raw_stats(device)
     if stats is None or not stats.get("bytes_limit"):
         return None
@@ -114,7 +97,7 @@ def free_bytes(device: str) -> Optional[int]:
 
 
 def reset_peak(device: str) -> None:
-    """JAX cannot reset a peak: see the module docstring."""
+    """Record the peak and the bytes in use (JAX cannot reset a peak: see the module docstring)."""
     stats = _raw_stats(device)
     if stats is not None:
         current = int(stats["bytes_in_use"])
@@ -127,6 +110,5 @@ def conv_columns(model: Any, device: str) -> bool:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """Always, unless run eagerly: keras_memfit's JAX steps are `jax.jit`-compiled
-    (see `steps._compile`)."""
+    """True unless the model runs eagerly: the JAX steps are jitted (`steps._compile`)."""
     return not (getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True))

@@ -1,19 +1,11 @@
 """JAX's own out-of-memory forms, and the bases of `OutOfMemoryError`.
 
-Each form is a small named predicate over the exception's class and message;
-`is_oom_error` is true when any of them is. JAX reports every runtime failure
-as `jax.errors.JaxRuntimeError` (a `RuntimeError`; before jax 0.4.36 it was
-`jaxlib.xla_extension.XlaRuntimeError`), so the class alone says nothing:
-each predicate also needs XLA's status prefix and its allocation message.
-
-`INTERNAL: YNNPACK operation failed: error` is what XLA's CPU kernels (dots,
-convolutions, reductions) raise when their scratch allocation fails, but also
-for any other failure of the kernel; the allocation failure itself is written
-only to stderr ("allocate of <N> failed."), so the exception cannot tell the
-two apart. keras_memfit counts it as an OOM only where the process runs under
-an address-space limit (`RLIMIT_AS`, the one way to make JAX's CPU client
-run out of memory, measured: under it, every such error came with the
-allocation failure on stderr); everywhere else it propagates untouched.
+Each form is a named predicate over the exception's class and message. JAX reports every
+runtime failure as `jax.errors.JaxRuntimeError`, so each also needs XLA's status prefix and
+its allocation message. XLA's CPU kernels raise `INTERNAL: YNNPACK operation failed` when
+their scratch allocation fails but also for any other failure (the allocation failure is
+written only to stderr); it counts as an OOM only under an address-space limit (`RLIMIT_AS`,
+the one way JAX's CPU client runs out of memory), and propagates untouched elsewhere.
 """
 
 from __future__ import annotations
@@ -48,15 +40,8 @@ def _runtime_error_class() -> type:
 
 
 def is_jax_runtime_error(exc: BaseException) -> bool:
-    """Whether `exc` is JAX's runtime error: `jax.errors.JaxRuntimeError`, or the
-    older `jaxlib.xla_extension.XlaRuntimeError` (recognised by its class name,
-    since that module no longer exists in current jaxlib).
-
-    Example:
-        >>> import jax
-        >>> is_jax_runtime_error(jax.errors.JaxRuntimeError("INTERNAL: x"))
-        True
-    """
+    """Whether `exc` is `jax.errors.JaxRuntimeError`, or jaxlib's `XlaRuntimeError` of before
+    jax 0.4.36 (recognised by its class name: that module no longer exists)."""
     if isinstance(exc, _runtime_error_class()):
         return True
     return isinstance(exc, RuntimeError) and any(
@@ -69,14 +54,12 @@ def _message(exc: BaseException) -> str:
 
 
 def is_allocation_oom(exc: BaseException) -> bool:
-    """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`
-    (CPU) or `... while trying to allocate N bytes.` (GPU's BFC allocator)."""
+    """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory ...` (CPU, GPU's BFC)."""
     return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(_message(exc)))
 
 
 def is_dispatch_oom(exc: BaseException) -> bool:
-    """A computation using a failed one's output: `INTERNAL: Error dispatching
-    computation: Out of memory allocating N bytes.`"""
+    """A computation using a failed one's output: `INTERNAL: Error dispatching computation: ...`."""
     return is_jax_runtime_error(exc) and bool(_DISPATCH.search(_message(exc)))
 
 
@@ -98,17 +81,7 @@ def _address_space_limited() -> bool:
 
 
 def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
-    """`INTERNAL: YNNPACK operation failed`, counted only under an `RLIMIT_AS` limit.
-
-    See the module docstring: the message does not say why the kernel failed;
-    under an address-space limit its scratch allocation is the known cause.
-
-    Example:
-        >>> import jax
-        >>> is_ynnpack_oom_under_address_limit(
-        ...     jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error"))
-        False
-    """
+    """`INTERNAL: YNNPACK operation failed`, only under an `RLIMIT_AS` limit (see the module)."""
     return (
         is_jax_runtime_error(exc)
         and _YNNPACK in _message(exc)
@@ -117,8 +90,7 @@ def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """JAX's own OOM forms: allocation, dispatch-after-OOM, TPU allocation
-    failures, and YNNPACK kernel failures under an address-space limit."""
+    """Any of the forms above."""
     return (
         is_allocation_oom(exc)
         or is_dispatch_oom(exc)
@@ -128,9 +100,7 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    """Bases for `OutOfMemoryError`: `jax.errors.JaxRuntimeError` (it can be
-    subclassed), so `except jax.errors.JaxRuntimeError` and `except RuntimeError`
-    still catch it."""
+    """`(jax.errors.JaxRuntimeError,)`: `except JaxRuntimeError` / `RuntimeError` still catch it."""
     return (_runtime_error_class(),)
 
 

@@ -1,64 +1,24 @@
 """MemFit's train step under several JAX processes: local gradients, agreement, one sum, one update.
 
-See `processes` for why no collective may run where memory can run out.
-Under several processes with `DataParallel` (`distribution.Variant.PROCESSES`),
-the train step and the accumulator the seam's `training` makes are the ones
-here:
+Under `distribution.Variant.PROCESSES` the seam's `training` makes the step and accumulator
+here (`processes` says why no collective may run where memory can run out):
 
-- `ProcessAccumulator.add` lays a piece of this process's own rows (the
-  batch Keras hands this process) over all its local devices, an equal
-  share each (piece sizes are a multiple of the local devices: the
-  planner's `distribution.piece_multiple`; the rest of a piece that is not,
-  fewer rows than devices, runs replicated as a second program and counts
-  on the first device only, as `distribution.split_rows` splits it for
-  one process). On every local device at once (`shard_map` over
-  `processes.local_mesh()`, the weights the local copies each device
-  already holds) each device adds the gradient of its rows times their
-  mean loss to its own partial sum, and updates its own copy of the metric
-  and non-trainable state: the program holds no collective at all, not
-  even among the local devices (an OOM on one of them leaves no other
-  waiting; on XLA's CPU client such a wait aborts the process), so an OOM
-  is this process's own and the runner retries the piece smaller (all or
-  nothing) without the others knowing;
-- `ProcessAccumulator.apply` agrees with every process (`processes.agree`:
-  each one's rows, bounded by the agreement's timeout), divides the
-  per-device sums by the global batch's rows, and sums them over every
-  device of every process (`processes.all_sum`, the batch's one
-  collective) together with each device's change of each metric variable
-  and its row-weighted non-trainable floats; then the optimizer's update
-  runs once on the global state, the same on every process.
+- `ProcessAccumulator.add` lays a piece of this process's rows over all its local devices,
+  an equal share each (the rest, fewer rows than devices, runs replicated as a second program
+  and counts on the first device only). Each device adds its rows' weighted gradient to its
+  own partial sum and updates its own copy of the metric and non-trainable state
+  (`shard_map`, no collective even among the local devices), so an OOM is this process's own
+  and the runner retries the piece smaller, without the others knowing;
+- `ProcessAccumulator.apply` agrees with every process (`processes.agree`), divides the
+  per-device sums by the global batch's rows and sums them over every device of every
+  process (`processes.all_sum`, the batch's one collective), with each device's change of
+  each metric variable and its row-weighted non-trainable floats; then the optimizer updates
+  the global state once, the same on every process.
 
-So the update is the global batch's gradient as Keras's own multi-process
-step computes it (the loss reduced with `sum_over_batch_size`, Keras's
-default), up to summation order: the sum over processes of `rows_p / N`
-times each process's mean gradient. Metrics made of sums and counts (Keras's
-`Mean`, the loss tracker, most metrics) are exact; non-trainable floats
-(BatchNormalization's moving statistics) are the row-weighted mean of each
-device's update, which is exact for a moving mean and not for a moving
-variance (each device's batch variance is about its own mean); integer
-non-trainable variables (seed counters) keep the first local device's value,
-the same on every process (every device draws from the same seed state,
-where Keras's own step draws once over the global batch). A batch is one
-agreement whatever the pieces, so each process may run its rows as
-different pieces.
-
-Under several processes every step is accumulated (`mode="shrink"`, one
-update per piece, would need every process to run the same number of
-pieces), Keras's default `train_step` only, losses reduced with
-`sum_over_batch_size` or `mean`: `training.check_training_mode` refuses
-the rest.
-
-`safe_predict` and `safe_evaluate` need no step of their own: their compiled
-steps take the replicated weights and this process's rows as host arrays and
-hold no collective, so each process computes its own rows (the outputs'
-local copies hold them); an OOM there is retried on that process alone. The
-rows are not laid out over the local devices: JAX runs such a step with its
-host rows replicated, every local device computing the whole piece (laying
-them out needs local copies of the state for the step, and evaluate's
-metric sums over laid-out rows would be a collective among the local
-devices, or per-device metrics as training keeps them). A standalone
-evaluate then sums the metric variables over the processes once
-(`distribution.evaluation`).
+Integer non-trainable variables (seed counters) keep the first local device's value: every
+device draws from the same seed state, where Keras's own step draws once over the global
+batch. What is exact, what is refused (`training.check_training_mode`) and how inference
+runs: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -81,13 +41,10 @@ def _is_float(value: Any) -> bool:
 
 
 def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable], Callable]:
-    """A `wrap` of `accumulation.accumulation_programs`: `add` run on every device of `mesh` at once.
+    """A `wrap` for `accumulation_programs`: `add` on every device of `mesh` at once (`shard_map`).
 
-    Each device adds its own rows' gradient to its own row of the
-    `per_device` sums, non-trainable and metric state (`shard_map`): the
-    program holds no collective, so an OOM on one device leaves no other
-    waiting in one. With `tail` the rows (fewer than the devices) come
-    replicated, and only the first device keeps what it added.
+    Each device adds its own rows to its own row of the `per_device` state, with no collective.
+    With `tail` the rows come replicated, and only the first device keeps what it added.
     """
     axis = processes.LOCAL_AXIS
     per, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
@@ -115,16 +72,7 @@ def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable]
 
 
 class ProcessAccumulator:
-    """Sums this process's weighted piece gradients; `apply` agrees, sums over processes, updates.
-
-    See the module docstring.
-
-    Example:
-        >>> acc = ProcessAccumulator(model)
-        >>> acc.reset(); acc.add((x[:32], y[:32]), 0.5, 1.0)
-        >>> acc.add((x[32:], y[32:]), 0.5, 1.0)
-        >>> acc.apply()  # every process calls it once per batch
-    """
+    """This process's weighted piece gradients; `apply` agrees, sums over processes, updates."""
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
@@ -156,15 +104,8 @@ class ProcessAccumulator:
         self._rows = [0] * self._devices
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
-        """Add the gradient of a piece of this process's rows (weighted by its rows:
-        the losses are reduced with `sum_over_batch_size`, `check_training_mode`).
-
-        The rows are laid out over the local devices, an equal share each
-        (`piece_multiple`); the rest (fewer rows than devices,
-        `distribution.split_rows`) runs replicated on every local device as
-        a second program, as the single-process path runs it, and only the
-        first device keeps it.
-        """
+        """Add the gradient of a piece of this process's rows, weighted by its rows (the losses are
+        reduced with `sum_over_batch_size`: `check_training_mode`)."""
         n = self._devices
         head, tail, head_rows, tail_rows = distribution.split_rows(data, n)
         if head is not None:
@@ -229,13 +170,8 @@ class ProcessAccumulator:
 class ProcessTrainStep:
     """A `TrainStep` under several processes: the whole piece as one accumulated batch.
 
-    Attributes:
-        snapshots_itself: True (nothing is written before the agreement).
-        last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or
-            `StepOutcome.UPDATE_BEGAN` when the sum or the update failed.
-
-    Example:
-        >>> logs = ProcessTrainStep(model)((x_local, y_local))
+    `last_outcome` after a call raised: `StepOutcome.UNTOUCHED`, or `UPDATE_BEGAN` when the sum
+    or the update failed (nothing is written before the agreement).
     """
 
     snapshots_itself = True

@@ -1,34 +1,20 @@
 """Several JAX processes (multi-controller JAX): the agreement between them, local copies, sums.
 
-Under `keras.distribution.initialize(...)` and `DataParallel` over every
-process's devices, Keras's own step holds an all-reduce: when one process
-runs out of memory inside it, every other one waits in the collective until
-it is killed (measured: 240-310 s; JAX has no collective timeout). MemFit's
-steps therefore hold no collective where memory can run out:
+Under `keras.distribution.initialize(...)` and `DataParallel`, Keras's own step holds an
+all-reduce in which, when one process runs out of memory, every other one waits with no
+timeout (docs/distributed.md). MemFit's steps hold no collective where memory can run out:
 
-- every process computes the gradients of its own rows on *local copies* of
-  the replicated state over its own devices (`local_mesh`; the copies each
-  local device holds already, `replicated_locally`; one partial sum per
-  device, `per_device`) with no collective, in pieces retried smaller on an
-  OOM without any other process knowing;
-- then every process *agrees* (`agree`): it posts its status and its rows to
-  the coordination service's key-value store and reads every peer's, with a
-  timeout (`timeout_s`, `KERAS_MEMFIT_PROCESS_TIMEOUT`, default 600 s: the
-  first steps compile);
-- only once all said "ok", one sum across the processes (`all_sum`: a global
-  array made of every device's part, summed by a jitted program whose
-  output is laid out as the state is) and the update on the global state.
+- each process computes its own rows' gradients on *local copies* of the replicated state
+  over its own devices (`local_mesh`, `replicated_locally`, one partial sum per device:
+  `per_device`), in pieces retried smaller on an OOM without any other process knowing;
+- then every process *agrees* (`agree`) through the coordination service's key-value store,
+  bounded by `timeout_s`;
+- only once all said "ok", one sum across the processes (`all_sum`) and the update.
 
-A process whose train function raises (an error that is not an OOM, or an
-OOM no piece size avoids) first posts "failed" with the error
-(`post_failure`), so its peers raise `ProcessFailed` naming it at once. A
-process that dies without posting (killed, `os._exit`) is noticed when the
-agreement's timeout expires. Not caught: a process dying between the
-agreement and the sum (the others then wait in that collective as in plain
-Keras) - a window of one small program per batch.
-
-The coordination service's client is JAX private API (`jax._src.distributed`,
-tested with jax 0.10.2); it is read only here (`_client`).
+A process whose train function raises first posts the error (`post_failure`), so its peers
+raise `ProcessFailed` at once; one that dies without posting is noticed at the timeout.
+The coordination service's client is JAX private API (`jax._src.distributed`, tested with
+`TESTED_JAX`), read only here (`_client`).
 """
 
 from __future__ import annotations
@@ -55,12 +41,7 @@ _POLL_MS = 1000  # a wait on a peer's key checks its failure key this often
 
 
 def multi_process() -> bool:
-    """Whether this is one of several JAX processes (`jax.distributed`).
-
-    Example:
-        >>> multi_process()  # after keras.distribution.initialize(num_processes=2, ...)
-        True
-    """
+    """Whether this is one of several JAX processes (`jax.distributed`)."""
     return jax.process_count() > 1
 
 
@@ -69,10 +50,6 @@ def timeout_s() -> float:
 
     Raises:
         ValueError: If the variable is set to something not a positive number.
-
-    Example:
-        >>> os.environ["KERAS_MEMFIT_PROCESS_TIMEOUT"] = "60"; timeout_s()
-        60.0
     """
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
@@ -90,7 +67,7 @@ def timeout_s() -> float:
 
 
 def _client() -> Any:
-    """The coordination service's client (JAX private API, tested with jax 0.10.2)."""
+    """The coordination service's client (JAX private API)."""
     try:
         from jax._src import distributed
         client = distributed.global_state.client
@@ -135,11 +112,6 @@ def post_failure(exc: BaseException) -> None:
     """Tell the other processes that this one failed with `exc` (once; never raises).
 
     Not posted for `ProcessFailed` (a peer's failure, which the peers know).
-
-    Example:
-        >>> try: ...
-        ... except Exception as exc:
-        ...     post_failure(exc); raise
     """
     if isinstance(exc, ProcessFailed) or _AGREEMENT.failed_posted or not multi_process():
         return
@@ -184,6 +156,8 @@ def _wait_for(client: Any, key: str, process: int, deadline: float, what: str) -
 def agree(rows: int, what: str) -> List[int]:
     """Post "ok" with this process's `rows`; wait for every process's (bounded); their rows.
 
+    Every process calls it in the same sequence (one round each call).
+
     Args:
         rows: This process's rows of the batch (its share of the global batch).
         what: What is agreed on, for the error messages ("the train batch").
@@ -193,10 +167,6 @@ def agree(rows: int, what: str) -> List[int]:
 
     Raises:
         ProcessFailed: A process posted a failure, or did not post in time.
-
-    Example:
-        >>> agree(32, "the train batch")  # in each of two processes
-        [32, 32]
     """
     client = _client()
     me, count = jax.process_index(), jax.process_count()
@@ -225,14 +195,8 @@ def _is_global(leaf: Any) -> bool:
 
 
 def local_devices() -> List[Any]:
-    """This process's devices of the active distribution's mesh (JAX's local devices without one).
-
-    In the mesh's order; `local_mesh()` lays them out along `LOCAL_AXIS`.
-
-    Example:
-        >>> local_devices()  # process 1 of 2, two CPU devices each
-        [CpuDevice(id=2048), CpuDevice(id=2049)]
-    """
+    """This process's devices of the active distribution's mesh, in the mesh's order (JAX's
+    local devices without one)."""
     distribution = keras.distribution.distribution()
     mesh = getattr(getattr(distribution, "device_mesh", None), "backend_mesh", None)
     devices = list(mesh.local_devices) if mesh is not None else []
@@ -240,12 +204,7 @@ def local_devices() -> List[Any]:
 
 
 def local_device() -> Any:
-    """This process's first device (`local_devices()[0]`), where single local copies live.
-
-    Example:
-        >>> local_device()  # process 1 of 2, one CPU device each
-        CpuDevice(id=2048)
-    """
+    """This process's first device, where single local copies live."""
     return local_devices()[0]
 
 
@@ -253,11 +212,8 @@ LOCAL_AXIS = "local"  # the axis of `local_mesh()`
 
 
 def local_mesh() -> jax.sharding.Mesh:
-    """A one-axis mesh (`LOCAL_AXIS`) of this process's devices (`local_devices()`).
-
-    A program over it involves no other process, so an OOM in it is this
-    process's own.
-    """
+    """A one-axis mesh (`LOCAL_AXIS`) of `local_devices()`: a program over it involves no other
+    process, so an OOM in it is this process's own."""
     return jax.sharding.Mesh(np.array(local_devices()), (LOCAL_AXIS,))
 
 
@@ -270,8 +226,8 @@ def local_sharding(mesh: jax.sharding.Mesh, rows: bool) -> jax.sharding.NamedSha
 def _parts(array: Any) -> Dict[Any, Any]:
     """Device -> the array's data on that device (a single-device array each).
 
-    `addressable_shards` raises for the variables Keras lays out with one
-    device a process (jax 0.10.2); their one part is `addressable_data(0)`.
+    `addressable_shards` raises for the variables Keras lays out with one device a process
+    (jax 0.10.2); their one part is `addressable_data(0)`.
     """
     try:
         return {shard.device: shard.data for shard in array.addressable_shards}
@@ -284,11 +240,7 @@ def _parts(array: Any) -> Dict[Any, Any]:
 
 
 def local(tree: Any) -> Any:
-    """`tree` with every replicated global array replaced by its copy on `local_device()`.
-
-    Example:
-        >>> local(_state.get(model, ("trainable",)))  # single-device arrays
-    """
+    """`tree` with every replicated global array replaced by its copy on `local_device()`."""
     device = local_device()
 
     def one(leaf: Any) -> Any:
@@ -301,15 +253,8 @@ def local(tree: Any) -> Any:
 
 
 def replicated_locally(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """`tree`'s replicated global arrays as arrays replicated over `mesh` (no copy).
-
-    Each local device's copy of the global array becomes that device's copy
-    of the local one (`mesh` is `local_mesh()`); other arrays are copied onto
-    every device of `mesh`.
-
-    Example:
-        >>> trainable = replicated_locally(_state.get(model, ("trainable",))[0], local_mesh())
-    """
+    """`tree`'s replicated global arrays as arrays replicated over `mesh` (`local_mesh()`), each
+    local device's copy reused (no copy); other arrays are copied onto every device of `mesh`."""
     sharding = local_sharding(mesh, rows=False)
 
     def one(leaf: Any) -> Any:
@@ -325,12 +270,8 @@ def replicated_locally(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 def per_device(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Each array of `tree` (replicated) as one copy per device of `mesh`, stacked.
 
-    An array of shape `s` becomes one of shape `(devices,) + s` laid out
-    along `LOCAL_AXIS`: row `i` is device `i`'s own copy, which a program
-    over `mesh` updates with that device's rows alone (see `all_sum`).
-
-    Example:
-        >>> metrics = per_device(_state.get(model, ("metrics",))[0], local_mesh())
+    Shape `s` becomes `(devices,) + s` laid out along `LOCAL_AXIS`: row `i` is device `i`'s own
+    copy, which a program over `mesh` updates with that device's rows alone.
     """
     copies = replicated_locally(tree, mesh)
     sharding = local_sharding(mesh, rows=True)
@@ -351,13 +292,8 @@ def zeros_per_device(shape: Tuple[int, ...], dtype: Any, mesh: jax.sharding.Mesh
 
 
 def map_per_device(fn: Any, stacked: Any, *others: Any) -> Any:
-    """`fn(i, row, *other_rows)` on device `i`'s row of `per_device` arrays, stacked again.
-
-    Each call runs on its own device (its rows are there); no collective.
-
-    Example:
-        >>> deltas = map_per_device(lambda i, new, old: new - old, metrics, metrics_before)
-    """
+    """`fn(i, row, *other_rows)` on device `i`'s row of `per_device` arrays, stacked again; each
+    call runs on its own device (no collective)."""
     devices = [shard.device for shard in sorted(stacked.addressable_shards,
                                                 key=lambda s: s.index[0].start or 0)]
     arrays = [_parts(a) for a in (stacked,) + others]
@@ -372,14 +308,8 @@ def first_row(stacked: Any) -> Any:
 
 
 def local_rows(tree: Any) -> Any:
-    """A batch laid out over every process's devices, as this process's rows (NumPy).
-
-    The rows of this process's devices, in order of their global index (what
-    `jax.make_array_from_process_local_data` was given).
-
-    Example:
-        >>> x_mine = local_rows(batch)[0]  # batch: a Keras batch laid out over 2 processes
-    """
+    """A batch laid out over every process's devices, as this process's rows (NumPy), in order
+    of their global index (what `jax.make_array_from_process_local_data` was given)."""
 
     def one(leaf: Any) -> Any:
         if not _is_global(leaf):
@@ -397,11 +327,7 @@ def local_rows(tree: Any) -> Any:
 
 
 def as_global(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
-    """Local `values` (the same on every process) as global arrays laid out as `like`.
-
-    Example:
-        >>> seeds = as_global(local_seeds, global_seeds)  # replicated again
-    """
+    """Local `values` (the same on every process) as global arrays laid out as `like`."""
     out = []
     for value, ref in zip(values, like):
         if not _is_global(ref):
@@ -427,18 +353,12 @@ def _sum_program(shardings: Tuple[Any, ...]) -> Any:
 def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     """The sum over the processes of each local array of `values`, laid out as `like`.
 
-    Every process calls it with its own `values`, in the same order: each
-    one either an array of the shape of its `like` (on `local_device()`;
-    this process's part), or a `per_device` array of one more axis (each
-    local device's row is that device's part). The one collective of a
-    batch.
+    The one collective of a batch. Every process calls it with its own `values`, in the same
+    order: each either of its `like`'s shape (on `local_device()`: this process's part) or a
+    `per_device` array (each local device's row is that device's part).
 
     Raises:
-        ValueError: If a value's shape is neither its `like`'s nor one
-            row per local device of it.
-
-    Example:
-        >>> grads = all_sum(local_grads, trainable)  # in every process, same order
+        ValueError: If a value's shape is neither its `like`'s nor one row per local device of it.
     """
     if not values:
         return []
@@ -474,11 +394,5 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
 
 
 def is_data_parallel() -> bool:
-    """Whether the active distribution is `keras.distribution.DataParallel`.
-
-    Example:
-        >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
-        >>> is_data_parallel()
-        True
-    """
+    """Whether the active distribution is `keras.distribution.DataParallel`."""
     return isinstance(keras.distribution.distribution(), keras.distribution.DataParallel)

@@ -1,31 +1,13 @@
 """Where keras_memfit's JAX steps find the model's state: Keras's state tuple, or the variables.
 
-Keras's JAX trainer detaches the state from the model's variables at the
-start of an epoch and threads it as a tuple of lists of arrays through
-`train_function(state, data)` (and `test_function`, `predict_function`),
-writing it back once at the end (see `trainer`). keras_memfit's replacement
-for those functions does the same: inside it (`threaded(model, kind,
-state)`), its steps read and write that tuple (`get`, `put`) and the
-variables are not touched, so a step costs what Keras's own costs (no
-Python reads and writes of every variable per piece). Outside such a call
-(`safe_predict`, `safe_evaluate`), they read and write the variables
-directly.
+Inside keras_memfit's replacement for Keras's step functions (`threaded(model, kind, state)`)
+the steps read and write Keras's state tuple (`get`, `put`), not the variables, so a step
+costs what Keras's own costs; outside one (`safe_predict`, `safe_evaluate`) they read and
+write the variables, whose lists are taken once per call (`refresh`) and reused for its pieces.
 
-Some work needs the variables themselves during such a call (Keras's
-`get_metrics_result` after an accumulated batch): `materialize(model)`
-writes the tuple into the variables, which then hold the state until the
-call ends, when it is read back (and the variables detached again, if Keras
-had detached them).
-
-The variable lists (`model.trainable_variables`, ...) cost a walk over the
-layers; outside a threaded call they are taken once per `safe_predict` /
-`safe_evaluate` call (`refresh`, as Keras takes them once per `predict` /
-`evaluate` call) and reused for its pieces.
-
-Example:
-    >>> with threaded(model, "predict", state) as call:
-    ...     trainable, non_trainable = get(model, ("trainable", "non_trainable"))
-    ...     new_state = call.finish()
+Work that needs the variables during such a call (Keras's `get_metrics_result` after an
+accumulated batch) calls `materialize(model)`: the variables then hold the state until the
+call ends, when it is read back (and the variables detached again, if Keras had detached them).
 """
 
 from __future__ import annotations
@@ -61,11 +43,8 @@ def variables(model: Any, group: str) -> List[Any]:
 
 
 def read(variables_: Sequence[Any]) -> List[Any]:
-    """The current values (JAX arrays) of Keras variables, read without Keras's checks.
-
-    Falls back to `variable.value` inside a `keras.StatelessScope` and for a
-    variable whose value Keras has detached.
-    """
+    """The current values (JAX arrays) of Keras variables, read without Keras's checks
+    (`variable.value` inside a `keras.StatelessScope` and where Keras detached the value)."""
     if in_stateless_scope():
         return [v.value for v in variables_]
     out = []
@@ -76,11 +55,8 @@ def read(variables_: Sequence[Any]) -> List[Any]:
 
 
 def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
-    """Write values produced by a compiled step (same shapes and dtypes) into variables.
-
-    Skips a value that is already the variable's (JAX returns an input that
-    a step passes through unchanged as the same array).
-    """
+    """Write a compiled step's values into variables, skipping a value already the variable's
+    (JAX returns an input that a step passes through unchanged as the same array)."""
     for v, value in zip(variables_, values):
         if v._value is not value:
             v._direct_assign(value)
@@ -89,13 +65,8 @@ def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
 class Threaded:
     """Keras's state tuple during one call of keras_memfit's step function.
 
-    Also the block of `threaded`: entered, it is the call in progress on this
-    thread (a class rather than a generator-based context manager: entered
-    once per step of Keras's loop, where microseconds count).
-
-    Attributes:
-        names: The tuple's groups, in order (see `GROUPS`).
-        materialized: Whether the state now lives in the variables.
+    Entered, it is the call in progress on this thread (a class, not a generator-based context
+    manager: entered once per step of Keras's loop). `materialized`: the variables hold the state.
     """
 
     def __init__(self, model: Any, kind: str, state: Sequence[Any]) -> None:
@@ -175,8 +146,7 @@ class Threaded:
         return tuple(map(self._values.__getitem__, self.names))
 
     def finish(self) -> Tuple[List[Any], ...]:
-        """The state tuple to hand back to Keras (`state()`), read before the variables
-        are detached again if Keras had detached them (see `materialize`)."""
+        """`state()`, read before the variables are detached again where Keras had detached them."""
         state = self.state()
         if self.materialized and self._detached:
             for group in self._variables.values():
@@ -186,11 +156,7 @@ class Threaded:
 
 
 def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Threaded]:
-    """Run keras_memfit's steps on Keras's state tuple `state` for the block.
-
-    Raises:
-        ValueError: If `kind` is not "train", "test" or "predict".
-    """
+    """Run keras_memfit's steps on Keras's state tuple for the block (ValueError: bad `kind`)."""
     if kind not in GROUPS:
         raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
     return Threaded(model, kind, state)

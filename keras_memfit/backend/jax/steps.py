@@ -1,24 +1,11 @@
 """Compiled predict and test steps, their traced outputs, and variable guards.
 
-Keras's JAX trainer compiles its steps with `donate_argnums=0`: the model's
-state buffers are handed to the computation, so when it runs out of memory
-the model is gone (`get_weights()` itself raises). The steps here are
-compiled without donation: they read the model's current state (Keras's
-state tuple inside keras_memfit's step functions, else the variables; see
-`state`), run functionally, wait for the result (`block_until_ready`, so
-that an OOM surfaces inside keras_memfit's retry loop, not at a later read)
-and only then write the new state. A step that fails leaves the model
-exactly as it was. The price is that the old and the new state coexist
-during a step (for predict and test, only the non-trainable and metric
-variables, which are small).
-
-A step may also be *started* (`start`: a `backend.base.StartedPiece`): its
-new state is written at once (the arrays still being computed), and
-`wait()` puts the old state back if the computation failed. The runner keeps
-pieces started ahead of the one it waits for, as Keras's own loops do.
-
-JAX compiles once per input shape, so every distinct piece size is compiled
-once (as Keras compiles its last, smaller batch).
+Keras's JAX steps donate the model's state, which an OOM then destroys. These donate nothing:
+they read the current state (see `state`), run, wait for the result (so that an OOM surfaces
+in keras_memfit's retry loop, not at a later read) and only then write the new state; the old
+and new non-trainable and metric values coexist meanwhile. A step may also be *started*
+(`start`, a `backend.base.StartedPiece`): its new state is written at once and `wait()` puts
+the old one back if the computation failed. Every distinct piece size compiles once.
 """
 
 from __future__ import annotations
@@ -39,23 +26,15 @@ PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
 
 
-# XLA options per platform for the steps here. On the CPU client the pass
-# `cse_barrier_expander` removes the optimization barriers `jax.checkpoint`
-# puts around a recomputation before common-subexpression elimination runs,
-# which then merges the recomputation with the forward pass: the
-# rematerialized step kept everything (same peak as without). Without that
-# pass the recomputation stays (a transformer's gradient: 462 -> 76 MiB of
-# temporaries, the same gradients). A program without barriers is unchanged.
-# The GPU run (`benchmarks/gpu.py`, JAX "remat") says whether GPUs need it too.
+# XLA options per platform. On the CPU, `cse_barrier_expander` strips `jax.checkpoint`'s
+# barriers before CSE merges the recomputation back into the forward pass (docs/training.md);
+# a program without barriers is unchanged. Whether GPUs need it: `benchmarks/gpu.py` ("remat").
 COMPILER_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"}}
 
 
 def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] = ()) -> Callable:
-    """`fn` jitted as Keras would compile the model's steps, donating only `donate_argnums`.
-
-    Keras donates the whole state; the steps here donate nothing by default.
-    A model that runs eagerly gets `fn` itself (nothing is donated then).
-    """
+    """`fn` jitted as Keras compiles the model's steps, donating only `donate_argnums` (Keras
+    donates the whole state); `fn` itself for a model that runs eagerly."""
     if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
         return fn
     options = COMPILER_OPTIONS.get(jax.default_backend())
@@ -73,12 +52,7 @@ def assign(variables: Sequence[Any], new_values: Sequence[Any]) -> None:
 
 
 class _Step:
-    """A compiled step over the model's state, held weakly.
-
-    Attributes:
-        traced: Whether the step is compiled (jitted), so `output_spec` can
-            trace it; False for a model that runs eagerly.
-    """
+    """A compiled step over the model's state, held weakly (`traced`: False when run eagerly)."""
 
     def __init__(self, model: keras.Model, fn: Callable) -> None:
         self._model_ref = weakref.ref(model)
@@ -91,15 +65,14 @@ class _Step:
         return model_of(self._model_ref)
 
     def __call__(self, data: Any) -> Any:
-        """Run the step on `data` and wait for its result (the subclass's `start`)."""
+        """Run the step on `data` and wait for its result."""
         return self.start(data).wait()
 
     def _start(self, names: Sequence[str], data: Any) -> "Started":
         """Start the compiled step on the state groups `names` and `data`.
 
-        The step returns its output, then new values of every group of
-        `names` but the first (the trainable weights, which inference leaves
-        alone); those are written at once (see `Started`).
+        The step returns its output, then new values of `names[1:]` (inference leaves the trainable
+        weights alone), written at once (see `Started`).
         """
         model = self.model()
         state = _state.get(model, names)
@@ -110,15 +83,8 @@ class _Step:
 
 
 class Started:
-    """A step started on one piece (see `backend.base.StartedPiece`).
-
-    Args:
-        model: The model whose state the step replaced.
-        names: The parts of the state it wrote (see `state.put`).
-        before: Their values before the step.
-        result: Everything the step returns (waited for by `wait`).
-        output: What `wait` returns (a part of `result`).
-    """
+    """A step started on one piece (a `backend.base.StartedPiece`): `before` holds the values of
+    `names` it replaced; `wait` waits for all of `result` and returns `output`."""
 
     __slots__ = ("_model", "_names", "_before", "_result", "_output")
 
@@ -231,8 +197,8 @@ KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 def make_test_step(
     model: keras.Model, exact: bool = False
 ) -> Union[TestStep, distribution.ShardedStep]:
-    """A `TestStep` (static shapes: `exact` changes nothing); under `DataParallel`
-    its pieces laid out over the devices."""
+    """A `TestStep` (static shapes: `exact` changes nothing); under `DataParallel` its pieces
+    laid out over the devices."""
     step = TestStep(model)
     if distribution.variant() is distribution.Variant.DATA_PARALLEL:
         return distribution.ShardedStep(step, distribution.last_logs)
@@ -242,16 +208,9 @@ def make_test_step(
 class VariableGuard:
     """A `Guard`: the values of some variables, taken before a step, restored if it fails.
 
-    JAX arrays are immutable and keras_memfit's steps donate nothing, so a
-    snapshot keeps references to the current values: it copies nothing.
-    Inside keras_memfit's step functions (`state.threaded`), where the state
-    is Keras's tuple rather than the variables, it snapshots and restores the
-    whole tuple: between a snapshot and its restore only the guarded attempt
-    runs, so that puts back exactly what the attempt changed.
-
-    Example:
-        >>> guard = VariableGuard(model.metrics_variables)
-        >>> guard.snapshot(); ...; guard.restore()
+    A snapshot keeps references (JAX arrays are immutable, the steps donate nothing). Inside
+    `state.threaded` it saves and restores the whole tuple: between the two only the guarded
+    attempt runs.
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
@@ -285,8 +244,7 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """`NO_SPEC` for eager steps. JAX traces static shapes: the step is traced
-    at two batch sizes, and the dimensions that differ are unknown."""
+    """`NO_SPEC` for eager steps; else traced at two batch sizes (`PredictStep.spec`)."""
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):

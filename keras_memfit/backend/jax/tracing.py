@@ -1,11 +1,7 @@
 """Symbolic traces of a model on JAX: every layer and operation call of one forward pass.
 
-The JAX counterpart of the TensorFlow backend's `tracing` (`memory_report`'s
-input): the model is called inside `jax.eval_shape` (nothing runs, nothing
-is allocated) and a `keras.StatelessScope`, with `Layer.__call__` and
-`Operation.__call__` wrapped to record each call. JAX traces static shapes,
-so the forward pass is traced at two batch sizes and a dimension that
-differs between them is the batch's (None), as `steps.output_spec` does.
+The model is called inside `jax.eval_shape` (nothing runs, nothing is allocated) at two batch
+sizes: a dimension that differs between them is the batch's (None).
 """
 
 from __future__ import annotations
@@ -47,5 +43,5 @@ def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Traced with `jax.eval_shape` at two batch sizes (see the module)."""
+    """Traced with `jax.eval_shape` at two batch sizes."""
     return trace_at_two_batches(model, lambda batch: _record_forward(model, batch))

@@ -1,26 +1,15 @@
 """Keras's step functions in the JAX trainer's calling convention.
 
-Keras's JAX trainer calls `model.train_function(state, iterator)` (and
-`test_function`, `predict_function` likewise), where `state` is the tuple of
-lists of variable values it threads from step to step (train: trainable,
-non-trainable, optimizer, metrics; test: trainable, non-trainable, metrics;
-predict: trainable, non-trainable), having detached the values from the
-model's variables at the start of the epoch (`_purge_model_variables`). It
-expects `(result, state)` back, and writes the last state into the variables
-at the end of the epoch (`jax_state_sync`).
+Keras's JAX trainer calls `model.train_function(state, iterator)` (and `test_function`,
+`predict_function` likewise), `state` being the tuple of variable-value lists it detached from
+the variables at the start of the epoch (`_purge_model_variables`) and threads from step to
+step; it expects `(result, state)` back and writes the last state into the variables at the
+end (`jax_state_sync`). `step_function` runs keras_memfit's steps on that tuple itself
+(`state.threaded`); what can run out of memory in them donates nothing of it, so whatever
+they raise, the state Keras holds is whole.
 
-`step_function` builds a replacement around a backend-neutral
-`run_batches(batches)`: it pulls up to `steps_per_execution`
-batches, one at a time, and runs them with keras_memfit's steps working on `state` itself,
-as Keras's own steps do (`state.threaded`: the variables are not touched on
-the way), and returns the result with the new state. What can run out of
-memory in them donates nothing of the state it starts from (see `training`),
-so whatever they raise, the state Keras holds is whole.
-
-Under several JAX processes (`processes`), Keras hands each process a batch
-laid out over every process's devices; the function gives `run_batches`
-this process's own rows, and a process whose function raises tells the
-others (`processes.post_failure`) before the error propagates.
+Under several JAX processes the function hands `run_batches` this process's own rows, and a
+process whose function raises tells the others (`processes.post_failure`) first.
 """
 
 from __future__ import annotations
@@ -47,16 +36,10 @@ _STATE_KEYS = {
 def _publish(model: keras.Model, kind: str, state: tuple) -> None:
     """Make `state` the one Keras's `jax_state_sync` writes back.
 
-    Keras sets the trainer's `_jax_state` only after the step function
-    returned; a callback that reads `Callback.model` in between makes Keras
-    write the *previous* step's state into the variables, and when the step
-    function raises, Keras's closing sync writes the state it last had.
-    Setting it here first (also when `run_batches` raised: the pieces that
-    succeeded are kept, as on TensorFlow) keeps every sync current. Set
-    without Keras's attribute tracking, which would wrap the lists (Keras
-    itself then sets it with tracking after the step function returned).
-    Set also when the trainer has none yet (the first step of a call failed):
-    else Keras's closing sync would leave the variables it detached empty.
+    Keras sets the trainer's `_jax_state` only after the step function returned, so a sync in
+    between (a callback reading `Callback.model`; Keras's closing sync after a raise) would write
+    an older state. Set here also when `run_batches` raised (the pieces that succeeded are kept)
+    or the trainer has none yet, and without Keras's attribute tracking, which wraps the lists.
     """
     object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
 
@@ -66,9 +49,8 @@ def step_function(
     kind: str,
     run_batches: Callable[[Iterable[Any]], Any],
 ) -> Callable[[Any, Any], Any]:
-    """`function(state, iterator) -> (result, state)`, pulling up to
-    `model.steps_per_execution` batches, one at a time (StopIteration when none
-    is left)."""
+    """`function(state, iterator) -> (result, state)`, pulling up to `model.steps_per_execution`
+    batches, one at a time (StopIteration when none is left)."""
     check_step_kind(kind)
     model_ref = weakref.ref(model)
     groups = _state.GROUPS[kind]
@@ -101,19 +83,16 @@ def step_function(
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
-    """Keras's own JAX iterator: numpy arrays, with sparse matrices (scipy,
-    `tf.SparseTensor`) as JAX `BCOO` arrays."""
+    """Keras's own JAX iterator (sparse matrices as JAX `BCOO` arrays)."""
     return iter(adapter.get_jax_iterator())
 
 
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Keras's function, on the state MemFit's function holds.
+    """Keras's function on the state MemFit's function holds (`state.get`), its new state put back.
 
-    Keras's function takes and donates the state tuple, so it is handed the
-    state of the call in progress (`state.get`) and its new state is put back
-    (`state.put`); an OOM in it loses the state, as it does without MemFit.
+    Keras's function donates the state: an OOM in it loses the state, as it does without MemFit.
     """
     names = _state.GROUPS[kind]
     state = tuple(_state.get(model, names))

@@ -1,50 +1,25 @@
 """Train steps that never lose the model's state to an OOM; the seam's `Training`.
 
-MemFit's train step for the JAX backend. Keras's JAX trainer donates the
-model's state to its one compiled train step, so a step that runs out of
-memory loses the model. Keras's default step is run here as two programs
-instead (`TrainStep`), at the same peak memory as Keras's own:
+Keras's JAX trainer donates the model's state to its one compiled train step, so a step that
+runs out of memory loses the model. `TrainStep` runs Keras's default step as two programs:
 
-1. the *gradient program* (forward pass, loss, gradients, metrics), which
-   donates nothing: the activations live there, so that is where an OOM
-   happens, and it destroys nothing (`StepOutcome.UNTOUCHED`); where an OOM
-   shows only when a result is waited for (JAX's CPU client: see
-   `OOM_RAISES_AT_DISPATCH`), it is waited for before anything else runs,
-   since a donating program dispatched on the outputs of a program that
-   failed loses its donated inputs;
-2. the *update program* (`optimizer.stateless_apply`), which donates the
-   weights and optimizer variables and writes them in place: it needs no
-   memory beyond the gradients, whatever the batch size. It is not waited
-   for: it overlaps Keras's loop and callbacks, and the next step waits for
-   it before its gradient program allocates new gradients. If it ever fails
-   (rare: it allocates nothing that grows with the batch), the donated state
-   is lost, and the next step says so (`StepOutcome.UPDATE_BEGAN`).
+1. the *gradient program* (forward pass, loss, gradients, metrics) donates nothing: the
+   activations live there, so that is where an OOM happens, and it destroys nothing
+   (`StepOutcome.UNTOUCHED`). Where an OOM shows only when a result is waited for
+   (`OOM_RAISES_AT_DISPATCH`), it is waited for first: a donating program dispatched on the
+   outputs of a program that failed loses its donated inputs;
+2. the *update program* (`optimizer.stateless_apply`) donates the weights and optimizer
+   variables and updates them in place, needing no memory beyond the gradients. It is not
+   waited for (it overlaps Keras's loop and callbacks; the next step waits for it); if it
+   fails, the donated state is lost (`StepOutcome.UPDATE_BEGAN`).
 
-Measured with `memory_analysis()` on the wide MLP of `benchmarks/footprint.py`
-(Adam), where the weights dominate: at batch 8 Keras's donating step holds the
-state (weights and two slots) plus one gradient per weight at its peak; so do
-the two programs. At batch 1 it holds less: XLA fuses the rank-one gradient
-of a kernel into that kernel's update, so one kernel's gradient is never
-materialised (its temporaries: half the weights' size), while the gradient
-program must output every gradient. So, per input shape, before its first
-run, the step compares the two programs' buffers (`memory_analysis()`) with
-the device's free memory (`memory.free_bytes`: a GPU's allocator, JAX's CPU
-under `RLIMIT_AS`); where they would not fit and Keras's own fused, donating
-step would, it runs that step instead (`fused`: the memory of plain Keras,
-logged once as a WARNING). An OOM there loses the donated state, as it does
-in plain Keras (`StepOutcome.UPDATE_BEGAN`: MemFit raises `OutOfMemoryError`
-saying so). Where the free memory is unknown, or under a
-`keras.distribution`, the two programs always run. A model's own
-`train_step` cannot be split: it runs whole without donation, and holds the
-old and new state together (one extra copy of the training state).
+Where the weights dominate, the two programs can need more than Keras's fused step
+(docs/backends.md): per input shape, where XLA's buffer analysis says they would not fit in
+the free memory and Keras's step would, that shape runs Keras's step, with plain Keras's risk.
+A model's own `train_step` runs whole without donation (one extra copy of the training state).
 
-Inside MemFit's train function the steps read and write Keras's state tuple,
-as Keras's own step does (see `state`).
-
-The seam's factories choose, once per step made, the variant of
-`distribution.variant()`: one device, a single-process `DataParallel` (each
-piece laid out over its devices), or several processes
-(`process_training`); gradient accumulation is in `accumulation`.
+The factories choose, once per step made, the variant of `distribution.variant()`: one
+device, a single-process `DataParallel`, or several processes (`process_training`).
 """
 
 from __future__ import annotations
@@ -81,20 +56,10 @@ OOM_RAISES_AT_DISPATCH: Dict[str, Optional[bool]] = {
 }
 """Whether a compiled program's OOM raises when it is called, per JAX platform.
 
-Keyed by `jax.devices()[0].platform`. True: the call (dispatch) raises the
-OOM, so `TrainStep` dispatches the update program right after the gradient
-program without waiting for it (a failed gradient program never hands its
-outputs to the donating update). False: the OOM shows only when a result
-is waited for, so the step waits for the gradient program first. None (not
-measured yet), and any platform not listed, waits, as False does: the model
-comes before host time.
-
-How the entries are filled in: `python -m benchmarks.gpu` on a device runs
-the JAX "dispatch" check (`benchmarks/gpu_jax.py`: a program too large for
-the memory left, once through a temporary buffer and once through its
-output). Where both OOMs raise "at the dispatch", that platform's entry
-becomes True; where either raises "at the wait", False. JAX's CPU client
-raises at the wait (`tests/test_jax_async_oom.py` pins that).
+True: `TrainStep` dispatches the update right after the gradient program. False (the OOM
+shows only when a result is waited for), None (not measured yet) and unlisted platforms: it
+waits for the gradient program first. `python -m benchmarks.gpu`'s JAX "dispatch" check tells
+which: True where both its OOMs raise at the dispatch, False where either raises at the wait.
 """
 
 
@@ -105,11 +70,8 @@ def oom_raises_at_dispatch() -> bool:
 
 def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
                            data) -> tuple:
-    """Keras's JAX `train_step` up to the optimizer update: `(grads, logs, non_trainable, metrics)`.
-
-    The same computation as `JAXTrainer.train_step` (its metrics do not read
-    the updated weights), without `stateless_apply`.
-    """
+    """Keras's JAX `train_step` without `stateless_apply` (its metrics do not read the updated
+    weights): `(grads, logs, non_trainable, metrics)`."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
         trainable, non_trainable, metrics, x, y, sample_weight,
@@ -149,12 +111,8 @@ def _first_array(tree: Any) -> Any:
 
 
 def _wait(outputs: Any, compiled: bool = True) -> None:
-    """Wait for `outputs`: of a compiled program, for one of its arrays (ready together).
-
-    The array's own `block_until_ready`, not `jax.block_until_ready`, which
-    flattens its argument again (about 2 us a call). Outputs of ops run
-    eagerly (`compiled=False`) are waited for all.
-    """
+    """Wait for `outputs`: of a compiled program, for one of its arrays (ready together), by the
+    array's own `block_until_ready` (`jax.block_until_ready` flattens again); eager ones all."""
     first = _first_array(outputs) if compiled else outputs
     if isinstance(first, jax.Array):
         first.block_until_ready()
@@ -165,26 +123,14 @@ def _wait(outputs: Any, compiled: bool = True) -> None:
 class TrainStep:
     """Keras's default train step as a gradient program and an in-place update program.
 
-    See the module docstring. The new state is the model's only once the
-    gradient program succeeded; the update program then replaces the weights
-    and optimizer variables in place. Where an input shape's two programs
-    would not fit in the free memory and Keras's fused step would, that
-    shape runs Keras's step instead (`_choose_fused`). A model's own
-    `train_step` (`custom`) runs whole, compiled without donation, and its
-    new state is written once it finished.
-
-    Whether the gradient program is waited for before the update is read
-    once, when the step is made (`oom_raises_at_dispatch`).
+    Where an input shape's two programs would not fit and Keras's fused step would, that shape
+    runs Keras's step (`_choose`). A model's own `train_step` (`custom`) runs whole, compiled
+    without donation, its new state written once it finished.
 
     Attributes:
-        snapshots_itself: True: a failed gradient program wrote nothing, so
-            callers need no `Guard`.
-        last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or
-            `StepOutcome.UPDATE_BEGAN` when the previous step's update
-            program, or a fused step, failed (its donated state is lost).
-
-    Example:
-        >>> logs = make_train_step(model)((x[:64], y[:64]))
+        snapshots_itself: True: a failed gradient program wrote nothing (no `Guard` needed).
+        last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or `UPDATE_BEGAN` when the
+            previous step's update program, or a fused step, failed (its donated state is lost).
     """
 
     snapshots_itself = True
@@ -252,8 +198,7 @@ class TrainStep:
                 if mode == "split" or not is_oom_error(err):
                     raise
                 # Tight: memory the last step freed may wait for Python's cycle
-                # collector (measured: the size of the weights after a step at
-                # batch 1); the state is untouched, so try once more after it.
+                # collector; the state is untouched, so try once more after it.
                 del err
                 gc.collect()
                 outputs = self._run_gradients(current, data)
@@ -272,29 +217,20 @@ class TrainStep:
         return logs
 
     def _run_gradients(self, current: List[List[Any]], data: Any) -> tuple:
-        """The gradient program's outputs, waited for where its OOM would show only then.
-
-        Where the platform raises an OOM at dispatch
-        (`OOM_RAISES_AT_DISPATCH`), the call itself raised it, and the
-        update may be dispatched at once.
-        """
+        """The gradient program's outputs, waited for unless its OOM raises at dispatch."""
         outputs = self._gradients(*current, data)
         if self._waits_for_gradients:
             _wait(outputs, self._compiled)
         return outputs
 
     def _choose(self, model: keras.Model, current: List[List[Any]], data: Any) -> str:
-        """How this input shape runs: "fused" (Keras's step) where the two programs would not fit.
+        """How this input shape runs: "split" (the two programs), "tight" or "fused" (Keras's step).
 
-        From XLA's buffer analysis of the compiled programs (compiled once:
-        a later call reuses them) against the device's free memory now.
-        "split" where that memory is unknown, under a `keras.distribution`,
-        where an analysis is missing, and where the fused step would not fit
-        either with `SPLIT_MARGIN` to spare (the gradient program's OOM then
-        leaves the state intact, and MemFit can recompute layers instead);
-        "tight" where the two programs fit with less than their own size to
-        spare: they run after collecting Python's garbage, and once more
-        after an OOM (see `__call__`).
+        From XLA's buffer analysis of the compiled programs against the free memory now. "split"
+        where either is unknown, under a `keras.distribution`, and where the fused step would not
+        fit with `SPLIT_MARGIN` to spare either (the gradient program's OOM leaves the state
+        intact); "tight" where the two programs fit with less than their own size to spare: they
+        run after collecting Python's garbage, and once more after an OOM.
         """
         if keras.distribution.distribution() is not None:
             return "split"
@@ -340,13 +276,8 @@ class TrainStep:
 
     def _call_fused(self, model: keras.Model, current: List[List[Any]],
                     data: Any) -> Dict[str, Any]:
-        """Keras's own step on the whole state (donated), waited for.
-
-        Waited for (unlike the update program) so that its OOM, which loses
-        the donated state, is reported by this step (`UPDATE_BEGAN`: MemFit's
-        `OutOfMemoryError`) rather than by whatever reads the state next;
-        it runs only where memory is short, where steps are long.
-        """
+        """Keras's own step on the whole (donated) state, waited for so that its OOM, which loses
+        the state, is reported here (`UPDATE_BEGAN`), not by whatever reads the state next."""
         try:
             logs, state = jax.block_until_ready(self._fused(tuple(current), data))
         except Exception:
@@ -358,17 +289,8 @@ class TrainStep:
         return logs
 
     def _wait_for_update(self) -> None:
-        """Wait for the previous step's update program; raise its error if it failed.
-
-        Before the next gradient program is dispatched: a program's output
-        buffers may be allocated when it is dispatched, and the previous
-        step's gradients stay allocated until the update that reads them has
-        ended, so not waiting could hold two sets of gradients at once
-        (reasoned from PjRt's allocation at dispatch; not measurable on JAX's
-        CPU client, where VmPeak was the same either way). Between the two,
-        the update overlaps Keras's loop and the callbacks. A failed update
-        lost its donated state (`UPDATE_BEGAN`).
-        """
+        """Wait for the previous step's update program (`UPDATE_BEGAN` if it failed) before the next
+        gradient program is dispatched: else two sets of gradients could be allocated at once."""
         last, self._last_update = self._last_update, None
         if last is None or last.is_deleted():  # deleted: a later program consumed it
             return
@@ -414,12 +336,8 @@ def check_training_mode(model: keras.Model, mode: str) -> None:
 
 def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
                 several: Callable) -> Any:
-    """`model`'s step or accumulator as the variant of `distribution.variant()` runs it.
-
-    One device: `one_device(model)`; a single-process `DataParallel`: that,
-    laid out over the devices (`laid_out`, a `distribution.Sharded*`);
-    several processes: `several(model)` (`process_training`).
-    """
+    """`model`'s step or accumulator for `distribution.variant()`: `one_device(model)`, that laid
+    out over the devices (`laid_out`, a `distribution.Sharded*`), or `several(model)`."""
     chosen = distribution.variant()
     if chosen is distribution.Variant.PROCESSES:
         return several(model)
@@ -438,12 +356,8 @@ def checkpoint(fn: Callable) -> Callable:
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> Any:
-    """The model's own `train_step` run whole (`TrainStep(custom=True)`).
-
-    Keras's `fit` built the model before its first batch (its symbolic
-    build), so `data` is not needed; the variable lists are taken anew.
-    Refused under several processes (`check_training_mode`).
-    """
+    """The model's own `train_step` run whole (`TrainStep(custom=True)`); refused under several
+    processes. `data` is unused: Keras's `fit` built the model before its first batch."""
     check_training_mode(model, "accumulate")
     _state.refresh(model)
     step = TrainStep(model, custom=True)
