@@ -1,27 +1,11 @@
-"""The `keras-memfit` command line (also `python -m keras_memfit`).
+"""The `keras-memfit` command line (also `python -m keras_memfit`): `demo`, `predict`, `report`.
 
-Subcommands:
-    demo: The Digit Recognizer demo: plain `model.fit` and `model.predict`
-        die of OOM, `MemFit` and `keras_memfit.safe_predict` recover and
-        write `submission.csv`.
-    predict: `safe_predict` a saved model over a `.npy`, `.npz` or Kaggle
-        `.csv` file, streaming the outputs to a `.npy` or `.csv` file (the
-        file handling lives in `keras_memfit.app.inputs`, `outputs` and
-        `models`, the child's work in `keras_memfit.app.predict_file`).
-    report: The memory report (`keras_memfit.memory_report`) of a saved
-        model at a batch size, as a table or JSON.
-
-Each subcommand is one `_add_<name>(subparsers)` function that declares its
-options and sets `handler`, a function taking the parsed arguments and
-returning the exit status.
-The parser only reads constants from the subcommands' modules; their work
-(and TensorFlow, where they need it) is imported when the subcommand runs.
-Work that needs TensorFlow runs in a child process (`keras_memfit.app.worker`),
-so that a memory limit can be set before TensorFlow starts and TensorFlow's
-log output and crashes never reach the terminal as more than one line.
-
-Errors are one line on stderr (`keras-memfit: error: ...`) and a non-zero exit
-status: 2 for bad arguments, 1 for failures, 130 for Ctrl-C; never a traceback.
+Each subcommand is one `_add_<name>(subparsers)` that declares its options and
+sets `handler` (parsed arguments -> exit status). The parser imports only the
+subcommands' constants; work that needs TensorFlow runs in a child process
+(`keras_memfit.app.worker`), so that a memory limit is set before TensorFlow
+starts and its logs and crashes reach the terminal as one line at most.
+Errors are one line on stderr (`keras-memfit: error: ...`), never a traceback.
 """
 
 from __future__ import annotations
@@ -378,19 +362,13 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _report_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
-    """The child process's work for `keras-memfit report` (imports TensorFlow).
-
-    Args:
-        config: From `_run_report`: model, batch_size, training, budget
-            (bytes or None), device, memory_limit_mb.
-        say: Prints a line (unused: the parent prints the report).
+    """`keras-memfit report`'s work in the child process (imports TensorFlow).
 
     Returns:
-        `{"table": the report's summary text, "report": its to_dict()}`, the
-        latter made JSON-safe.
+        `{"table": the report's summary text, "report": its to_dict(), JSON-safe}`.
 
     Raises:
-        PredictError: If the model does not load.
+        PredictError: If the model does not load or cannot be reported on.
     """
     import io
     import json
@@ -438,16 +416,7 @@ class _Failure(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `keras-memfit` argument parser with every subcommand.
-
-    Returns:
-        The parser; its errors raise `UsageError` instead of exiting.
-
-    Example:
-        >>> args = build_parser().parse_args(["demo", "--quiet"])
-        >>> args.command, args.quiet
-        ('demo', True)
-    """
+    """The `keras-memfit` parser with every subcommand; its errors raise `UsageError`."""
     parser = _Parser(
         prog=PROG,
         description="keras_memfit: Keras without GPU out-of-memory errors.",
@@ -467,11 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Returns:
         The exit status: 0 on success, 1 if the command failed, 2 for bad
-        arguments, 130 if interrupted. Errors are one line on stderr.
-
-    Example:
-        >>> main(["demo", "--output", "submission.csv"])
-        0
+        arguments, 130 if interrupted.
     """
     args_list: List[str] = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -1,43 +1,12 @@
 """The Digit Recognizer demo: plain Keras dies of OOM where keras_memfit does not.
 
-A Kaggle user trains a small CNN on the Digit Recognizer data at a batch that
-does not fit, then predicts the 28,000 test images in one batch: both die
-with `ResourceExhaustedError` on a small device. `run_demo` (and `python -m
-keras_memfit demo`) replays that story on any machine, with no download:
-
-1. draws Kaggle-shaped digits (`keras_memfit.app.digits`);
-2. plain `model.fit(x_train, y_train, batch_size=768)` under a memory limit
-   fails with TensorFlow's real `ResourceExhaustedError`;
-3. `model.fit(..., callbacks=[MemFit()])` trains at that batch, and its
-   weights are compared with plain Keras's `fit` of the same model, data and
-   seed in a process without the limit (`keras_memfit.app.reference`, run
-   beside it);
-4. plain `model.predict(x_test, batch_size=28000)` fails the same way;
-5. `keras_memfit.safe_predict(..., postprocess=argmax)` adapts its batch and
-   writes `submission.csv` in Kaggle's format (`ImageId,Label`).
-
-It reports what failed, what keras_memfit adapted (MemFit's events, the
-`keras_memfit` logger's records), the times and the accuracy against the
-generated test labels.
-
-The memory limit must be in place before TensorFlow is imported, and
-`import keras_memfit` imports TensorFlow, so the work runs in a child process
-(`keras_memfit.app.worker`, shared with `keras-memfit predict`) started with
-the limit in its environment (`keras_memfit.app.env`): on the CPU a capped
-allocator (default `DEFAULT_CPU_MEMORY_LIMIT_MB`), on a GPU a logical device
-with a memory limit (default `DEFAULT_GPU_MEMORY_LIMIT_MB`; written for, but
-not run on, a GPU machine). The child's stderr, where TensorFlow dumps its
-allocator at each OOM, stays out of the report (`worker`).
-
-Every real OOM costs about 10 s: TensorFlow's allocator waits for memory to be
-freed before it gives up. The demo pays three (plain fit, MemFit's first try,
-plain predict) and takes about a minute on two CPU cores.
-
-Example:
-    >>> from keras_memfit.app.demo import run_demo
-    >>> result = run_demo("submission.csv")
-    >>> result.plain_fit_error is not None, result.weight_difference < 1e-4
-    (True, True)
+On generated Kaggle-shaped digits (`digits`), under a memory limit, `run_demo`
+(`keras-memfit demo`) shows plain `model.fit` at a batch of 768 dying and
+`fit(..., callbacks=[MemFit()])` training at it, compared with plain `fit`
+without the limit (`reference`); then plain `model.predict` of 28,000 images
+dying and `safe_predict(..., postprocess=argmax)` writing `submission.csv`.
+The limit must be set before TensorFlow is imported (`import keras_memfit`
+imports it), so the work runs in a `worker` child started with it (`env`).
 """
 
 from __future__ import annotations
@@ -94,37 +63,25 @@ class DemoError(WorkerError):
 
 @dataclasses.dataclass
 class DemoResult:
-    """What the demo did, as reported by its worker process.
+    """What the demo did, as reported by its worker process (times in seconds).
 
     Attributes:
-        output: Absolute path of the submission written.
-        device: "cpu" or "gpu".
-        memory_limit_mb: The memory limit the worker ran under.
-        train_samples: Number of generated training images.
-        epochs: Training epochs.
-        plain_fit_error: One line for the error plain `model.fit` raised, or
-            None if it did not run out of memory.
-        fit_seconds: Time `fit` with MemFit took.
+        plain_fit_error: One line for plain `model.fit`'s OOM, or None if it
+            did not run out of memory.
         fit_ooms: Out-of-memory errors MemFit caught.
         fit_events: `MemFit.events` after that fit.
-        optimizer_steps: Optimizer steps that fit took.
-        train_accuracy: Training accuracy of its last epoch.
-        weight_difference: Largest absolute difference between its weights
-            and those of plain `fit` without the limit.
+        weight_difference: Largest absolute difference between MemFit's
+            weights and those of plain `fit` without the limit.
         relative_difference: The norm of that difference over the norm of
-            the change training made (plain `fit` without the limit).
-        plain_error: One line for the error plain `model.predict` raised, or
-            None if it did not run out of memory.
-        plain_seconds: Time the plain predict took to fail (or succeed).
-        cleanup_seconds: Time `gc.collect()` took afterwards to release what
-            the failed call held (sometimes ~10 s more, see `_predict`).
-        safe_seconds: Time `safe_predict` took.
+            the change plain `fit` without the limit made.
+        plain_error: One line for plain `model.predict`'s OOM, or None if it
+            did not run out of memory.
+        cleanup_seconds: Time `gc.collect()` took to release what the failed
+            predict held.
         batch_sizes: Size of every batch `safe_predict` ran, in order.
         ooms_paid: Out-of-memory errors `safe_predict` caught and recovered from.
         adaptations: The `keras_memfit` logger's messages during `safe_predict`.
         accuracy: Share of submitted labels equal to the generated test labels.
-        rows: Number of rows written to the submission (28,000).
-        total_seconds: Wall time of the worker process's work.
     """
 
     output: str
@@ -172,29 +129,22 @@ def run_demo(
         output: Where to write the Kaggle submission (`ImageId,Label`).
         memory_limit_mb: Memory the worker's device may use, in MiB; default
             `DEFAULT_CPU_MEMORY_LIMIT_MB` on CPU, `DEFAULT_GPU_MEMORY_LIMIT_MB`
-            on GPU. It must be small enough that 28,000 images at once do not
-            fit, and (on CPU) large enough to hold the 88 MiB test set.
-        train_samples: Generated training images (Kaggle has 42,000; a few
-            thousand reach >95% accuracy in one epoch).
+            on GPU. Small enough that 28,000 images at once do not fit, and
+            (on CPU) large enough to hold the test set.
+        train_samples: Generated training images.
         epochs: Training epochs.
         verbose: Report each step as it happens; if False, only the summary.
         device: "auto" (a GPU if TensorFlow sees one, else the CPU), "cpu" or "gpu".
         seed: Seed for the generated digits and the model's initialisation.
-        report: Called with each line of the worker's report; default: print
-            it to stdout.
+        report: Called with each line of the worker's report; default: stdout.
 
     Returns:
-        A `DemoResult` describing what happened.
+        A `DemoResult`.
 
     Raises:
         ValueError: If an argument is out of range (on the CPU,
             `memory_limit_mb` below `MIN_CPU_MEMORY_LIMIT_MB`).
         DemoError: If the output cannot be written or the worker fails.
-
-    Example:
-        >>> result = run_demo("submission.csv", train_samples=2000)
-        >>> result.batch_sizes[:2], result.ooms_paid
-        ([16, 64], 0)
     """
     for name, value, low in (("train_samples", train_samples, 100), ("epochs", epochs, 1)):
         _check_int(name, value, low)
@@ -259,18 +209,7 @@ def _oom_summary(exc: BaseException) -> str:
 
 
 def build_cnn() -> Any:
-    """The Kaggle Digit Recognizer notebooks' CNN, compiled.
-
-    Returns:
-        `Conv2D 32 > Conv2D 64 > MaxPool > Flatten > Dense 10 softmax` on
-        28x28x1 inputs, compiled with Adam, sparse categorical cross-entropy
-        and accuracy (the demo's and the benchmarks' model).
-
-    Example:
-        >>> model = build_cnn()
-        >>> model.output_shape
-        (None, 10)
-    """
+    """The Kaggle Digit Recognizer notebooks' CNN, compiled (also the benchmarks' model)."""
     import keras
 
     model = keras.Sequential(
@@ -476,7 +415,6 @@ def _predict(model: Any, x_test: Any, step: Reporter) -> Dict[str, Any]:
 
 
 def _summary(result: Dict[str, Any], where: str) -> List[str]:
-    """The summary's lines."""
     batch, n = FIT_BATCH_SIZE, TEST_SAMPLES
     fit_error, predict_error = result["plain_fit_error"], result["plain_error"]
     lines = [

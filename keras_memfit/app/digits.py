@@ -1,26 +1,10 @@
 """Generated handwritten-like digits in the layout of Kaggle's Digit Recognizer.
 
-The demo (`python -m keras_memfit demo`) needs MNIST-shaped data with no
-download; what it shows is the out-of-memory error on 28,000 of them, so the
-digits need only be learnable, not pretty. Each class is one pen stroke
-through a few points of a 4x6 grid (`_STROKES`); every image moves those
-points a little, maps them with a random rotation, shear, scale and shift
-into MNIST's 20x20 box, inks them with a pen of random width and adds pixel
-noise. Images are 28x28 `uint8` in 0..255, white ink on black; a small CNN
-learns them to well over 90% accuracy in one short epoch.
-
-Generation is vectorised numpy, deterministic for a given seed, and the test
-set does not depend on the number of training samples asked for. Kaggle's
-files are read and written too: `load_kaggle_csv` for `train.csv`
-(`label,pixel0,...,pixel783`) and `test.csv` (`pixel0,...,pixel783`), and
-`write_submission` for `submission.csv` (`ImageId,Label`, ImageId counting
-from 1).
-
-Example:
-    >>> from keras_memfit.app import digits
-    >>> x_train, y_train, x_test = digits.load_digits(train_samples=1000)
-    >>> x_train.shape, x_train.dtype, y_train[:5], x_test.shape
-    ((1000, 28, 28), dtype('uint8'), array([...]), (28000, 28, 28))
+No download: each class is one pen stroke through a few points of a 4x6 grid
+(`_STROKES`), wobbled, mapped by a random rotation, shear, scale and shift into
+MNIST's 20x20 box, inked with a pen of random width, plus pixel noise. Images
+are 28x28 `uint8` (0..255, white ink on black), deterministic for a seed.
+Kaggle's `train.csv`/`test.csv` are read and its `submission.csv` written too.
 """
 
 from __future__ import annotations
@@ -119,23 +103,14 @@ def _render(digit: int, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def generate_digits(n: int, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
-    """Draw `n` labelled handwritten-like digit images.
-
-    Args:
-        n: Number of images (0 or more).
-        seed: Seed; the same seed always gives the same images and labels.
+    """Draw `n` labelled handwritten-like digit images; the same seed gives the same ones.
 
     Returns:
-        `(images, labels)`: `uint8` array [n, 28, 28] (0..255, white ink on
-        black) and `int64` array [n] of digits 0..9, roughly balanced.
+        `(images, labels)`: `uint8` array [n, 28, 28] and `int64` array [n] of
+        digits 0..9, roughly balanced.
 
     Raises:
         ValueError: If `n` is negative or not an int.
-
-    Example:
-        >>> images, labels = generate_digits(5, seed=1)
-        >>> images.shape, images.dtype, labels.dtype
-        ((5, 28, 28), dtype('uint8'), dtype('int64'))
     """
     _check_count("n", n)
     rng = np.random.default_rng(seed)
@@ -157,29 +132,17 @@ def load_digits(
     *,
     return_test_labels: bool = False,
 ) -> Tuple[np.ndarray, ...]:
-    """Generated digits split like Kaggle's Digit Recognizer (no download).
+    """Generated digits split like Kaggle's Digit Recognizer (by default, as many).
 
-    The training and test sets come from independent streams of `seed`, so
-    the test set is the same whatever `train_samples` is.
-
-    Args:
-        train_samples: Number of labelled training images (Kaggle: 42,000).
-        test_samples: Number of test images (Kaggle: 28,000).
-        seed: Seed; equal seeds give equal data.
-        return_test_labels: Also return the test set's labels (Kaggle keeps
-            them secret; here they let you score a submission).
+    The test set comes from its own stream of `seed`: it is the same whatever
+    `train_samples` is.
 
     Returns:
-        `(x_train, y_train, x_test)`, or `(x_train, y_train, x_test, y_test)`
-        when `return_test_labels`: images `uint8` [n, 28, 28], labels `int64` [n].
+        `(x_train, y_train, x_test)`, plus `y_test` when `return_test_labels`:
+        images `uint8` [n, 28, 28], labels `int64` [n].
 
     Raises:
         ValueError: If a sample count is negative or not an int.
-
-    Example:
-        >>> x_train, y_train, x_test = load_digits(train_samples=6000)
-        >>> x_test.shape
-        (28000, 28, 28)
     """
     _check_count("train_samples", train_samples)
     _check_count("test_samples", test_samples)
@@ -197,11 +160,7 @@ def _check_count(name: str, value: object) -> None:
 
 
 def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Read Kaggle's Digit Recognizer `train.csv` or `test.csv`.
-
-    Args:
-        path: A CSV whose header is `label,pixel0,...,pixel783` (train) or
-            `pixel0,...,pixel783` (test).
+    """Read Kaggle's Digit Recognizer `train.csv` (`label,pixel0,...`) or `test.csv`.
 
     Returns:
         `(images, labels)`: `uint8` array [n, 28, 28] and `int64` array [n],
@@ -210,10 +169,6 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     Raises:
         ValueError: If the header or a row is not in Kaggle's format.
         OSError: If the file cannot be read.
-
-    Example:
-        >>> images, labels = load_kaggle_csv("train.csv")
-        >>> images, _ = load_kaggle_csv("test.csv")
     """
     with open(path, "r") as f:
         header = f.readline().strip().split(",")
@@ -250,21 +205,13 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
 
 
 def write_submission(path: PathLike, labels: Sequence[int], start_id: int = 1) -> None:
-    """Write predicted digits as Kaggle's `submission.csv` (`ImageId,Label`).
+    """Write predicted digits as Kaggle's `submission.csv` (`ImageId,Label`), overwriting it.
 
-    Args:
-        path: File to write (overwritten).
-        labels: Predicted digit (0..9) of each test image, in test.csv's order.
-        start_id: ImageId of the first row (Kaggle counts from 1).
+    `labels` in test.csv's order; `start_id` is the first ImageId (Kaggle counts from 1).
 
     Raises:
         ValueError: If `labels` is not one-dimensional or holds values outside 0..9.
         OSError: If the file cannot be written.
-
-    Example:
-        >>> labels = safe_predict(model, x_test, batch_size=28000,
-        ...                       postprocess=lambda y: keras.ops.argmax(y, axis=-1))
-        >>> write_submission("submission.csv", labels)
     """
     labels = np.asarray(labels)
     if labels.ndim != 1:

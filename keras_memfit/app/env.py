@@ -1,35 +1,12 @@
 """The environment a memory-limited worker process starts TensorFlow in.
 
 A memory limit must be in place before TensorFlow is imported, so the
-applications (the command line, the demo), the benchmarks and the tests start
-their TensorFlow work in child processes whose environment carries it. This
-module is the one place that recipe is written:
-
-- **CPU** (`capped_cpu_env`): TensorFlow's BFC allocator capped at N MiB
-  (`TF_CPU_ALLOCATOR_USE_BFC=true`, `TF_CPU_BFC_MEM_LIMIT_IN_MB=N`), oneDNN
-  off (`TF_ENABLE_ONEDNN_OPTS=0`: its kernels crash instead of raising when
-  the capped allocator refuses them) and GPUs hidden
-  (`CUDA_VISIBLE_DEVICES=-1`: the work must run on the capped CPU).
-- **GPU** (`configure_gpu`, in the child, before any op): the first GPU gets a
-  logical device with `memory_limit=N` MiB and the other GPUs are hidden.
-
-Under the CPU cap the inputs need one more step (`host_tensor`): TensorFlow
-copies a numpy array it is given (`model.fit(x)`, `model.predict(x)`) into
-its allocator, the capped one, and that host copy is not checked: when the
-cap cannot hold it the process segfaults (or aborts) instead of raising
-`ResourceExhaustedError`. On a GPU the inputs stay in host memory, outside
-the card's limit; `host_tensor` gives the capped CPU the same: a tensor
-sharing a host buffer, which the cap never counts.
-
-It is also the one module outside `keras_memfit.backend` that imports
-TensorFlow (`configure_gpu`, `gpu_visible` and `host_tensor`, only when
-called): setting up a device before the backend starts is the environment's
-job, not the seam's.
-
-Example:
-    >>> import os, subprocess, sys
-    >>> env = dict(os.environ, **capped_cpu_env(400))
-    >>> subprocess.run([sys.executable, "train.py"], env=env)
+applications, the benchmarks and the tests start their TensorFlow work in child
+processes whose environment carries it. This is the one place that recipe is
+written: `capped_cpu_env` on the CPU, `configure_gpu` (in the child) on a GPU;
+`host_tensor` keeps inputs outside the CPU cap. It is the one module outside
+`keras_memfit.backend` that imports TensorFlow (only when called): setting up a
+device before the backend starts is the environment's job, not the seam's.
 """
 
 from __future__ import annotations
@@ -65,22 +42,14 @@ def capped_cpu_env(mb: int) -> Dict[str, str]:
     Merge them into a child process's environment before it imports
     TensorFlow; they have no effect on a TensorFlow already running.
 
-    Args:
-        mb: The cap in MiB, a positive int.
-
     Returns:
         A new dict: `TF_CPU_ALLOCATOR_USE_BFC="true"`,
         `TF_CPU_BFC_MEM_LIMIT_IN_MB=str(mb)`, `TF_ENABLE_ONEDNN_OPTS="0"`
-        (oneDNN's kernels crash instead of raising under the capped
-        allocator) and `CUDA_VISIBLE_DEVICES="-1"` (the work must run on the
-        capped CPU, not on a GPU).
+        (oneDNN's kernels crash instead of raising under the cap) and
+        `CUDA_VISIBLE_DEVICES="-1"` (the work must run on the capped CPU).
 
     Raises:
         ValueError: If `mb` is not a positive int.
-
-    Example:
-        >>> capped_cpu_env(400)["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
-        '400'
     """
     if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
         raise ValueError(f"mb must be a positive int of MiB; received mb={mb!r}")
@@ -98,26 +67,18 @@ def worker_environment(
     """The environment a worker process runs with.
 
     Args:
-        device: "cpu" or "gpu".
-        memory_limit_mb: The limit in MiB (applied through the environment
-            on CPU, `capped_cpu_env`; the child applies it itself on GPU,
-            `configure_gpu`), or None for no limit: then the allocator
-            settings of `base` are left as they are.
+        memory_limit_mb: The limit in MiB (on CPU through `capped_cpu_env`;
+            on GPU the child applies it, `configure_gpu`), or None for no
+            limit: then the allocator settings of `base` are left as they are.
         base: Environment to start from; default `os.environ`. Not modified.
 
     Returns:
         A new environment mapping, finding this `keras_memfit` first on
         `PYTHONPATH`, with TensorFlow's INFO and WARNING logs off; with a limit
-        on CPU, `capped_cpu_env(memory_limit_mb)`; with a limit on GPU,
-        without CPU caps.
+        on GPU, without CPU caps.
 
     Raises:
         ValueError: If `device` is not "cpu" or "gpu".
-
-    Example:
-        >>> env = worker_environment("cpu", 400)
-        >>> env["TF_CPU_BFC_MEM_LIMIT_IN_MB"]
-        '400'
     """
     if device not in _DEVICES:
         raise ValueError(f'device must be "cpu" or "gpu"; received device={device!r}')
@@ -141,12 +102,8 @@ def worker_environment(
 def gpu_visible() -> bool:
     """Whether TensorFlow would see a GPU, without importing it just to ask.
 
-    Returns:
-        False when `CUDA_VISIBLE_DEVICES` hides every GPU; TensorFlow's answer
-        when it is imported already; else whether `/dev/nvidia0` exists.
-
-    Example:
-        >>> device = "gpu" if gpu_visible() else "cpu"
+    False when `CUDA_VISIBLE_DEVICES` hides every GPU; TensorFlow's answer when
+    it is imported already; else whether `/dev/nvidia0` exists.
     """
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return False
@@ -165,15 +122,9 @@ def configure_gpu(memory_limit_mb: int) -> None:
     Must run in the worker before any TensorFlow op touches the GPU
     (`keras_memfit.app.worker.worker_main` calls it first).
 
-    Args:
-        memory_limit_mb: The logical device's memory limit in MiB.
-
     Raises:
         WorkerError: If TensorFlow sees no GPU, or its devices were
             initialised already.
-
-    Example:
-        >>> configure_gpu(1024)
     """
     import tensorflow as tf
 
@@ -194,31 +145,23 @@ def configure_gpu(memory_limit_mb: int) -> None:
 def host_tensor(array: Any) -> Any:
     """A TensorFlow CPU tensor holding `array` in host memory, outside TensorFlow's allocator.
 
-    For inputs under the capped CPU allocator (`capped_cpu_env`): given a
-    numpy array, `model.fit`, `model.predict` and `tf.convert_to_tensor` copy
-    it into that allocator, and the copy is not checked, so a cap that cannot
-    hold it kills the process (a segfault in the copy, no
-    `ResourceExhaustedError`). The tensor returned here shares a 64-byte
-    aligned host buffer instead (through DLPack, without a copy into
-    TensorFlow), so the cap counts only what a GPU would hold: the batches
-    gathered from it, the weights, the activations. Slices along the first
-    axis (`validation_split`, the pieces `safe_predict` takes) share it too.
-    Uncapped or on a GPU it is an ordinary CPU tensor.
+    For inputs under the capped CPU allocator (`capped_cpu_env`): `model.fit`,
+    `model.predict` and `tf.convert_to_tensor` copy a numpy array into that
+    allocator unchecked, so a cap that cannot hold it kills the process (a
+    segfault, no `ResourceExhaustedError`). This tensor shares an aligned host
+    buffer instead (DLPack), so the cap counts only what a GPU would hold: the
+    batches gathered from it, the weights, the activations. Slices along the
+    first axis share it too. Uncapped or on a GPU it is an ordinary CPU tensor.
 
     Args:
-        array: A numeric or bool array-like (numpy array, list); copied once
-            into the new buffer, so later changes to `array` do not show.
+        array: A numeric or bool array-like; copied once into the new buffer,
+            so later changes to `array` do not show.
 
     Returns:
         A `tf.Tensor` on the CPU with `array`'s shape, dtype and values.
 
     Raises:
         ValueError: If `array` is not numeric or bool (strings, objects).
-
-    Example:
-        >>> os.environ.update(capped_cpu_env(512))  # before TensorFlow starts
-        >>> x_train = host_tensor(x_train)          # 131 MiB, not counted
-        >>> model.fit(x_train, y_train, batch_size=1024, callbacks=[MemFit()])
     """
     values = np.asarray(array)
     if values.dtype.kind not in "biuf":

@@ -1,10 +1,4 @@
-"""The applications' errors: each carries the one line the user is shown.
-
-`WorkerError` is raised by the worker runner (`keras_memfit.app.worker`) and by
-the work it runs; `PredictError` by `keras-memfit predict` and `report` for a
-bad model, input or output file. Both reach the command line, which prints
-`keras-memfit: error: MESSAGE` and exits 1.
-"""
+"""The applications' errors: each carries the one line the user is shown."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ class WorkerError(RuntimeError):
 
     Attributes:
         stderr: What the child process wrote to stderr ("" when the error was
-            raised in this process), for callers that log more than one line.
+            raised in this process).
     """
 
     def __init__(self, message: str, stderr: str = "") -> None:
@@ -25,27 +19,11 @@ class WorkerError(RuntimeError):
 
 
 class PredictError(WorkerError):
-    """`keras-memfit predict` (or `report`) cannot go on; the message is the one line shown.
-
-    Raised in the parent (a bad file caught before TensorFlow starts) or in
-    the child process, whose `WorkerError`s reach the parent unchanged.
-    """
+    """`keras-memfit predict` or `report` cannot go on (a bad model, input or output)."""
 
 
 def one_line(err: BaseException) -> str:
-    """The first line of an exception's message, at most 300 characters.
-
-    Args:
-        err: The exception.
-
-    Returns:
-        Its message's first line, whitespace collapsed; its type's name when
-        it has no message.
-
-    Example:
-        >>> one_line(ValueError("bad\\nthings"))
-        'bad'
-    """
+    """The first line of `err`'s message (else its type's name), at most 300 characters."""
     text = str(getattr(err, "message", None) or err).strip()
     line = " ".join(text.splitlines()[0].split()) if text else type(err).__name__
     return line if len(line) <= 300 else line[:297] + "..."

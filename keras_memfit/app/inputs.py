@@ -1,11 +1,9 @@
 """Reading `keras-memfit predict`'s INPUT and fitting it to the model's inputs.
 
-INPUT is a `.npy` (memory-mapped), a `.npz` (one array, or one per model input
-named after it) or a Kaggle Digit Recognizer CSV (`pixel0..pixel783`, with or
-without `label`). `open_input` reads it with numpy only, so the parent can
-check a file before TensorFlow starts (`header_only=True`); `arrange_inputs`,
-in the child, maps and reshapes its arrays onto the model's inputs.
-Everything that can fail raises `PredictError` with the one line shown.
+`open_input` reads a `.npy` (memory-mapped), `.npz` or Kaggle CSV with numpy
+only, so the parent can check a file before TensorFlow starts; `arrange_inputs`,
+in the child, maps and reshapes its arrays onto the model's inputs. Failures
+raise `PredictError`.
 """
 
 from __future__ import annotations
@@ -26,12 +24,10 @@ class InputFile:
     """An input file's arrays, opened without reading what need not be read.
 
     Attributes:
-        path: The file.
         kind: ".npy", ".npz" or ".csv".
-        arrays: Name -> array ("" for the single array of a .npy or .csv; a
-            read-only memmap for .npy, uint8 [n, 784] for .csv; a .npz's
-            arrays are read when first asked for); empty when opened with
-            `header_only`.
+        arrays: Name -> array ("" for the single array of a .npy or .csv: a
+            read-only memmap, or uint8 [n, 784]; a .npz's arrays are read when
+            first asked for); empty when opened with `header_only`.
         names: Array names in file order.
     """
 
@@ -51,16 +47,9 @@ def open_input(path: str, header_only: bool = False) -> InputFile:
             far as that is cheap (the .npy header, the .npz directory, the
             CSV header); `arrays` is then empty.
 
-    Returns:
-        An `InputFile`.
-
     Raises:
         PredictError: If the file cannot be read or is not in the format
             its extension says.
-
-    Example:
-        >>> open_input("test.csv").arrays[""].shape
-        (28000, 784)
     """
     import zipfile
 
@@ -99,10 +88,7 @@ def open_input(path: str, header_only: bool = False) -> InputFile:
 
 
 class _NpzArrays:
-    """The arrays of an open .npz file, each read and checked when first asked for.
-
-    (.npz members cannot be memory-mapped: each is read into memory whole.)
-    """
+    """The arrays of an open .npz, each read (whole) and checked when first asked for."""
 
     def __init__(self, archive: Any, name: str) -> None:
         self._archive = archive
@@ -171,7 +157,7 @@ def _model_inputs(model: Any) -> Any:
 
 
 def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
-    """Map the file's arrays onto the model's inputs.
+    """Map the file's arrays onto the model's inputs, or raise `PredictError`.
 
     Returns:
         `(x, specs, n)`: arrays in the structure of the model's inputs

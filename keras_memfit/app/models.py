@@ -1,8 +1,4 @@
-"""Saved Keras models for `keras-memfit predict` and `report`.
-
-`check_model_file` runs in the parent, before TensorFlow starts;
-`load_model` in the child. Both raise `PredictError` with the one line shown.
-"""
+"""Saved Keras models for `keras-memfit predict` and `report`: checked, then loaded."""
 
 from __future__ import annotations
 
@@ -15,20 +11,11 @@ __all__ = ["check_model_file", "load_model"]
 
 
 def check_model_file(path: str, shown: str) -> None:
-    """Check, before TensorFlow starts, that `path` can be a saved model.
-
-    Args:
-        path: The model file (absolute).
-        shown: How to name it in the message (as the user typed it).
+    """Check, before TensorFlow starts, that `path` (absolute) can be a saved model.
 
     Raises:
-        PredictError: If it is a folder, missing, or a `.keras` file that is
-            not a zip archive.
-
-    Example:
-        >>> check_model_file("/tmp/missing.keras", "missing.keras")
-        Traceback (most recent call last):
-        PredictError: cannot load model missing.keras: no such file
+        PredictError: Naming it `shown` (as the user typed it), if it is a
+            folder, missing, or a `.keras` file that is not a zip archive.
     """
     import zipfile
 
@@ -44,24 +31,16 @@ def check_model_file(path: str, shown: str) -> None:
 
 
 def load_model(path: str, memory_limit_mb: Optional[int], *, compile: bool = False) -> Any:
-    """Load a saved Keras model, or say in one line why it cannot be loaded.
+    """Load a saved Keras model (in the child), or say in one line why it cannot be loaded.
 
     Args:
-        path: A `.keras` or `.h5` file.
-        memory_limit_mb: The simulated device's limit in MiB, if any (named
+        memory_limit_mb: The simulated device's limit in MiB, or None (named
             in the message when loading runs out of memory).
         compile: Whether to restore the optimizer and loss too (predicting
             needs neither).
 
-    Returns:
-        The `keras.Model`.
-
     Raises:
-        PredictError: If the file does not load, or holds something that is
-            not a Keras model.
-
-    Example:
-        >>> model = load_model("digits.keras", None)
+        PredictError: If the file does not load, or holds no Keras model.
     """
     import keras
 

@@ -1,10 +1,7 @@
 """Writing `keras-memfit predict`'s output: atomically, as `.npy` or `.csv`.
 
-The outputs stream into a memory-mapped `.npy` next to `--out`
-(`temporary_path`), which becomes the output or is written out as a CSV
-(`write_csv`: `ImageId,Label` with `--argmax`, as Kaggle's submission.csv,
-`ImageId,p0..pK` otherwise) a chunk at a time, then renamed into place.
-`writing(path)` turns an OSError into the one-line `PredictError` shown.
+The outputs go to a path next to `--out` (`temporary_path`), then are renamed
+into place.
 """
 
 from __future__ import annotations
@@ -49,10 +46,8 @@ def write_csv(path: str, values: Any, argmax: bool) -> None:
     """Write `ImageId,Label` or `ImageId,p0..pK` rows, a chunk at a time.
 
     Args:
-        path: The CSV to write.
-        values: Labels [n] (argmax) or outputs [n, ...] (flattened per row
+        values: Labels [n] (`argmax`) or outputs [n, ...] (flattened per row
             into p0..pK); a memmap is read a chunk at a time.
-        argmax: Whether `values` are labels.
     """
     import numpy as np
 

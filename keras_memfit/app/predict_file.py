@@ -1,15 +1,7 @@
 """`keras-memfit predict`'s work in the child process: safe_predict over a file.
 
-`predict_work` (run by `keras_memfit.app.worker`) loads the model
-(`keras_memfit.app.models`), reads INPUT and fits it to the model's inputs
-(`keras_memfit.app.inputs`), runs `safe_predict` streaming into a
-memory-mapped `.npy`, and writes it out as `.npy` or `.csv`
-(`keras_memfit.app.outputs`). The command line (`keras_memfit.app.cli`)
-holds the parser and the summary printed from its result.
-
-Everything here that can fail raises `PredictError` with the one line the
-command line shows. Keras and keras_memfit's public names are imported when
-the work runs, in the child.
+The outputs stream into a memory-mapped `.npy`, which becomes `--out` or is
+written out as a CSV. Keras and keras_memfit are imported when the work runs.
 """
 
 from __future__ import annotations
@@ -29,23 +21,12 @@ __all__ = ["predict_work"]
 def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
     """The child process's work for `keras-memfit predict` (imports TensorFlow).
 
-    Args:
-        config: From the `predict` handler in `keras_memfit.app.cli`: model,
-            input, out, out_kind, argmax, batch_size, scale, device,
-            memory_limit_mb.
-        say: Prints a line (unused: the parent prints the summary).
-
     Returns:
         What the summary `keras_memfit.app.cli` prints needs.
 
     Raises:
-        PredictError: With one line, for anything wrong with the model, the
-            input or the output.
+        PredictError: For anything wrong with the model, the input or the output.
         keras_memfit.OutOfMemoryError: If even one sample does not fit.
-
-    Example:
-        >>> worker.run_worker("keras_memfit.app.predict_file:predict_work", config)
-        {'samples': 28000, 'batch_size_used': 4096, 'ooms_paid': 0, ...}
     """
     import keras
     import numpy as np

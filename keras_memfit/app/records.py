@@ -1,10 +1,7 @@
 """What a worker's work reports: the batch sizes it ran and what keras_memfit logged.
 
-Shared by the demo and `keras-memfit predict` (and the benchmarks): the
-`keras_memfit` logger's records caught while `safe_predict` runs
-(`LogRecords`: the adaptations, and a WARNING per OOM paid), and the batch
-sizes run (`batch_sizes`), summarised (`usual_size`) and run-length encoded
-(`describe_sizes`). Standard library only, but `batch_sizes` imports Keras.
+Shared by the demo, `keras-memfit predict` and the benchmarks. Standard library
+only, but `batch_sizes` imports Keras.
 """
 
 from __future__ import annotations
@@ -19,35 +16,12 @@ Reporter = Callable[[str], None]
 
 
 def usual_size(sizes: Sequence[int]) -> int:
-    """The batch size run most often (the largest on a tie); 0 for no batches.
-
-    Args:
-        sizes: The size of every batch, in order.
-
-    Returns:
-        The size most batches ran at (the probes and the last, clipped batch
-        are smaller).
-
-    Example:
-        >>> usual_size([16, 64, 655, 655, 655, 410])
-        655
-    """
+    """The batch size run most often (the largest on a tie); 0 for no batches."""
     return max(sorted(set(sizes), reverse=True), key=sizes.count) if sizes else 0
 
 
 def describe_sizes(sizes: Sequence[int]) -> str:
-    """Batch sizes run, consecutive equal sizes run-length encoded.
-
-    Args:
-        sizes: The size of every batch, in order.
-
-    Returns:
-        E.g. "16, 64, 755 x 36, 648"; "" for no batches.
-
-    Example:
-        >>> describe_sizes([16, 64, 655, 655, 655, 410])
-        '16, 64, 655 x 3, 410'
-    """
+    """Batch sizes run, consecutive equal sizes run-length encoded: "16, 64, 755 x 36, 648"."""
     parts: List[str] = []
     i = 0
     while i < len(sizes):
@@ -65,16 +39,7 @@ class LogRecords(logging.Handler):
 
     Attach it with `capture()` around the work; `messages` then holds every
     INFO-or-above message and `warnings` counts the WARNINGs (an OOM caught).
-
-    Args:
-        show: Called with "      [LEVEL] message" for each record, or None.
-
-    Example:
-        >>> records = LogRecords(None)
-        >>> with records.capture():
-        ...     safe_predict(model, x, batch_size=28000)
-        >>> records.warnings  # OOMs paid
-        1
+    `show`, if not None, is called with "      [LEVEL] message" for each record.
     """
 
     def __init__(self, show: Optional[Reporter] = None) -> None:
@@ -93,11 +58,7 @@ class LogRecords(logging.Handler):
 
     @contextlib.contextmanager
     def capture(self) -> Iterator["LogRecords"]:
-        """Attach this handler to the `keras_memfit` logger, at INFO, while the block runs.
-
-        Yields:
-            This handler.
-        """
+        """Attach this handler to the `keras_memfit` logger, at INFO, while the block runs."""
         logger = logging.getLogger("keras_memfit")
         old_level = logger.level
         logger.setLevel(logging.INFO)
@@ -110,20 +71,7 @@ class LogRecords(logging.Handler):
 
 
 def batch_sizes(sizes: List[int]) -> Any:
-    """A Keras callback that appends the rows of every predicted batch to `sizes`.
-
-    Args:
-        sizes: The list to append to.
-
-    Returns:
-        The callback, for `safe_predict(..., callbacks=[...])`.
-
-    Example:
-        >>> sizes = []
-        >>> safe_predict(model, x, batch_size=28000, callbacks=[batch_sizes(sizes)])
-        >>> describe_sizes(sizes)
-        '16, 64, 575 x 48, 288'
-    """
+    """A Keras callback that appends the rows of every predicted batch to `sizes`."""
     import keras
 
     class BatchSizes(keras.callbacks.Callback):

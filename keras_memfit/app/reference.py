@@ -1,12 +1,9 @@
 """Plain Keras's `fit` where memory is enough: the reference MemFit is compared with.
 
-Under a memory cap the plain `fit` of a batch that does not fit dies, so the
-unlimited fit MemFit must equal runs in a child process started without the
-cap (`worker`, `env`): `start_fit` saves the model as it is now (weights,
-compile settings) and the data, and the child loads them, seeds Keras, fits
-and writes the weights back. It runs beside the caller (a thread waits for
-it), so it overlaps the caller's own fits and their OOM waits. The demo and
-the Digit Recognizer notebook use it.
+Under a memory cap the plain `fit` MemFit must equal dies, so it runs in a child
+process started without the cap, beside the caller (a thread waits for it, so it
+overlaps the caller's own fits and their OOM waits). The demo and the Digit
+Recognizer notebook use it.
 """
 
 from __future__ import annotations
@@ -30,16 +27,9 @@ def start_fit(
 ) -> "Future[List[np.ndarray]]":
     """Start `model.fit(x, y, **fit_kwargs)` on a copy of `model`, without the memory cap.
 
-    Call it before `model` trains. Seed Keras with `keras.utils.set_random_seed(seed)`
-    right before your own `fit`, as the child does, so both shuffle alike.
-
-    Args:
-        model: A compiled Keras model, as it is before training.
-        x: The inputs (array-like).
-        y: The targets (array-like).
-        seed: Passed to `keras.utils.set_random_seed` right before the fit.
-        **fit_kwargs: `fit`'s other arguments (`batch_size`, `epochs`, ...),
-            JSON-serialisable.
+    Call it before `model` trains (a compiled model), and seed Keras with
+    `keras.utils.set_random_seed(seed)` right before your own `fit`, as the
+    child does, so both shuffle alike. `fit_kwargs` must be JSON-serialisable.
 
     Returns:
         A future of the fitted weights (`model.get_weights()` order).
@@ -70,15 +60,7 @@ def start_fit(
 
 
 def max_difference(weights: List[np.ndarray], reference: List[np.ndarray]) -> float:
-    """The largest absolute difference between two lists of weights.
-
-    Args:
-        weights: Arrays, as `model.get_weights()` gives them.
-        reference: The same shapes.
-
-    Returns:
-        The largest `abs(a - b)` over every element.
-    """
+    """The largest absolute difference between two lists of weights, over every element."""
     return max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference))
 
 
@@ -87,14 +69,8 @@ def relative_difference(
 ) -> float:
     """How far `weights` are from `reference`, as a share of how far training moved them.
 
-    Args:
-        weights: The trained weights, as `model.get_weights()` gives them.
-        reference: The reference's trained weights.
-        initial: The weights both started from.
-
-    Returns:
-        The norm of `weights - reference` over that of `reference - initial`,
-        all weights taken as one vector.
+    The norm of `weights - reference` over that of `reference - initial`, all
+    weights taken as one vector.
     """
     def norm(a: List[np.ndarray], b: List[np.ndarray]) -> float:
         return float(np.sqrt(sum(np.sum((x - y).astype("float64") ** 2) for x, y in zip(a, b))))

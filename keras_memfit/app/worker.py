@@ -1,30 +1,12 @@
 """Running work in a child process, optionally memory-limited: the worker runner.
 
-A memory limit must be in place before TensorFlow is imported, and
-`import keras_memfit`'s public names import TensorFlow, so the command line
-(`keras-memfit demo`, `predict`, `report`) and the benchmarks run their work
-in a child process (`python -m keras_memfit.app.worker TARGET CONFIG_JSON
-RESULT_PATH`) started with the limit in its environment
-(`keras_memfit.app.env`: a capped CPU allocator, or a GPU logical device the
-child configures before any op).
-
-Without a limit the child runs with the caller's environment (plus quieter
-TensorFlow logging). Either way the parent imports no TensorFlow, relays the
-child's stdout line by line, keeps its stderr (TensorFlow's log noise, and
-the traceback of a failed work) to itself, and turns any failure, even a
-crash, into one line: a `WorkerError` (whose `stderr` keeps the rest).
-
-The child calls `TARGET` ("module:function") as `function(config, say)`, where
-`config` is the JSON-decoded dict (it must hold "device" and
-"memory_limit_mb" unless the caller passes its own `env`) and `say` prints a
-line to stdout; the returned dict is the parent's result. A `WorkerError`
-raised there is reported as its message; any other exception as its type and
-the first line of its message.
-
-Example:
-    >>> result = run_worker(
-    ...     "keras_memfit.app.demo:_work", dict(device="cpu", memory_limit_mb=400, ...),
-    ...     report=print, what="the demo's worker process")
+The child (`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`)
+calls `TARGET` ("module:function") as `function(config, say)`: `config` is the
+JSON-decoded dict, `say` prints a line to stdout, and the returned dict is the
+parent's result. The parent imports no TensorFlow, relays the child's stdout
+line by line, keeps its stderr (TensorFlow's logs, tracebacks) to itself, and
+turns any failure, even a crash, into one line: a `WorkerError` (the message of
+one the work raised; any other exception's type and first line).
 """
 
 from __future__ import annotations
@@ -61,11 +43,7 @@ Work = Callable[[Dict[str, Any], Reporter], Dict[str, Any]]
 
 
 def stdout_reporter(line: str) -> None:
-    """Print `line` to stdout and flush (the default reporter).
-
-    Args:
-        line: The line, without its newline.
-    """
+    """Print `line` (without its newline) to stdout and flush: the default reporter."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -91,16 +69,13 @@ def run_worker(
         config: JSON-serialisable dict for the function. Unless `env` is
             given, its "device" ("cpu" or "gpu") and "memory_limit_mb" (MiB,
             or None) choose the child's environment
-            (`keras_memfit.app.env.worker_environment`); on GPU with a limit
-            the child configures the logical device before any op.
+            (`keras_memfit.app.env.worker_environment`).
         report: Called with each line the child prints to stdout; default:
             print it to stdout.
         what: How error messages name the child, e.g. "the demo's worker process".
         segv_hint: Appended to the error message when the child crashes with
             SIGSEGV (e.g. advice to raise a CPU memory limit).
-        env: The child's whole environment, instead of the one `config`
-            chooses (the benchmarks build their own).
-        cwd: The child's working folder; default this process's.
+        env: The child's whole environment, instead of the one `config` chooses.
         timeout: Seconds before the child is killed; default: no limit.
 
     Returns:
@@ -108,14 +83,9 @@ def run_worker(
 
     Raises:
         WorkerError: With one line: the function's error, or how the child
-            crashed, failed or timed out (the last line of its stderr); its
-            `stderr` holds all the child wrote there.
+            crashed, failed or timed out; its `stderr` holds all the child
+            wrote there.
         ValueError: If `config["device"]` is not "cpu" or "gpu" (without `env`).
-
-    Example:
-        >>> run_worker("keras_memfit.app.predict_file:predict_work", config,
-        ...            what="the prediction process")
-        {'samples': 28000, ...}
     """
     report = report or stdout_reporter
     if env is None:
@@ -164,20 +134,9 @@ def run_worker(
 
 
 def _crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = None) -> str:
-    """One line saying how a child process ended without a result.
+    """One line for a child that ended without a result (`code` < 0: killed by that signal).
 
-    Args:
-        code: Its exit status (negative: killed by that signal).
-        errors: What it wrote to stderr.
-        what: How to name it, e.g. "the demo's worker process".
-        segv_hint: Appended after "; " when it crashed with SIGSEGV.
-
-    Returns:
-        "WHAT crashed (SIGNAL)[; HINT]" or "WHAT failed (exit code N): LAST LINE".
-
-    Example:
-        >>> _crash_message(-11, "", "the worker process")
-        'the worker process crashed (SIGSEGV)'
+    "WHAT crashed (SIGNAL)[; SEGV_HINT]" or "WHAT failed (exit code N): LAST STDERR LINE".
     """
     if code < 0:
         try:
@@ -202,16 +161,7 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 
 
 def check_writable(path: str, error: type = WorkerError) -> None:
-    """Raises `error` with one line unless a file can be written at `path`.
-
-    Args:
-        path: An absolute path.
-        error: The exception class to raise.
-
-    Raises:
-        WorkerError: (or `error`) if the folder does not exist or is not
-            writable, or if `path` is a folder.
-    """
+    """Raise `error` with one line unless a file can be written at `path` (absolute)."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         raise error(f"cannot write {path}: folder {folder} does not exist")
@@ -225,22 +175,10 @@ def check_writable(path: str, error: type = WorkerError) -> None:
 # Child side
 # --------------------------------------------------------------------------
 def worker_main(target: str, config_json: str, result_path: str) -> int:
-    """The child's entry point: run the work, write its result (or error) as JSON.
+    """The child's entry point: run the work, write its result or `{"error": ...}` as JSON.
 
-    Args:
-        target: "module:function".
-        config_json: The JSON config; with "device" "gpu" and a
-            "memory_limit_mb", the GPU is limited first
-            (`keras_memfit.app.env.configure_gpu`).
-        result_path: Where to write `{"error": ...}` or the function's result.
-
-    Returns:
-        0 on success, 1 if the work raised (its traceback then goes to
-        stderr, which the parent keeps to itself).
-
-    Example:
-        >>> worker_main("keras_memfit.app.demo:_work", json.dumps(config), "result.json")
-        0
+    With "device" "gpu" and a "memory_limit_mb" in the config, the GPU is
+    limited first. Returns 0, or 1 if the work raised (its traceback on stderr).
     """
     try:
         config = json.loads(config_json)
@@ -261,22 +199,7 @@ def worker_main(target: str, config_json: str, result_path: str) -> int:
 
 
 def resolve_target(target: str) -> Work:
-    """The function a "module:function" target names (importing the module).
-
-    Args:
-        target: E.g. "keras_memfit.app.demo:_work".
-
-    Returns:
-        The function.
-
-    Raises:
-        ValueError: If `target` is not "module:function".
-        ImportError, AttributeError: If the module or the function does not exist.
-
-    Example:
-        >>> resolve_target("keras_memfit.app.predict_file:predict_work")
-        <function predict_work at 0x...>
-    """
+    """The function a "module:function" target names (importing the module)."""
     module, _, name = target.partition(":")
     if not module or not name:
         raise ValueError(f"target must be 'module:function'; received {target!r}")
@@ -284,18 +207,7 @@ def resolve_target(target: str) -> Work:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`.
-
-    Args:
-        argv: The three arguments; default `sys.argv[1:]`.
-
-    Returns:
-        The exit status (2 for wrong arguments).
-
-    Example:
-        >>> main(["keras_memfit.app.demo:_work", json.dumps(config), "result.json"])
-        0
-    """
+    """`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`; 2 for wrong arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 3:
         sys.stderr.write(f"usage: python -m {MODULE} MODULE:FUNCTION CONFIG_JSON RESULT_PATH\n")
