@@ -15,6 +15,9 @@ function) is read with `ast`; nothing is imported. The rules:
   imports modules of its own layer or of the layers below it, so no
   algorithm and no backend module imports a public front end;
 - the package root holds at most 10 modules;
+- no backend function is a stub (a body that does nothing, or only raises
+  `NotImplementedError`): a backend with nothing to do takes the seam's
+  default from `backend/base.py`, and a capability it lacks is None;
 - every module has its place on purpose, by concept: a module at the package
   root is named in `LAYERS`; a module (or subpackage) of a package is listed
   in its package's `__init__.py` docstring, once, as a bullet
@@ -352,3 +355,42 @@ def test_private_read_check_finds_one(tmp_path):
         "class Other:\n    def train(self, run):\n        return run._planner\n"
     )
     assert [line.split(": ", 1)[1] for line in _private_reads([str(source)])] == ["run._planner"]
+
+
+def _stubs(paths: List[str]) -> List[str]:
+    """Top-level functions whose body does nothing or only raises `NotImplementedError`."""
+    found = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            body = [b for b in node.body
+                    if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+            text = " ".join(ast.unparse(b) for b in body)
+            if (not body or text in ("pass", "return", "return None")
+                    or text.endswith("nullcontext()") and len(body) == 1
+                    or text.startswith("raise NotImplementedError") and len(body) == 1):
+                found.append(f"{os.path.relpath(path, ROOT)}: {node.name}")
+    return sorted(found)
+
+
+def test_no_backend_function_is_a_stub():
+    backends = [path for name, path in _modules(PACKAGE).items()
+                if name.startswith(f"{PACKAGE}.backend.") and name.count(".") >= 3]
+    assert len(backends) > 20
+    assert _stubs(backends) == []
+
+
+def test_stub_check_finds_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import contextlib\n"
+        "def materialize(model):\n    \"\"\"Nothing.\"\"\"\n"
+        "def evaluation(model):\n    return contextlib.nullcontext()\n"
+        "def place(model):\n    raise NotImplementedError('no')\n"
+        "def piece_multiple():\n    return 1\n"
+    )
+    assert [line.split(": ")[1] for line in _stubs([str(source)])] == [
+        "evaluation", "materialize", "place"]

@@ -10,6 +10,7 @@ here too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from typing import (
@@ -469,6 +470,22 @@ def members(protocol: type) -> Tuple[str, ...]:
         names += [name for name, value in own.items()
                   if callable(value) and not name.startswith("_")]
     return tuple(dict.fromkeys(names))
+
+
+# ------------------------------------------------------ the seam's defaults
+# A backend with nothing to do for one of these members imports it from here:
+# one process, and the model's variables hold its state inside Keras's loops.
+def check_training_mode(model: Any, mode: str) -> None:
+    """Nothing to refuse."""
+
+
+def materialize(model: Any) -> None:
+    """Nothing to write: the variables hold the state."""
+
+
+def evaluation(model: Any) -> ContextManager[None]:
+    """Nothing around the batches."""
+    return contextlib.nullcontext()
 
 
 # ------------------------------------------- shared by the backends' modules
