@@ -7,16 +7,12 @@ Public API:
     MemFit: Callback that keeps `fit` running when a batch does not fit.
     is_oom_error: Whether an exception reports running out of memory.
     OutOfMemoryError: Raised when running smaller cannot avoid an OOM (its `cause` says why).
-    ProcessFailed: Raised in every process of a multi-process JAX run when
-        one of them failed or did not answer in time.
-    memory_report: Per-layer memory (weights, optimizer slots, activations),
-        FLOPs, devices and the bytes crossing each candidate device cut.
-    place: Pin oversized embedding/input layers to `/CPU:0`, the rest on the
-        accelerator.
+    ProcessFailed: Raised in every process of a multi-process JAX run when one failed or timed out.
+    memory_report: Per-layer memory, FLOPs and devices of a model, before it runs.
+    place: Pin oversized embedding/input layers to `/CPU:0`, the rest on the accelerator.
 
-The names are loaded on first use, so that `python -m keras_memfit` (whose
-demo must set memory limits before TensorFlow starts) and `--help` do not
-import TensorFlow.
+The names load on first use, so that `python -m keras_memfit` and `--help` do not
+import TensorFlow (the demo must set memory limits before TensorFlow starts).
 """
 
 import importlib

@@ -1,50 +1,9 @@
-"""MemFit: `model.fit(..., callbacks=[MemFit()])` survives out-of-memory mid-training.
+"""`MemFit`: `model.fit(..., callbacks=[MemFit()])` survives out-of-memory mid-training.
 
-How it works. Keras's `fit` looks `model.train_function` up at every step, so
-MemFit installs its own for the length of the call (and `test_function` for
-validation, `predict_function` when passed to `predict`), and puts Keras's
-back when the call ends or raises. The backend's trainer hook
-(`backend.step_function`) gives that function the backend's calling
-convention; it pulls the batches itself and hands them to MemFit's private
-`keras_memfit.training.run.Run`, which so holds each batch when a step runs out
-of memory. Then:
-
-- `mode="accumulate"` (default): the same batch is run as micro-batches
-  whose gradients, weighted by their weight in the batch's loss
-  (`keras_memfit._internal.reductions`), are summed and applied once. The
-  optimizer takes one step per batch, as without the OOM: the same update
-  (with sample and class weights), the same `optimizer.iterations`,
-  learning-rate schedule and metrics, up to float rounding.
-- `mode="shrink"`: the batch is run as smaller batches, one optimizer step
-  each: Keras's native behaviour with a smaller `batch_size`, for custom
-  `train_step`s and for users who prefer it. The number of optimizer steps
-  then grows with the split.
-
-A step that failed leaves no trace. The small state a failed step may have
-updated (iteration counters, metric and loss-tracker variables, BatchNorm
-moving statistics, RNG seed states) is put back, and a step tells whether its
-optimizer update had begun when it ran out of memory: such a step is not
-retried (MemFit raises `OutOfMemoryError`, saying so). On JAX the forward and
-backward pass, where an OOM happens, is a program that donates nothing, and
-the optimizer update runs after it, in place (see
-`keras_memfit.backend.jax.training`); on TensorFlow the step tells from
-counters its update sets (see `keras_memfit.backend.tensorflow.training`).
-Either way MemFit's step holds no more memory than Keras's own.
-
-Not exact, by nature: layers that compute batch statistics (BatchNormalization
-in training) see each micro-batch on its own, and their moving statistics are
-updated once per micro-batch; dropout masks are drawn per micro-batch; under
-mixed precision, float16 overflow (which makes a `LossScaleOptimizer` skip a
-step and halve its scale) depends on the batch size. An OOM inside the
-optimizer update itself (whose memory does not depend on the batch size)
-cannot be split and raises `OutOfMemoryError`.
-
-When nothing runs out of memory, nothing changes: every batch runs whole, as
-Keras runs it, and what `fit`, `evaluate` and `predict` return, log and pass
-to other callbacks is Keras's own. The record of what MemFit did is
-`MemFit.events`, the `keras_memfit` logger (one line per adaptation, and one
-summary line at the end of a call that adapted anything), and, once something
-was adapted during a `fit`, two entries in its epoch logs.
+For the length of each step MemFit installs its own `model.train_function` (and
+`test_function`, `predict_function`) in the backend's calling convention, which hands
+the batch to `keras_memfit.training.run.Run`, and puts Keras's back when the step returns
+or raises (ARCHITECTURE.md, "How a call flows"; docs/training.md).
 """
 
 from __future__ import annotations
@@ -73,100 +32,56 @@ logger = logging.getLogger("keras_memfit")
 class MemFit(keras.callbacks.Callback):
     """Keeps `fit`, `evaluate` and `predict` running when a batch does not fit.
 
-    Add it to `callbacks=[...]`; nothing else changes. With the TensorFlow
-    backend, a training step that runs out of memory is re-run on the same
-    batch as accumulated micro-batches (or, with `mode="shrink"`, as smaller
-    batches), validation and `evaluate` batches are split as in
-    `safe_evaluate`, and `predict` batches as in `safe_predict`. The split is
-    estimated from memory statistics, remembered per model and input
-    signature, and made coarser again after a run of successful steps.
+    Add it to `callbacks=[...]`; while nothing runs out of memory, nothing changes. A
+    training batch that runs out of memory runs again as accumulated micro-batches
+    (one optimizer update, as for the whole batch) or, with `mode="shrink"`, as
+    smaller batches; validation, `evaluate` and `predict` batches are split as in
+    `safe_evaluate` and `safe_predict`. A custom `train_step`, or losses whose
+    reductions cannot share one weight per micro-batch, train as "shrink" (one
+    warning). See docs/training.md.
 
     Args:
-        mode: "accumulate" (default) keeps the training identical: one
-            optimizer update per batch from the summed micro-batch gradients.
-            "shrink" runs the pieces as separate optimizer steps, like a
-            smaller `batch_size`.
-        place: Also call `keras_memfit.place` on the model at the start of
-            `fit`, for models whose weights do not fit the device at any
-            batch size (an oversized embedding table). None or False
-            (default): do not place. True: `place(model)` with its defaults.
-            A dict: keyword arguments for `place` (`budget`, `cpu_layers`,
-            `accelerator`). The model is placed once per MemFit and model;
-            the plan is kept in `plan`.
-        remat: When even one sample does not fit in training, recompute
-            layers in the backward pass instead of keeping what they hold
-            (rematerialization), and train the same batch again, exactly.
-            "auto" (default): the model's top-level blocks that hold the most
-            memory, as few as needed (1, 2, 4, ... per OOM), remembered per
-            model and input signature. False: raise `OutOfMemoryError`
-            instead. A list of top-level layer names: recompute those from
-            the first batch.
+        mode: "accumulate" (default): one optimizer update per batch from the
+            summed micro-batch gradients. "shrink": each piece is its own optimizer
+            step, like a smaller `batch_size`.
+        place: None or False (default): do not place. True: `keras_memfit.place(model)`
+            once per model when `fit` starts; a dict: its keyword arguments
+            (`budget`, `cpu_layers`, `accelerator`).
+        remat: When even one sample does not fit in training, recompute layers in
+            the backward pass and train the same batch again, exactly. "auto"
+            (default): the blocks holding the most memory, as few as needed; False:
+            raise `OutOfMemoryError`; a list of top-level layer names: recompute
+            those from the first batch.
 
     Attributes:
         events: One dict per adaptation during the last call (the fields of
-            `keras_memfit.planning.planner.Event`, by `dataclasses.asdict`): `epoch`,
-            `step`, `phase` ("train", "evaluate", "predict"), `kind` ("oom",
-            "estimate", "grow", "remat"), `batch_size`, `old_size`, `new_size`,
-            `old_split`, `new_split` (micro-batches per batch), `reason`, and
-            for "remat" `layers` (those recomputed from then on) and
-            `step_time` (the estimated step time over that without).
-            Empty when nothing was adapted.
-        plan: The `PlacementPlan` of the last placement made for `place=`,
-            or None.
+            `keras_memfit.planning.records.Event`: `epoch`, `step`, `phase`, `kind`,
+            the sizes and split, `reason`, ...; sizes are rows per replica under a
+            strategy); empty when nothing was adapted.
+        plan: The `PlacementPlan` of the last placement made for `place=`, or None.
 
-    What appears where:
-
-    - Nothing, while nothing runs out of memory: Keras's own logs, progress
-      bar, History and callbacks, unchanged.
-    - The `keras_memfit` logger: a WARNING per OOM caught, an INFO per
-      estimate and growth, and at the end of a call that adapted anything
-      one INFO summary line (`MemFit: fit on model 'm' adapted: ...`).
-    - Epoch logs (every callback's: MemFit runs its hooks first), from the
-      first epoch in which something was adapted: `memfit_ooms` (OOMs caught that epoch,
-      in training and validation) and `memfit_split` (the most pieces one
-      training batch was run as that epoch; 1 when none was split). History
-      gets them for the earlier epochs of that `fit` too (0 and 1), so its
-      lists stay one entry per epoch.
-
-    A custom `train_step`, or losses whose reductions cannot share one weight
-    per micro-batch ("sum" beside "sum_over_batch_size"; docs/training.md),
-    cannot be accumulated exactly: `mode="accumulate"` then trains as
-    `mode="shrink"` for that model, with a warning at its first OOM. Batches
-    MemFit cannot split (sparse or ragged tensors, optional inputs) run
-    through Keras's own step untouched; only an OOM on one of them raises,
-    naming what was received.
-
-    Under `tf.distribute.MirroredStrategy` (several GPUs, e.g. Kaggle's
-    T4 x2) each replica's rows are split alike: every replica runs the same
-    number of pieces, each replica's micro-batch gradients are weighted by
-    their share of that replica's rows, and one `apply_gradients` (one
-    all-reduce) per batch makes the same update as Keras's step on the whole
-    batch. The sizes in `events` are then rows per replica.
+    From the first epoch in which something was adapted, the epoch logs hold
+    `memfit_ooms`, `memfit_split` and `memfit_remat` (MemFit runs its hooks first).
 
     Raises:
-        ValueError: If `place` is not None, a bool or a dict of `place`'s
-            keyword arguments; if `remat` is not "auto", False or a list of
-            layer names (at the start of `fit`: a name the model lacks).
+        ValueError: If `mode`, `place` or `remat` is invalid (a `remat` name the
+            model lacks: when `fit` starts).
         TypeError: When used with a tf_keras (Keras 2) model.
-        NotImplementedError: At the start of `fit` (or of `evaluate` or
-            `predict`), for an unsupported backend, for a model under a
-            `tf.distribute` strategy other than `MirroredStrategy` and
-            `OneDeviceStrategy` (`MultiWorkerMirroredStrategy`, `TPUStrategy`,
-            `ParameterServerStrategy`), on JAX under a `keras.distribution`
-            other than `DataParallel` (`ModelParallel`), or across several
-            JAX processes in any mode but "accumulate", with a custom
-            `train_step` or a loss reduction other than
-            `sum_over_batch_size` or "mean", the message naming why.
-        keras_memfit.OutOfMemoryError: From `fit`, when even one sample does
-            not fit (the training state is as it was before that step), when
-            an optimizer update ran out of memory (the weights may be partly
-            updated), or when a batch MemFit cannot split ran out of memory.
+        NotImplementedError: When `fit`, `evaluate` or `predict` starts, for an
+            unsupported backend, distribution, or mode under several JAX processes
+            (the message says which).
+        keras_memfit.OutOfMemoryError: From `fit`, when even one sample does not
+            fit (the training state is as before that step), when an optimizer
+            update ran out of memory (the weights may be partly updated), or when a
+            batch MemFit cannot split ran out of memory.
 
     Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer="sgd", loss="mse")
         >>> memfit = MemFit()
-        >>> model.fit(x, y, batch_size=512, epochs=10, callbacks=[memfit])
-        >>> memfit.events[:1]
-        [{'epoch': 0, 'step': 0, 'phase': 'train', 'kind': 'oom', ...}]
+        >>> _ = model.fit(np.ones((8, 4)), np.zeros((8, 2)), verbose=0, callbacks=[memfit])
+        >>> memfit.events  # nothing ran out of memory
+        []
     """
 
     def __init__(
@@ -201,11 +116,7 @@ class MemFit(keras.callbacks.Callback):
 
     # -------------------------------------------------- pickling, Keras 2
     def __getstate__(self) -> Dict[str, Any]:
-        """What pickling and `copy.deepcopy` keep: the settings and the last events.
-
-        The state of a call in progress (the installed functions, the run,
-        the models already placed) is not kept: a copy starts fresh.
-        """
+        """The settings and the last events; a copy starts with no call in progress."""
         state = dict(self.__dict__)
         state["_kept_events"] = list(self._run.events) if self._run else self._kept_events
         state.update(
@@ -244,9 +155,8 @@ class MemFit(keras.callbacks.Callback):
     def _keras_function(self, kind: str, batches: List[Any]) -> Any:
         """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`).
 
-        Reads the model through the run, not `Callback.model`: on JAX that
-        property syncs Keras's state into the variables, which Keras's own
-        function (donating the state) would then leave stale.
+        Reads the model through the run: on JAX `Callback.model` syncs Keras's state into
+        the variables, which Keras's own function (donating the state) would leave stale.
         """
         model = self._run.model
         function = self._originals.get(f"{kind}_function")
@@ -375,18 +285,12 @@ class MemFit(keras.callbacks.Callback):
 
     # ------------------------------------------------- installing functions
     def _install(self, kind: str, run_batches: Callable[[Iterable[Any]], Any]) -> None:
-        """Put MemFit's `model.<kind>_function` in place, running `run_batches`.
-
-        The backend's `step_function` gives it the backend's calling
-        convention; it removes itself as soon as it returns or raises.
-        """
+        """Put MemFit's `model.<kind>_function` in place, running `run_batches`."""
         name = f"{kind}_function"
         if name in self._originals:
             return
-        # `self._model`, not `self.model`: on JAX, Callback.model makes Keras
-        # write its state into the variables (and read it back at the next
-        # step), twice per step for nothing; MemFit's functions take the state
-        # Keras hands them.
+        # `self._model`, not `self.model`: on JAX, Callback.model syncs Keras's state
+        # into the variables and back at each step; MemFit's functions take Keras's state.
         model = self._model
         installed = self._built.get(name)
         if installed is None:  # once per call and kind: Keras looks it up at every step

@@ -32,63 +32,47 @@ def safe_evaluate(
 ) -> Union[float, List[float], Dict[str, float]]:
     """Drop-in for `model.evaluate` that never dies of out-of-memory.
 
-    Takes `model.evaluate`'s arguments in its order and returns what it
-    returns: the same values up to float rounding, the same `return_dict`
-    keys in the same (sorted) order. A batch that runs out of memory is
-    retried in smaller pieces from the same offset; the metric and loss state
-    the failed attempt may have touched is rolled back first, so no sample is
-    counted twice in any metric, and the pieces of a batch count as that one
-    batch: the result is the one Keras gives for the unsplit batches. The
-    batch size is planned as in `safe_predict`. Under a
-    `tf.distribute.MirroredStrategy` every piece runs on all the replicas,
-    as in `safe_predict`; each replica counts its rows in its own copy of the
-    metrics (a failed attempt is undone on every replica), as in Keras.
-
-    Per-output losses of a multi-output model (`"<output>_loss"`): Keras on
-    TensorFlow averages them over batches, each batch's mean counting once
-    whatever its size, so with a shorter last batch they differ from the
-    mean over samples (the total `"loss"` and the metrics are per-sample
-    means). `safe_evaluate` returns Keras's values by default, also when a
-    batch is split after an OOM; `exact_output_losses=True` gives the mean
-    over samples instead.
+    Takes `model.evaluate`'s arguments in its order and returns what it returns (values
+    equal up to float rounding, `return_dict` keys in Keras's order). A batch that runs
+    out of memory is retried in smaller pieces from the same offset, after the metric
+    state the failed try touched is rolled back: no sample counts twice, and a split
+    batch counts as the one batch it is. Batch sizes are planned as in `safe_predict`
+    (docs/inference.md).
 
     Args:
         model: A compiled Keras model.
-        x: Input: arrays/tensors (or lists/dicts of them), a `tf.data.Dataset`
-            yielding `(x, y)` or `(x, y, sample_weight)`, a
-            `keras.utils.PyDataset`, or a generator.
+        x: Arrays or tensors (or lists/dicts of them), a `tf.data.Dataset` of
+            `(x, y)` or `(x, y, sample_weight)`, a `keras.utils.PyDataset`, or a
+            generator.
         y: Targets, for array input.
-        batch_size: Samples per batch for array input (default 32, as in
-            `model.evaluate`); an upper bound lowered when it does not fit.
-            Ignored (logged at INFO) for input that is batched already, as
-            `model.evaluate` ignores it.
-        verbose: "auto" (same as 1), 0, 1 (progress bar) or 2.
+        batch_size: Samples per batch for array input (default 32); an upper bound,
+            lowered when it does not fit. Ignored (logged at INFO) for batched input.
+        verbose: "auto" (1), 0, 1 or 2, as in `model.evaluate`.
         sample_weight: Per-sample weights, for array input.
         steps: Number of batches to evaluate, as in `model.evaluate`.
-        callbacks: Keras callbacks; they receive the `on_test_*` calls as
-            from `model.evaluate` (with `steps_per_execution`, one begin/end
-            pair per execution) while nothing runs out of memory; after an
-            OOM each piece actually run is one batch for them.
+        callbacks: Keras callbacks, called as `model.evaluate` calls them; after an
+            OOM each piece run is one batch.
         return_dict: Return `{metric name: value}` instead of a list.
-        exact_output_losses: Per-output losses as means over samples
-            instead of Keras's mean of batch means (keyword only).
-        **kwargs: Anything else raises `ValueError: Arguments not
-            recognized`, as in `model.evaluate`.
+        exact_output_losses: Per-output losses (`"<output>_loss"`) as means over
+            samples instead of Keras's mean of batch means.
+        **kwargs: Anything else raises `ValueError`, as in `model.evaluate`.
 
     Returns:
         The scalar loss (no metrics), a list of loss and metric values in
         `model.metrics_names` order, or a dict when `return_dict=True`.
 
     Raises:
-        ValueError: If the model is not compiled, or an argument is invalid
-            or unknown.
+        ValueError: If the model is not compiled, or an argument is invalid or
+            unknown.
         TypeError: If `model` is not a Keras model or `x` of an unsupported type.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit, or
-            a batch of a model with stateful layers does not (such a batch
-            runs whole, never split).
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch
+            of a model with stateful layers (never split) does not.
 
     Example:
-        >>> loss, accuracy = safe_evaluate(model, x_test, y_test, batch_size=4096)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(loss="mse", metrics=["mae"])
+        >>> safe_evaluate(model, np.zeros((10, 4)), np.zeros((10, 2)), verbose=0)
+        [0.0, 0.0]
     """
     _validate.model(model)
     _validate.unknown_kwargs("safe_evaluate", kwargs)

@@ -39,59 +39,35 @@ def safe_generate(
 ) -> Any:
     """Drop-in for KerasHub's `causal_lm.generate` that feeds prompts in batches that fit.
 
-    `causal_lm.generate(inputs)` runs all its prompts as one batch, which
-    runs out of memory for many or long prompts. `safe_generate` runs
-    `generate` on consecutive pieces of the prompts, as large as memory
-    allows: on an out-of-memory error it retries the failed piece smaller,
-    as `safe_predict` does, and carries on from there, and the sizes that fit
-    are remembered for the next call on the same model. It returns what
-    `generate` returns for the same prompts in the same order: strings
-    (one string for a single prompt) with a preprocessor, a dict of numpy
-    arrays (`token_ids`, `padding_mask`) without one.
-
-    Each new batch shape compiles the generate loop again, so few are used:
-    on XLA backends (JAX) a call's pieces are one size and one remainder,
-    and a piece smaller than a batch shape already run (the last one) is
-    padded up to it with copies of its last prompt when that at most
-    doubles it (the copies' outputs are dropped).
-
-    With a sampler that draws random numbers (KerasHub's default "top_k"),
-    the outputs depend on how the prompts are batched, as they do with
-    `generate` on a dataset's batches; compile the model with
-    `sampler="greedy"` for outputs that do not.
+    Runs `generate` on consecutive pieces of the prompts, as large as memory allows,
+    retrying a piece that runs out of memory smaller; what fits is remembered per model.
+    With a random sampler (KerasHub's default "top_k") the outputs depend on the
+    batching; `sampler="greedy"` gives the same outputs whatever the batches
+    (docs/inference.md).
 
     Args:
         causal_lm: A `keras_hub.models.CausalLM` (GPT-2, Gemma, Llama...).
-        inputs: What `generate` takes: a prompt string, a list (or array or
-            tensor) of strings, a dict of them, or, for a model without a
-            preprocessor, a dict of `token_ids` and `padding_mask` arrays
-            with one row per prompt; or a batched `tf.data.Dataset` (its
-            batches are split where they do not fit).
-        max_length: The generated sequences' length, as in `generate`
-            (default: the preprocessor's `sequence_length`; ignored without a
-            preprocessor, where the inputs' length is the sequences').
-        batch_size: Largest number of prompts per `generate` call; None: all
-            of them at once when they fit (as `generate` runs them).
-        **generate_kwargs: Passed to `generate` (`stop_token_ids`,
-            `strip_prompt`).
+        inputs: What `generate` takes: a prompt string, a list (or array or tensor)
+            of strings, a dict of them, a dict of `token_ids` and `padding_mask`
+            arrays (a model without a preprocessor), or a batched `tf.data.Dataset`.
+        max_length: The generated sequences' length, as in `generate` (default: the
+            preprocessor's `sequence_length`).
+        batch_size: Largest number of prompts per `generate` call; None: all of them
+            at once when they fit.
+        **generate_kwargs: Passed to `generate` (`stop_token_ids`, `strip_prompt`).
 
     Returns:
-        What `causal_lm.generate(inputs, max_length, **generate_kwargs)`
-        returns: a list of strings (a string for a single prompt) with a
-        preprocessor, else a dict of numpy arrays.
+        What `causal_lm.generate(inputs, max_length, **generate_kwargs)` returns:
+        strings (one for a single prompt) with a preprocessor, else a dict of numpy
+        arrays.
 
     Raises:
         ImportError: If keras-hub is not installed.
-        TypeError: If `causal_lm` is not a KerasHub `CausalLM`, or `inputs`
-            is of a type `generate` does not take.
-        ValueError: If `max_length` or `batch_size` is not a positive int,
-            a keyword is not one of `generate`'s, or `inputs` is empty.
+        TypeError: If `causal_lm` is not a KerasHub `CausalLM`, or `inputs` is of a
+            type `generate` does not take.
+        ValueError: If `max_length` or `batch_size` is not a positive int, a keyword
+            is not one of `generate`'s, or `inputs` is empty.
         keras_memfit.OutOfMemoryError: If even one prompt does not fit.
-
-    Example:
-        >>> causal_lm = keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en")
-        >>> causal_lm.compile(sampler="greedy")
-        >>> texts = safe_generate(causal_lm, prompts, max_length=64, batch_size=512)
     """
     causal_lm_class = _causal_lm_class()
     if not isinstance(causal_lm, causal_lm_class):

@@ -1,14 +1,8 @@
 """Out-of-memory detection, and the error raised when running smaller cannot avoid one.
 
-Detection is a handful of small named predicates, in the manner of toma: each
-recognises one way a backend or a library reports running out of memory, and
-`is_oom_error` is true when any of them is. Everything else is *not* an OOM and
-is re-raised by keras_memfit untouched: same object, same type, same traceback.
-
-The backend-specific forms (TensorFlow's `ResourceExhaustedError` and its
-`InternalError` variants; JAX's `JaxRuntimeError` allocation, dispatch, TPU
-and YNNPACK forms; torch's allocator errors) live behind the backend seam in `keras_memfit.backend`; the forms shared across backends (host `MemoryError`,
-XLA, CUDA/cuBLAS/cuDNN allocation failures) live here.
+Each named predicate (as in toma) recognises one way of reporting an OOM: the forms shared
+across backends here, each backend's own in `keras_memfit.backend.<name>.oom`. Anything
+else is not an OOM, and keras_memfit re-raises it untouched.
 """
 
 from __future__ import annotations
@@ -47,71 +41,27 @@ _CUDA_ALLOC = re.compile(
 
 
 def is_host_oom(exc: BaseException) -> bool:
-    """True for Python's own `MemoryError` (host RAM exhausted).
-
-    Args:
-        exc: The exception to classify.
-
-    Returns:
-        Whether `exc` is a `MemoryError`.
-
-    Example:
-        >>> is_host_oom(MemoryError())
-        True
-    """
+    """Python's own `MemoryError` (host RAM exhausted)."""
     return isinstance(exc, MemoryError)
 
 
 def is_xla_oom(exc: BaseException) -> bool:
-    """True for XLA's "RESOURCE_EXHAUSTED: Out of memory" reports.
-
-    Args:
-        exc: The exception to classify.
-
-    Returns:
-        Whether the message is XLA's out-of-memory report.
-
-    Example:
-        >>> is_xla_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8 bytes"))
-        True
-    """
+    """XLA's "RESOURCE_EXHAUSTED: Out of memory" reports."""
     return bool(_XLA_OOM.search(_message(exc)))
 
 
 def is_cuda_alloc_failure(exc: BaseException) -> bool:
-    """True for CUDA runtime, cuBLAS and cuDNN allocation failures.
-
-    Args:
-        exc: The exception to classify.
-
-    Returns:
-        Whether the message reports a failed CUDA/cuBLAS/cuDNN allocation.
-
-    Example:
-        >>> is_cuda_alloc_failure(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))
-        True
-    """
+    """CUDA runtime, cuBLAS and cuDNN allocation failures."""
     return bool(_CUDA_ALLOC.search(_message(exc)))
 
 
 def is_oom_error(exc: BaseException) -> bool:
     """Whether an exception means the device (or host) ran out of memory.
 
-    True for every form the active backend and XLA use to report running out
-    of device or host memory: with TensorFlow, `tf.errors.ResourceExhaustedError`
-    and the `InternalError` forms "Dst tensor is not initialized" and "failed
-    to allocate memory"; with JAX, `jax.errors.JaxRuntimeError` (or the older
-    `XlaRuntimeError`) reporting "RESOURCE_EXHAUSTED: Out of memory
-    allocating/while trying to allocate N bytes", "INTERNAL: Error
-    dispatching computation: Out of memory ...", the TPU's "Allocation
-    (size=N) would exceed memory", and "YNNPACK operation failed" only under
-    an address-space limit (see `keras_memfit.backend.jax.oom`); with torch,
-    `torch.OutOfMemoryError`, the CPU allocator's "DefaultCPUAllocator: can't
-    allocate memory" `RuntimeError` (also as Keras re-raises it from a layer),
-    cuBLAS/cuDNN allocation failures and "MPS backend out of memory" (see
-    `keras_memfit.backend.torch.oom`); XLA's "RESOURCE_EXHAUSTED: Out of memory"; cuBLAS and
-    cuDNN allocation failures; and `MemoryError`. False for everything else,
-    including `KeyboardInterrupt` and errors that merely mention memory.
+    True for the active backend's OOM forms (`keras_memfit.backend.<name>.oom`), XLA's
+    "RESOURCE_EXHAUSTED: Out of memory", CUDA/cuBLAS/cuDNN allocation failures and
+    `MemoryError`; False for anything else, `KeyboardInterrupt` and errors that merely
+    mention memory included.
 
     Args:
         exc: The exception to classify.
@@ -121,13 +71,6 @@ def is_oom_error(exc: BaseException) -> bool:
 
     Raises:
         TypeError: If `exc` is not an exception instance.
-
-    Example:
-        >>> import tensorflow as tf
-        >>> is_oom_error(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"))
-        True
-        >>> is_oom_error(ValueError("bad shape"))
-        False
     """
     if not isinstance(exc, BaseException):
         raise TypeError(
@@ -146,15 +89,9 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def is_retryable_oom(exc: BaseException) -> bool:
-    """Whether `exc` is an OOM that running smaller pieces may avoid.
+    """`is_oom_error`, less keras_memfit's own `OutOfMemoryError`.
 
-    `is_oom_error`, less keras_memfit's own `OutOfMemoryError`, which it
-    raises once it judged an OOM final (see its `cause`): the retry loops
-    pass that one on.
-
-    Example:
-        >>> is_retryable_oom(MemoryError())
-        True
+    That one is raised once an OOM was judged final, and the retry loops pass it on.
     """
     return is_oom_error(exc) and not isinstance(exc, _OutOfMemoryErrorBody)
 
@@ -193,12 +130,7 @@ _UPDATE_BEGAN_WHERE = {
 def can_place(model: Any) -> bool:
     """Whether `keras_memfit.place` can keep layers of `model` on the host.
 
-    Only where the backend places layers (TensorFlow) and `model` runs under
-    no distribution strategy (each replica holds its own weights).
-
-    Example:
-        >>> can_place(model)  # on TensorFlow, outside any strategy
-        True
+    Only where the backend places layers (TensorFlow) and outside any distribution strategy.
     """
     backend = _backend.get()
     return backend.placement is not None and backend.distribution_of(model) is None
@@ -207,72 +139,36 @@ def can_place(model: Any) -> bool:
 class _OutOfMemoryErrorBody:
     """Raised when running smaller cannot avoid an out-of-memory error; `cause` says why.
 
-    Its first sentence states what ran out and on what, then whether the
-    model is intact, then what to do (advice valid on the active backend:
-    `keras_memfit.place` only where it can place layers). The causes:
-
-    - "one_sample" (`ONE_SAMPLE`): even a batch of a single sample does not
-      fit (`batch_shape` is its input shape);
-    - "one_layer" (`ONE_LAYER`): in training, the backward pass of one
-      layer (`layer`) needs more than is free at a single sample, which no
-      recomputation of other layers lowers (`detail` gives the figures);
-    - "update" (`UPDATE`): the one optimizer update of a batch of `rows`
-      rows MemFit ran as micro-batches ran out of memory; the update cannot
-      be split, and the weights may be partly updated;
-    - "accumulate" (`ACCUMULATE`): the sums MemFit accumulates a split
-      batch of `rows` rows in (the size of the trainable weights) did not
-      fit; nothing was applied;
-    - "update_began" (`UPDATE_BEGAN`): a step on `rows` rows ran out of
-      memory once its optimizer update had begun, so it is not run again;
-    - "cannot_split" (`CANNOT_SPLIT`): a batch MemFit cannot split
-      (`received` names what it holds) ran out of memory in Keras's own step,
-      or a batch of a model with stateful layers (`stateful`), which is never
-      split, ran out of memory.
-
-    It subclasses the active backend's own out-of-memory error (with
-    TensorFlow, `tf.errors.ResourceExhaustedError`; with JAX,
-    `jax.errors.JaxRuntimeError`; with torch, `torch.OutOfMemoryError`), so
-    existing `except tf.errors.ResourceExhaustedError:` (or the other
-    backends') code keeps catching it. The class is made on first use
-    (`from keras_memfit.oom import OutOfMemoryError`), so importing this
-    module needs no backend. The backend error that caused it is chained as
-    `__cause__`.
-
-    Args:
-        model_name: Name of the model that ran out of memory.
-        phase: What was running: "predict", "evaluate", "train" or "generate".
-        batch_shape: Shapes of the inputs of one sample of the batch that failed.
-        device: The device whose memory ran out, when known.
-        detail: Extra sentence about this failure, placed before the advice.
-        cause: What ran out of memory, one of `CAUSES`.
-        rows: The rows of the batch (or step) that failed, for the update causes.
-        held: What the update held that grows with the batch, in words
-            (cause "update"); None: memory that does not depend on the batch size.
-        received: What the batch held that cannot be split (cause "cannot_split").
-        stateful: The names of the model's stateful layers (cause "cannot_split").
-        layer: The layer whose backward pass alone does not fit (cause "one_layer").
-        can_place: Whether `keras_memfit.place` may be advised (see
-            `can_place`); None: whether the active backend places layers.
-        can_shrink: Whether `MemFit(mode="shrink")` may be advised (cause
-            "accumulate"); False under several JAX processes, which refuse it.
+    It subclasses the active backend's OOM error (`tf.errors.ResourceExhaustedError`,
+    `jax.errors.JaxRuntimeError`, `torch.OutOfMemoryError`), so existing `except` clauses
+    still catch it, and chains that error as `__cause__`. Its message says what ran out,
+    whether the model is intact, and what to do next, valid on the active backend. The
+    class is made on first use, so importing this module needs no backend.
 
     Attributes:
         model_name: Name of the model that ran out of memory.
-        phase: What was running.
-        batch_shape: Shapes of one sample of the batch that failed.
-        device: The device whose memory ran out, when known.
-        cause: What ran out of memory, one of `CAUSES`.
-        rows: The rows of the batch that failed, when known.
-        held: What the failed update held that grows with the batch, or None.
-        received: What the batch held that MemFit cannot split, or None.
-        stateful: The names of the model's stateful layers, or ().
-        layer: The layer whose backward pass alone does not fit, or None.
+        phase: What was running: "predict", "evaluate", "train" or "generate".
+        batch_shape: Input shapes of one sample of the batch that failed.
+        device: The device whose memory ran out, or None when unknown.
+        cause: What ran out of memory, one of `CAUSES` (see the constants).
+        rows: The rows of the batch (or step) that failed, when known.
+        held: What a failed update held that grows with the batch (cause "update"),
+            or None: memory that does not depend on the batch size.
+        received: What a batch MemFit cannot split held (cause "cannot_split"), or None.
+        stateful: The names of the model's stateful layers (cause "cannot_split"), or ().
+        layer: The layer whose backward pass alone does not fit (cause "one_layer"), or None.
+
+    The arguments are these attributes, plus `detail` (a sentence put before the
+    advice), `can_place` (whether `place` may be advised; None: whether the backend
+    places layers) and `can_shrink` (whether `MemFit(mode="shrink")` may be advised).
 
     Example:
+        >>> from keras_memfit import OutOfMemoryError
         >>> try:
-        ...     safe_predict(huge_model, x)
+        ...     raise OutOfMemoryError("mlp", "predict", batch_shape=[(4,)])
         ... except OutOfMemoryError as err:
-        ...     print(err.cause, err.phase, err.batch_shape)
+        ...     print(err.cause, err.batch_shape)
+        one_sample ((4,),)
     """
 
     def __init__(

@@ -1,17 +1,8 @@
 """`place`: keep oversized, cheap-to-compute layers on the host, the rest on the accelerator.
 
-Some models do not fit however small the batch: a 2-million-row embedding
-table, a wide first Dense on raw features. Moving the whole model to the CPU
-costs ~10x per epoch. `place` pins only the layers whose weights are large
-but used at most once per sample (lookups, a Dense on flat features) to
-`/CPU:0`, where their variables, optimizer slots, forward ops and optimizer
-updates live; everything else (convolutions, attention, the head) stays on
-the accelerator, so that only the small tensor at the cut crosses PCIe.
-
-The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis`
-(the analysis `memory_report` makes, with the automatic choice in
-`keras_memfit.analysis.choice`); this module resolves the arguments, applies
-the placement and describes it.
+The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis` (the automatic
+choice: `keras_memfit.analysis.choice`); this module resolves the arguments, applies the
+placement and describes it.
 """
 
 from __future__ import annotations
@@ -57,18 +48,11 @@ class PlacementPlan:
         host: The host device ("/CPU:0").
         device_bytes: Bytes of weights plus optimizer slots on each device.
         crossing_bytes_per_sample: Bytes per sample crossing between host and
-            accelerator layers (the cut): the model's inputs are not counted
-            (they are fed from the host either way), a host layer's output
-            that the model returns is (the loss runs on the accelerator);
-            unknown dimensions (a variable sequence length) count as 1.
-            Counted on the symbolic trace of the forward pass that
-            `memory_report` uses (nothing runs), between the model's
-            top-level layers; 0 for a model that cannot be traced (not
-            built).
-        applied: Whether the model now spans two devices (some layer is
-            pinned to the host). False with no accelerator or nothing to pin;
-            the model's variables are then on the accelerator (or untouched,
-            without one).
+            accelerator layers on the traced forward pass, between top-level layers
+            (the model's inputs not counted, a returned host output counted; unknown
+            dimensions count as 1); 0 for a model that cannot be traced.
+        applied: Whether some layer is pinned to the host (the model spans two
+            devices); False with no accelerator or nothing to pin.
         reason: Why this cut (or why nothing).
         layer_bytes: Weights plus slots of each top-level layer with weights.
     """
@@ -87,11 +71,7 @@ class PlacementPlan:
         return dataclasses.asdict(self)
 
     def summary(self, print_fn: Optional[Callable[[str], None]] = None) -> None:
-        """Print the plan as a small table.
-
-        Args:
-            print_fn: Called with each line; defaults to `print`.
-        """
+        """Print the plan as a small table, a `print_fn` call (default `print`) per line."""
         print_fn = print if print_fn is None else print_fn
         for line in str(self).splitlines():
             print_fn(line)
@@ -123,46 +103,28 @@ def place(
 ) -> PlacementPlan:
     """Pin a model's oversized, cheap-to-compute layers to `/CPU:0`, the rest to the accelerator.
 
-    The pinned layers' variables are created (or, if built, moved) on the
-    host, their forward ops run there, their optimizer slots and updates
-    follow them; the other layers' variables and the model's own ops go to
-    the accelerator. Weights and outputs are unchanged. Calling `place` again
-    replaces the previous placement.
-
-    Automatic choice (no `cpu_layers`): only top-level layers that use each
-    weight at most once per sample are candidates: at most 2 FLOPs per weight
-    per sample (as `memory_report` counts them), or, where FLOPs are unknown, Embedding,
-    hashing/lookup layers and a Dense/EinsumDense on flat features.
-    Convolutions, attention, RNNs and anything else reusing their weights
-    stay on the accelerator. Candidates are pinned in order of
-    most bytes freed per byte crossing the cut until the accelerator's
-    weights and optimizer slots fit in `WEIGHT_SHARE` (half) of `budget`; the
-    rest of the budget is left to activations. With `budget=None` the budget
-    is the accelerator's known memory limit (a logical-device limit or NVML);
-    when it is unknown, a candidate is pinned only when its weights and slots
-    reach `OVERSIZED_BYTES` (1 GiB). The automatic choice needs a built model;
-    `cpu_layers` works before `build` too (variables are then created on the
-    right device when the model builds).
-
-    XLA: a compiled (`jit_compile=True`) function is one cluster on one device
-    and cannot span host and accelerator, so when anything is pinned `place`
-    sets `model.jit_compile = False` (also after a later `compile`, whose
-    "auto" turns XLA on for GPUs) and logs it once. Traced train/test/predict
-    functions are reset so that they are traced again with the new devices.
-
-    Saving: `model.save` and `keras.saving.load_model` work as usual and keep
-    the weights; the placement is not saved: call `place` again after loading.
+    The pinned layers' variables, forward ops, optimizer slots and updates live on the
+    host; the other layers and the model's own ops on the accelerator. Outputs and
+    training are unchanged. Without `cpu_layers`, only top-level layers that use each
+    weight at most once per sample (at most 2 FLOPs per weight, or by class: lookups,
+    hashing, a Dense on flat features) are candidates, pinned by most bytes freed per
+    byte crossing the cut until the accelerator's weights and slots fit in
+    `WEIGHT_SHARE` of `budget`. When anything is pinned, `model.jit_compile` is set to
+    False (an XLA cluster runs on one device), also after a later `compile`. Calling
+    `place` again replaces the placement, which is not saved with the model
+    (docs/memory.md).
 
     Args:
-        model: A Sequential, functional or subclassed Keras model, built or not.
-        budget: Bytes available on the accelerator, or None to read the
-            device's limit.
-        cpu_layers: Names or layer objects to pin, overriding the automatic
-            choice (nested layers may be named too). An empty list pins
-            nothing but still places the model on the accelerator.
-        accelerator: The device for the rest ("/GPU:0", "/CPU:1" in tests);
-            defaults to the first GPU. With no GPU and none given, nothing
-            changes and `place` says so once.
+        model: A Keras model, built or not (the automatic choice needs it built;
+            `cpu_layers` works before `build`).
+        budget: Bytes available on the accelerator; None: its known limit (a
+            logical-device limit or NVML), else only layers whose weights and
+            slots reach `OVERSIZED_BYTES` are pinned.
+        cpu_layers: Names or layers to pin instead of the automatic choice (nested
+            layers too); an empty list pins nothing but places the model on the
+            accelerator.
+        accelerator: The device for the rest ("/GPU:0"); default: the first GPU.
+            With none, nothing changes and `place` says so once.
         verbose: Print the plan.
 
     Returns:
@@ -171,12 +133,10 @@ def place(
     Raises:
         TypeError: If `model` is not a Keras model.
         ValueError: For a non-positive `budget`, an unknown layer name, an
-            accelerator that does not exist or is the host, or an automatic
-            choice asked of a model that is not built.
-
-    Example:
-        >>> plan = keras_memfit.place(model, budget=4 << 30)
-        >>> plan.summary()
+            accelerator that does not exist or is the host, or an automatic choice
+            on an unbuilt model.
+        NotImplementedError: On a backend that cannot place layers (JAX, torch), or
+            for a model under a distribution strategy.
     """
     _validate.model(model)
     budget = _validate.positive_int("budget", budget)
@@ -232,13 +192,7 @@ def place(
 
 
 def _refuse_distribution(be: Any, model: keras.Model) -> None:
-    """Raise when `model` runs under a distribution strategy: its weights are per replica.
-
-    Raises:
-        NotImplementedError: Under `tf.distribute` (a model built in a
-            strategy's scope, or `place` called inside one) or a
-            `keras.distribution`.
-    """
+    """Raise `NotImplementedError` under a distribution strategy: its weights are per replica."""
     received = be.distribution_of(model)
     if received is not None:
         raise NotImplementedError(
@@ -255,9 +209,7 @@ def _refuse_distribution(be: Any, model: keras.Model) -> None:
 def _analyse(model: keras.Model) -> ModelAnalysis:
     """The model's analysis; untraced (sizes only) when it cannot be traced.
 
-    An unbuilt model, or one the trace fails on, still has its weights and
-    slots counted; its cheapness is then judged by layer class and nothing is
-    counted as crossing.
+    Its cheapness is then judged by layer class, and nothing is counted as crossing.
     """
     if model.built:
         try:

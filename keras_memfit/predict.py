@@ -31,80 +31,49 @@ def safe_predict(
 ) -> Any:
     """Drop-in for `model.predict` that never dies of out-of-memory.
 
-    Accepts what `model.predict` accepts, with the same positional
-    parameters (`safe_predict(model, x, 4, 0)` is `model.predict(x, 4, 0)`),
-    and returns the same structure, dtypes and row order, with values equal
-    up to float rounding; ragged outputs come back as a `tf.RaggedTensor`, as
-    from `model.predict`. Inputs of any dtype Keras takes pass through
-    (strings from `tf.data`, bool, int64, ragged tensors). Sparse inputs
-    (`tf.SparseTensor`, scipy sparse matrices) are batched by Keras and each
-    batch runs whole: if one runs out of memory, a `TypeError` says that
-    sparse input cannot be split (use a smaller batch size). On an OOM
-    it splits the batch it holds and carries on from the failed offset, so no
-    sample is lost, duplicated or reordered, whatever the input kind (a
-    pre-batched dataset's batches are split too). Each finished batch's
-    outputs are copied to host memory at once, so the device never
-    accumulates outputs. The batch size is estimated from memory statistics
-    before a large batch is tried, remembered per model and input signature,
-    and grown back after a run of successes (see `keras_memfit.planning.planner`).
-
-    Under a `tf.distribute.MirroredStrategy` (a model built in its scope, or
-    a call inside one) every piece runs on all the replicas, each on its
-    share of the rows, as `model.predict` runs its batches there; the
-    outputs come back in input order, and the planner sizes each piece for
-    the replica with the least free memory.
+    Takes `model.predict`'s arguments in the same positions and returns what it returns
+    (values equal up to float rounding). On an OOM it splits the batch it holds and
+    carries on from the failed offset: no sample is lost, duplicated or reordered. Each
+    batch's outputs go to host memory at once. Batch sizes are planned from memory
+    statistics and remembered per model and input signature (docs/inference.md).
 
     Args:
         model: A Keras model (compiled or not).
-        x: Input: a numpy array or tensor, a list/dict of them for
-            multi-input models, a batched `tf.data.Dataset`, a
-            `keras.utils.PyDataset`, or a generator yielding batches.
-        batch_size: Samples per batch for array input (default 32, as in
-            `model.predict`); an upper bound that is lowered when it does not
-            fit. Ignored for datasets, PyDatasets and generators, which are
-            batched already, as `model.predict` ignores it (logged at INFO;
-            use `max_batch_size` to bound their pieces).
-        postprocess: Function applied to the model's outputs inside the
-            compiled predict step, on the device, e.g.
-            `lambda y: keras.ops.argmax(y, axis=-1)`; only its (smaller)
-            result crosses to the host. It must return tensors that keep the
-            batch dimension.
-        out: Optional preallocated numpy array (or `np.memmap`), or a
-            structure of them matching the outputs, to write results into
-            (for results larger than host RAM). Its dtype and trailing shape
-            must match the outputs; its length must equal the number of
-            samples for array input.
-        verbose: "auto" (same as 1), 0 (silent), 1 (progress bar) or 2 (one
-            line at the end), as in `model.predict`.
+        x: Arrays or tensors (or lists/dicts of them), a batched `tf.data.Dataset`,
+            a `keras.utils.PyDataset`, or a generator of batches.
+        batch_size: Samples per batch for array input (default 32); an upper bound,
+            lowered when it does not fit. Ignored (logged at INFO) for batched
+            input, as `model.predict` ignores it.
+        verbose: "auto" (1), 0, 1 or 2, as in `model.predict`.
         steps: Number of batches to predict, as in `model.predict`.
-        callbacks: Keras callbacks; they receive the `on_predict_*` calls as
-            from `model.predict` (with `steps_per_execution`, one
-            begin/end pair per execution) while nothing runs out of memory;
-            after an OOM, each piece actually run is one batch (see
-            `keras_memfit.inference.loop`).
-        max_batch_size: Upper bound on any batch run, including pieces of a
-            dataset's batches.
+        callbacks: Keras callbacks, called as `model.predict` calls them; after an
+            OOM each piece run is one batch.
+        postprocess: Function applied to the outputs inside the compiled step, on
+            the device (e.g. `lambda y: keras.ops.argmax(y, axis=-1)`), so only its
+            result crosses to the host; it must return tensors with the batch
+            dimension.
+        out: Preallocated numpy array or `np.memmap` (or a structure of them) to
+            write into, for results larger than host RAM; its dtype and trailing
+            shape must match the outputs, its length the samples of array input.
+        max_batch_size: Upper bound on any piece run, dataset batches included.
 
     Returns:
-        A numpy array, or a list/dict of them for multi-output models (the
-        structure `model.predict` returns; ragged outputs as
-        `tf.RaggedTensor`); `out` when it was given.
+        What `model.predict` returns (ragged outputs as `tf.RaggedTensor`), or
+        `out` when it was given.
 
     Raises:
-        ValueError: If `batch_size`, `max_batch_size`, `steps`, `verbose` or
-            `out` are invalid, or `postprocess` drops the batch dimension.
-        TypeError: If `model` is not a Keras model, `x` is of an unsupported
-            type, `out` is not a numpy array, or `postprocess` returns
-            something other than tensors.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit, or
-            a batch of a model with stateful layers does not (such a batch
-            runs whole, never split).
+        ValueError: If an argument is invalid, or `postprocess` drops the batch
+            dimension.
+        TypeError: If `model` is not a Keras model, `x` or `out` is of an
+            unsupported type, `postprocess` returns something other than tensors,
+            or a sparse batch (never split) runs out of memory.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch
+            of a model with stateful layers (never split) does not.
 
     Example:
-        >>> probs = safe_predict(model, x_test, batch_size=28000)
-        >>> labels = safe_predict(
-        ...     model, x_test, batch_size=28000,
-        ...     postprocess=lambda y: keras.ops.argmax(y, axis=-1))
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> safe_predict(model, np.ones((10, 4)), batch_size=4, verbose=0).shape
+        (10, 2)
     """
     _validate.model(model)
     batch_size = _validate.positive_int("batch_size", batch_size)
