@@ -1,10 +1,6 @@
 """Recording every layer and operation call of one symbolic forward pass.
 
-Shared by the backends' `tracing` modules: the recording itself is Keras's
-(wrapping `Layer.__call__` and `Operation.__call__` for the length of one
-forward pass inside a `keras.StatelessScope`); each backend only says how it
-traces the pass (TensorFlow: a throw-away `tf.function`; JAX:
-`jax.eval_shape`) and how it describes one of its symbolic tensors.
+Each backend's `tracing` says only how it traces the pass and describes its symbolic tensors.
 """
 
 from __future__ import annotations
@@ -29,16 +25,8 @@ class CallRecorder:
     """The calls of one forward pass, each with its depth, parent, inputs and outputs.
 
     Attributes:
-        records: One dict per call, in call order: `op`, `depth`, `parent`
-            (index of the enclosing call, or None), `inputs`, `outputs`
-            (lists of `Info`).
-        inputs: The `Info`s of the model's inputs.
-        outputs: The keys of the model's outputs.
-
-    Example:
-        >>> recorder = CallRecorder(describe)
-        >>> with recorder.patched():
-        ...     trace_somehow(lambda inputs: recorder.forward(model, inputs, positional))
+        records: One dict per call, in call order: `op`, `depth`, `parent` (index of the
+            enclosing call, or None), `inputs`, `outputs` (lists of `Info`).
     """
 
     def __init__(self, describe: Callable[[Any], Optional[Info]]) -> None:
@@ -88,7 +76,7 @@ class CallRecorder:
             Layer.__call__, Operation.__call__ = layer_call, op_call
 
     def forward(self, model: keras.Model, inputs: Any, positional: bool) -> Any:
-        """Call `model` on symbolic `inputs` (no variable changes), recording its inputs and outputs."""
+        """Call `model` on symbolic `inputs` (no variable changes), recording inputs and outputs."""
         self.inputs = self.infos(inputs)
         with keras.StatelessScope():
             outputs = model(inputs, training=False) if positional else model(
@@ -103,10 +91,7 @@ def traced_calls(
 ) -> Tuple[TracedCall, ...]:
     """The calls below the model's own (depth 0), one level up, as `TracedCall`s.
 
-    Args:
-        records: `CallRecorder.records`.
-        tensors: `tensors(index, "inputs" | "outputs")`, the traced tensors
-            of the call at `index`.
+    `tensors(index, "inputs" | "outputs")` gives the traced tensors of the call at `index`.
     """
     calls: List[TracedCall] = []
     remap: Dict[int, int] = {}
@@ -137,8 +122,7 @@ def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
 def _same_call(a: Any, b: Any) -> bool:
     """Whether two traced calls are the same call: one layer, or an operation of one type.
 
-    Functional ops (`keras.ops.*` inside a layer's `call`, as EfficientNet's
-    layers make) build a new `Operation` object at every call.
+    Functional ops (`keras.ops.*` inside a layer's `call`) build a new `Operation` at every call.
     """
     if a is b:
         return True
@@ -148,12 +132,8 @@ def _same_call(a: Any, b: Any) -> bool:
 def trace_at_two_batches(model: keras.Model, record: Callable[[int], CallRecorder]) -> Trace:
     """The `Trace` of `model` from two recorded passes, at the batch sizes of `BATCHES`.
 
-    For backends whose traces have concrete shapes (JAX, torch): a dimension
-    that differs between the two passes follows the batch and is None.
-
-    Args:
-        model: The model traced (named in the error).
-        record: `record(batch)`, the `CallRecorder` of one forward pass at `batch` rows.
+    For traces with concrete shapes (JAX, torch): a dimension that differs between the two passes
+    follows the batch and is None. `record(batch)` is the `CallRecorder` of one pass.
 
     Raises:
         ValueError: If the two passes make different calls.

@@ -1,13 +1,4 @@
-"""Gradient accumulation on TensorFlow: micro-batch gradients summed, applied as one step.
-
-MemFit's accumulation for the TensorFlow backend: `add_gradients` (one
-micro-batch of Keras's default step, its gradients handed on),
-`apply_gradients`, `sparse_gradients` (which gradients are
-`tf.IndexedSlices`, from a symbolic trace) and `GradientAccumulator` (the
-`Accumulator` protocol of `keras_memfit.backend.base`, made by the seam's
-`training.make_accumulator`) whose compiled steps and sums are the model's,
-kept across fits.
-"""
+"""Gradient accumulation on TensorFlow: micro-batch gradients summed, applied as one step."""
 
 from __future__ import annotations
 
@@ -31,12 +22,9 @@ def add_gradients(
 ) -> Tuple[bool, ...]:
     """One micro-batch of Keras's default train step, its gradients handed to `add`.
 
-    Forward pass and loss; `add(i, gradient)` for each trainable weight `i`
-    that got a gradient, the gradient of the loss scaled by `weight` (the
-    micro-batch's weight in the batch) as the tape gives it (a sparse one as a
-    `tf.IndexedSlices`); the loss tracker (given the loss times
-    `loss_factor`) and metrics updated. Traced inside a step (on one device,
-    or per replica).
+    `add(i, gradient)` for each trainable weight `i` that got a gradient: that of the loss scaled by
+    `weight` (the micro-batch's weight in the batch), sparse ones as `tf.IndexedSlices`. The loss
+    tracker gets the loss times `loss_factor`. Traced inside a step (one device, or per replica).
 
     Returns:
         For each trainable weight, whether it got no gradient.
@@ -64,9 +52,7 @@ def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
 def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
     """For each trainable weight, whether its gradient on `data` is a `tf.IndexedSlices`.
 
-    Read from a symbolic trace of the forward and backward pass (nothing
-    runs): which gradients are sparse is a property of the graph (an
-    `Embedding` used only for its lookups), not of the batch size.
+    Read from a symbolic trace (nothing runs): sparseness is a property of the graph.
     """
     found: List[Tuple[bool, ...]] = []
 
@@ -88,15 +74,9 @@ def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
 def sums_sparse_exactly(optimizer: Any) -> bool:
     """Whether `optimizer`'s update of a sparse gradient is its update of the rows' sum.
 
-    Keras's optimizers on TensorFlow are handed the `tf.IndexedSlices` itself,
-    one row per lookup (a token met twice: two rows), and their `ops` keep the
-    slices for element-wise steps and add up duplicate rows only where they
-    meet a dense tensor. SGD (with or without momentum) only scales the rows
-    and adds them, so the sum of the rows gives its update within rounding
-    (the order of the additions). Adam, AdamW, RMSprop, Adagrad and the others
-    square (or take the absolute value of) each row before adding them up (a
-    token met twice: `g1**2 + g2**2`, not `(g1 + g2)**2`), and `clipnorm` and
-    `clipvalue` clip the rows: their update needs every row.
+    Only SGD without clipping, which scales and adds the rows (one per lookup). Adam, RMSprop and
+    the others square each row (a token met twice: `g1**2 + g2**2`, not `(g1 + g2)**2`), and
+    clipping clips rows: their update needs every row.
     """
     clipped = any(
         getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
@@ -108,7 +88,6 @@ def kept_rows_text(optimizer: Any, kept: Sequence[Tuple[Sequence[Any], Any]]) ->
     """The sparse gradients' rows an update holds, in words; None when there are none.
 
     Args:
-        optimizer: The optimizer that updates them row by row.
         kept: Per weight, its pieces' rows (`tf.IndexedSlices.values`) and the weight.
     """
     if not kept:
@@ -125,20 +104,12 @@ def kept_rows_text(optimizer: Any, kept: Sequence[Tuple[Sequence[Any], Any]]) ->
 class AccumulationSteps:
     """A model's compiled accumulation steps and their sums, kept across fits.
 
-    The sums are variables without a static shape, captured by the steps:
-    between fits they hold an empty tensor (no memory), and the next fit
-    fills them with zeros of the weights' shapes again, so its steps are the
-    ones already traced and compiled (with `jit_compile`, each new step is an
-    XLA compilation).
+    The sums are variables without a static shape: empty between fits (no memory), refilled with
+    zeros by the next fit, whose steps are then the ones already traced (and XLA-compiled).
 
     Attributes:
-        sums: Per trainable weight, its dense sum (a `tf.Variable` without a
-            static shape, empty between fits), or None (a sparse gradient,
-            or not made yet).
-        sparse_sums: Per weight with a sparse gradient summed densely (its
-            index), that sum (as `sums`), made when it is first needed.
-        sums_sparse: Whether the optimizer's update of a sparse gradient is
-            its update of the rows' sum (`sums_sparse_exactly`).
+        sums: Per trainable weight, its dense sum, or None (a sparse gradient, or not made yet).
+        sparse_sums: Per index of a weight whose sparse gradient is summed densely, that sum.
         in_use: Whether an accumulator runs on them now.
     """
 
@@ -199,7 +170,7 @@ class AccumulationSteps:
         )
 
     def fill(self, model: keras.Model, data: Any) -> None:
-        """Zeros of the weights' shapes in the dense sums (made, the first time, before any trace)."""
+        """Zero the dense sums (made the first time, before any trace)."""
         if self.sparse is None:
             self.sparse = sparse_gradients(model, data)
             for w, sparse in zip(self.weights, self.sparse):
@@ -215,7 +186,7 @@ class AccumulationSteps:
                 total.assign(tf.zeros_like(w.value))
 
     def sparse_sum(self, i: int) -> tf.Variable:
-        """Zeros of weight `i`'s shape in its dense sum of sparse gradients (made the first time)."""
+        """Weight `i`'s dense sum of sparse gradients, zeroed (made the first time)."""
         weight = self.weights[i].value
         total = self.sparse_sums.get(i)
         if total is None:
@@ -254,37 +225,12 @@ def _accumulation_steps(model: keras.Model) -> AccumulationSteps:
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
-    A dense gradient is added in place into a non-trainable variable the size
-    of its weight (filled at the first micro-batch, only once a batch has had
-    to be split, and emptied when the accumulator is freed, at the end of
-    `fit`), so adding a micro-batch allocates nothing beyond its gradients.
-
-    A sparse gradient (a `tf.IndexedSlices`, e.g. an `Embedding`'s: one row
-    per lookup) is handed to Keras's optimizer as a `tf.IndexedSlices`, and
-    what the update makes of its rows decides what is kept
-    (`sums_sparse_exactly`):
-
-    - SGD adds the rows up: each micro-batch's scaled slices are kept while
-      they have no more rows than the weight, then added (`scatter_add`,
-      the kept ones too) into a dense sum the size of the weight, which
-      `apply` hands the optimizer: at most the smaller of the two is held,
-      and the update is the unsplit step's within rounding.
-    - Every other optimizer (Adam, RMSprop, ...) treats the rows one by one
-      (Adam squares each: `g1**2 + g2**2` for a token met twice, not
-      `(g1 + g2)**2`), so every micro-batch's slices are kept and `apply`
-      hands it their concatenation: the rows of Keras's unsplit step (same
-      rows, same order, duplicates kept), as many as Keras's step holds. Their
-      size grows with the batch; `held` names them for the message of an OOM
-      in the update.
-
-    The compiled steps and the sum variables are the model's, kept across
-    fits (`AccumulationSteps`): a second fit compiles nothing new. Under
-    `jit_compile`, a micro-batch holds the small state's values while it
-    runs, and the sums' on the first micro-batch of each size (`XlaHolds`),
-    so an OOM inside XLA leaves them intact.
-
-    Attributes:
-        steps: The model's compiled steps and sums it runs on (kept across fits).
+    Dense gradients are added in place into `AccumulationSteps`' sums, filled only once a batch has
+    been split and emptied when the accumulator is freed. A sparse gradient's slices are kept, and
+    the optimizer gets their concatenation (the rows of Keras's unsplit step), except where the
+    optimizer sums rows exactly (`sums_sparse_exactly`): there they are added into a dense sum once
+    they have more rows than the weight. Under `jit_compile` a micro-batch holds what it updates
+    (`XlaHolds`), so an OOM inside XLA leaves it intact.
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -358,6 +304,5 @@ class GradientAccumulator:
         steps.apply(steps.traced["mask"], tuple(gradients))
 
     def held(self) -> Optional[str]:
-        """What the last update held that grows with the batch (kept rows), in words; else None."""
         return self._held
 

@@ -1,12 +1,4 @@
-"""Keras's default TensorFlow train step, in the parts MemFit's steps are made of.
-
-The same computation as `TensorFlowTrainer.train_step`, cut where MemFit
-needs to act between the parts: the forward pass and the loss
-(`forward_loss`), the gradients (`loss_and_gradients`), the loss tracker
-(`track_loss`) and the update flagged as begun (`flagged_train_step`). Used
-by the train steps (`training`), gradient accumulation (`accumulation`) and
-the replicas' steps (`distribute`); traced inside their compiled steps.
-"""
+"""Keras's default TensorFlow train step, in the parts MemFit's steps are made of."""
 
 from __future__ import annotations
 
@@ -21,9 +13,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 def unscale_loss_for_distribution(loss: Any) -> Any:
     """The loss without the distribution strategy's scaling (as Keras's train step).
 
-    Keras 3.8 began scaling the loss by the number of replicas (and added
-    this function); before it the loss was never scaled, so it is returned
-    as it is.
+    Keras before 3.8 never scaled it (nor had this function): the loss is returned as it is.
     """
     from keras.src.losses import loss as loss_module
 
@@ -71,17 +61,11 @@ def _tensors(gradient: Any) -> List[Any]:
 def flagged_train_step(
     model: keras.Model, data: Any, flag: Callable[[], Any], *, strict: bool = True
 ) -> Any:
-    """Keras's default train step on `data`, `flag()` run before the optimizer update.
+    """Keras's default train step on `data`, `flag()` run before any op of the optimizer update.
 
-    Forward pass and loss, gradients, then `flag()` (an op that records that
-    the update began, e.g. a variable's assign) and `apply_gradients` with
-    every op of it depending on that op, so a failed step tells whether the
-    update began; then the loss tracker and the metrics. `strict`: the flag
-    waits for every gradient; else for the one of the last trainable weight
-    (the first computed, next to the loss), so that the update of a weight
-    may run while other gradients are still computed (see `TrainStep`).
-    Gradients reach the optimizer as they are (sparse ones stay
-    `tf.IndexedSlices`). Traced inside a step (on one device, or per replica).
+    `flag()` records that the update began (a variable's assign). `strict`: it waits for every
+    gradient; else only for the last trainable weight's (the first computed), so that updates run
+    while earlier gradients are computed, as in Keras's step. Traced inside a step.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     y_pred, loss, gradients = loss_and_gradients(model, x, y, sample_weight)

@@ -1,26 +1,8 @@
 """MemFit's steps under a `tf.distribute` strategy: one piece on every replica at once.
 
-Under `tf.distribute.MirroredStrategy` Keras's step functions receive each
-batch as a distributed value (`PerReplica` leaves: each replica's rows on its
-own device), run the step on every replica with `strategy.run`, and the
-optimizer all-reduces the replicas' gradients into one update. `Replicas`
-gives MemFit (`keras_memfit.training.layout`) what it needs to split such a
-batch so that every replica runs the same number of pieces (the all-reduce
-must line up):
-
-- `local(batch)`: each replica's rows, as `(x, y, sample_weight)` chunks;
-- `distribute(chunks)`: one chunk per replica back as a distributed batch
-  (`experimental_distribute_values_from_function`);
-- compiled steps on a distributed batch: a train step that says how far a
-  failed call got (`ReplicaTrainStep`), gradient accumulation into
-  `ON_READ`/`SUM` variables with one `apply_gradients` (one all-reduce, one
-  optimizer step) per batch (`ReplicaAccumulator`), Keras's own test step,
-  and the predict step (per-replica outputs);
-- `guard(variables)`: snapshots of every replica's copy of the small state.
-
-Every variable these make is created under the strategy's scope.
-`training_replicas(model)` refuses, with a clear error, the strategies MemFit cannot
-split for (multi-worker, TPU, parameter server).
+`Replicas` lets `training.layout` split a distributed batch so that every replica runs the same
+number of pieces (the optimizer's all-reduce must line up); its variables are made in the
+strategy's scope.
 """
 
 from __future__ import annotations
@@ -48,13 +30,8 @@ def check_strategy(strategy: Any) -> None:
     """Raise a clear `NotImplementedError` for a strategy MemFit cannot split for.
 
     Raises:
-        NotImplementedError: For `MultiWorkerMirroredStrategy` (Keras 3's own
-            `fit` fails under it, keras-team/keras#20585), `TPUStrategy`,
-            `ParameterServerStrategy` and any other strategy but
-            `MirroredStrategy` and `OneDeviceStrategy`.
-
-    Example:
-        >>> check_strategy(tf.distribute.MirroredStrategy())  # supported: no error
+        NotImplementedError: For any strategy but `MirroredStrategy` and `OneDeviceStrategy`
+            (multi-worker, TPU, parameter server, ...).
     """
     if isinstance(strategy, _SUPPORTED):
         return
@@ -90,18 +67,7 @@ def check_strategy(strategy: Any) -> None:
 
 
 def training_replicas(model: keras.Model) -> Optional["Replicas"]:
-    """The `Replicas` of the strategy `model` runs under, or None without one.
-
-    Raises:
-        NotImplementedError: For a strategy MemFit cannot split for (see
-            `check_strategy`).
-
-    Example:
-        >>> with tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:1"]).scope():
-        ...     model = build_and_compile()
-        >>> training_replicas(model).count
-        2
-    """
+    """The `Replicas` of `model`'s strategy, or None without one (see `check_strategy`)."""
     strategy = active_strategy(model)
     if strategy is None:
         return None
@@ -116,20 +82,7 @@ def _local(strategy: tf.distribute.Strategy, value: Any) -> tuple:
 
 
 class Replicas:
-    """The replicas of a `MirroredStrategy` (or `OneDeviceStrategy`), for MemFit.
-
-    Args:
-        strategy: The strategy.
-
-    Attributes:
-        strategy: The strategy.
-        count: The number of replicas in sync.
-
-    Example:
-        >>> chunks = replicas.local(batch)  # [(x0, y0, None), (x1, y1, None)]
-        >>> halves = [keras_memfit.planning.data.rows(c, 0, 4) for c in chunks]
-        >>> logs = replicas.train_step(model, custom=False)(replicas.distribute(halves))
-    """
+    """The replicas of a `MirroredStrategy` (or `OneDeviceStrategy`), for MemFit."""
 
     def __init__(self, strategy: tf.distribute.Strategy) -> None:
         self.strategy = strategy
@@ -190,9 +143,8 @@ class Replicas:
     def test_step(self, model: keras.Model, exact: bool = False) -> Callable[[Any], Any]:
         """Keras's `model.test_step` on a distributed batch; returns the reduced logs.
 
-        Traced as Keras traces its own: each replica's per-output loss
-        trackers count a batch once; with `exact`, once per piece size (they
-        weight a piece by its rows).
+        Traced as Keras traces its own (per-output loss trackers count a batch once); with `exact`,
+        once per piece size (they weight a piece by its rows).
         """
         model_ref = weakref.ref(model)
         strategy = self.strategy
@@ -239,19 +191,11 @@ def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = N
 class ReplicaTrainStep:
     """A train step on a distributed batch that can tell whether its update began.
 
-    Keras's default train step (or the model's own `train_step` when
-    `custom`) under `strategy.run`, logs reduced as Keras reduces them. Its
-    small state is not snapshotted inside the step: callers guard it
-    (`snapshots_itself` is False). The default step sets a per-replica
-    `ON_READ` flag right before the optimizer update, after every gradient
-    exists (`flagged_train_step`'s strict order: unlike the one-device
-    `TrainStep`, it never lets an update begin earlier); after a failed call `last_outcome` is `UPDATE_BEGAN` when a
-    replica had set it, else `RESTORED` (the caller's guard restores).
-
-    Attributes:
-        snapshots_itself: False: callers guard the small state.
-        last_outcome: The outcome of the last call that raised; None for a
-            custom `train_step` (unknown).
+    Keras's default train step (or the model's own `train_step` when `custom`) under
+    `strategy.run`; callers guard its small state. The default step sets a per-replica `ON_READ`
+    flag once every gradient exists (always the strict order), so after a failed call
+    `last_outcome` is `UPDATE_BEGAN` where a replica set it, else `RESTORED`; None for a custom
+    `train_step` (unknown).
     """
 
     snapshots_itself = False
@@ -295,16 +239,10 @@ class ReplicaTrainStep:
 class ReplicaAccumulator:
     """Sums each replica's weighted micro-batch gradients; applies them as one step.
 
-    Made when a batch is first split; the sums are `ON_READ`/`SUM` variables
-    made under the strategy's scope at the first micro-batch (one copy per
-    replica). `add` runs one piece on every replica, each replica's gradient
-    weighted by its own share; `apply` calls `apply_gradients` once on every
-    replica with its local sums, which the optimizer all-reduces: the same
-    update as Keras's step on the whole batch, where each replica's loss is
-    its rows' mean scaled by the number of replicas. A sparse gradient is
-    kept as each replica's rows, as on one device (`accumulation.py`), unless
-    the optimizer sums them exactly: Keras's all-reduce then gathers every
-    replica's rows, as for the unsplit step.
+    The sums are `ON_READ`/`SUM` variables (one copy per replica), made at the first micro-batch.
+    `apply` calls `apply_gradients` once on every replica with its local sums, which the optimizer
+    all-reduces: Keras's update on the whole batch. Sparse gradients are kept as each replica's
+    rows, as on one device, unless the optimizer sums rows exactly (`sums_sparse_exactly`).
     """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
@@ -376,8 +314,7 @@ class ReplicaAccumulator:
         Args:
             data: A distributed batch (`Replicas.distribute`).
             weight: A distributed float per replica (`Replicas.scalars`).
-            loss_factor: Likewise, what each replica's loss tracker
-                multiplies its loss by.
+            loss_factor: Likewise, what each replica's loss tracker multiplies its loss by.
         """
         if self._sums is None:
             self._make(data)
@@ -390,7 +327,6 @@ class ReplicaAccumulator:
                 pieces[replica].append(pair)
 
     def held(self) -> Optional[str]:
-        """What the last update held that grows with the batch (kept rows), in words; else None."""
         return self._held
 
     def apply(self) -> None:

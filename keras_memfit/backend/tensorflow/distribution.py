@@ -1,10 +1,6 @@
-"""TensorFlow's distribution answers: `tf.distribute` strategies, in one process.
+"""The seam's `Distribution` on TensorFlow: `tf.distribute` strategies, in one process.
 
-The seam's `Distribution` on TensorFlow, from the modules that run the
-strategies: which strategy a model runs under and the devices of its
-replicas (`replicas`), the replicas MemFit trains (`distribute`). Several
-processes (multi-worker strategies) are refused there, so nothing here
-agrees with other processes.
+Multi-worker strategies are refused (`distribute`), so nothing here agrees with other processes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""What a compiled TensorFlow step holds while it runs under XLA.
-
-TensorFlow's XLA launch donates the buffers of the variables a compiled
-function updates; an OOM of that call would leave them freed while the
-variables still point at them. `held_values` keeps them alive, and
-`XlaHolds` decides, per call, which ones: the small state always, the large
-state only on the first call at each input signature.
-"""
+"""What a compiled TensorFlow step holds while it runs under XLA."""
 
 from __future__ import annotations
 
@@ -18,16 +11,10 @@ import tensorflow as tf
 def held_values(variables: Sequence[Any]) -> List[Any]:
     """The current values of `variables`, to hold while an XLA call that updates them runs.
 
-    TensorFlow's XLA launch donates the buffer of a resource variable the
-    compiled function updates when nothing else references it, and when the
-    call then fails (an OOM while XLA allocates, before anything runs) the
-    donated buffer is freed while the variable still holds it: the variable
-    reads freed memory, and its next assignment frees the buffer again
-    (`bfc_allocator.cc: Check failed: c->in_use()` aborts the process).
-    Holding a reference to each value while the call runs keeps it from
-    being donated: XLA writes the updates into new buffers (the updated
-    variables' bytes more during the call), and a failed call leaves the
-    variables as they were.
+    TensorFlow's XLA launch donates the buffer of an updated variable that nothing else
+    references; if the call then fails, the buffer is freed while the variable still holds it (its
+    next assignment aborts the process). A held value is not donated: XLA writes the update into
+    a new buffer (the variables' bytes more during the call), and a failed call leaves them intact.
     """
     values = []
     for v in variables:
@@ -49,15 +36,10 @@ def _signature(data: Any) -> Tuple[Any, ...]:
 class XlaHolds:
     """What a compiled step that updates variables holds on each call under XLA.
 
-    See `held_values`: a held variable survives an OOM of the call, at the
-    cost of its bytes more during the call. The small state (`small()`:
-    metrics, counters, snapshots) is held on every call. The large state
-    (`large()`: weights, optimizer slots, gradient sums) only on the first
-    call at each input signature: an XLA program allocates the same buffers
-    at every call, so once one succeeded its next calls fit as well (unless
-    the free memory shrank meanwhile), and the steady state donates them as
-    Keras's own step does. Without `jit_compile` nothing is held (TensorFlow
-    updates in place, and an OOM frees nothing it should not).
+    The small state (`small()`: metrics, counters, snapshots) on every call; the large state
+    (`large()`: weights, optimizer slots, gradient sums) only on the first call at each input
+    signature: an XLA program allocates the same buffers at every call, so once one succeeded the
+    next ones fit too, and donate as Keras's step does. Nothing without `jit_compile`.
 
     Attributes:
         active: Whether the model's steps run under XLA.

@@ -24,18 +24,11 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """Known exactly for the capped CPU allocator (TF_CPU_ALLOCATOR_USE_BFC with
-    TF_CPU_BFC_MEM_LIMIT_IN_MB) and for a GPU given a logical-device memory
-    limit. For a whole GPU (no logical limit) it is read from NVML
-    (`nvidia-ml-py`, a dependency) and computed the way TensorFlow sizes its
-    allocator (`nvml_allocator_limit`). `exact` says whether the planner may
-    trust it before a first OOM; all three are trusted. None where TensorFlow
-    sees no such device, and where NVML is missing or cannot tell (no driver,
-    no permission, a MIG slice, a device it cannot match).
+    """Exact for the capped CPU allocator and a GPU's logical-device limit; else read from NVML.
 
-    Example:
-        >>> memory_limit("CPU:0")  # under TF_CPU_BFC_MEM_LIMIT_IN_MB=400
-        (419430400, True)
+    On a whole GPU, computed as TensorFlow sizes its allocator (`nvml_allocator_limit`). None where
+    TensorFlow sees no such device, or NVML is missing or cannot tell (no driver, no permission, a
+    MIG slice, a device it cannot match).
     """
     mib = 1 << 20
     if device.upper().startswith("CPU"):
@@ -71,15 +64,6 @@ def min_system_memory(available: int, cc_major: int) -> int:
     Args:
         available: Free device memory when TensorFlow started, in bytes.
         cc_major: The GPU's CUDA compute capability, major number.
-
-    Returns:
-        225 MiB below 2 GiB available; else 500 MiB (compute capability 6 and
-        older), 1050 MiB (7), 1536 MiB (8), 1800 MiB (9 and newer); or
-        TF_DEVICE_MIN_SYS_MEMORY_IN_MB MiB where that is set.
-
-    Example:
-        >>> min_system_memory(15 << 30, 7) // 2**20  # a T4
-        1050
     """
     forced = os.environ.get("TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "")
     if forced.isdigit():
@@ -91,33 +75,19 @@ def min_system_memory(available: int, cc_major: int) -> int:
 
 
 def nvml_allocator_limit(total: int, others: int, cc_major: int) -> int:
-    """The limit TensorFlow gives its allocator on a whole GPU, from NVML's numbers.
+    """The limit in bytes TensorFlow gives its allocator on a whole GPU, from NVML's numbers.
 
-    TensorFlow takes the memory free when it starts (the device's `total`,
-    less what `others` processes use, less its own CUDA context) and leaves
-    `min_system_memory` of it to CUDA's libraries.
-
-    Args:
-        total: The device's memory in bytes (`nvmlDeviceGetMemoryInfo`).
-        others: Bytes used by other processes on the device.
-        cc_major: The device's compute capability, major number.
-
-    Returns:
-        The estimated limit in bytes (at least 0).
-
-    Example:
-        >>> nvml_allocator_limit(15360 << 20, 0, 7) // 2**20  # a 16 GB T4
-        13798
+    The memory free when TensorFlow started (`total`, less the bytes `others` processes use, less
+    its own CUDA context), less `min_system_memory` of it.
     """
     available = max(0, total - others - CUDA_CONTEXT_BYTES)
     return max(0, available - min_system_memory(available, cc_major))
 
 
 def _nvml_index(physical: Any) -> Optional[Any]:
-    """NVML's handle argument for TensorFlow's physical GPU `physical`, or None.
+    """NVML's handle argument for TensorFlow's GPU `physical`: ("index", n), ("uuid", text) or None.
 
-    TensorFlow numbers the GPUs CUDA shows (CUDA_VISIBLE_DEVICES); NVML
-    numbers all of them. Returns ("index", n) or ("uuid", text).
+    TensorFlow numbers the GPUs CUDA shows (CUDA_VISIBLE_DEVICES); NVML numbers all of them.
     """
     ordinal = int(physical.name.rsplit(":", 1)[-1])
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -175,8 +145,7 @@ def _nvml_limit(physical: Any) -> Optional[Tuple[int, bool]]:
 def _other_processes_bytes(processes: Any) -> Optional[int]:
     """Bytes the GPU's other processes use, or None when that cannot be told.
 
-    In a container NVML may report the host's process ids: then a lone
-    process is taken to be this one, and several make it unknown.
+    In a container NVML may report the host's process ids: a lone process is taken to be this one.
     """
     processes = list(processes)
     mine = [p for p in processes if p.pid == os.getpid()]
@@ -198,23 +167,14 @@ def reset_peak(device: str) -> None:
 
 
 def conv_columns(model: Any, device: str) -> bool:
-    """On a CPU without XLA: TensorFlow's CPU kernels of a convolution's gradients
-    allocate at least the column matrix (a 3x3 Conv2D(16) on a 16-channel
-    256x256 input: 36 MiB of columns, 68 MiB measured for its input gradient)."""
+    """On a CPU without XLA, whose kernels of a convolution's gradients build the column matrix."""
     return device.upper().startswith("CPU") and not compiles_per_shape(model)
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """With `jit_compile=True`: XLA compiles every new piece size.
+    """With `jit_compile=True` (Keras turns it on by itself on a GPU); never when run eagerly.
 
-    Without `jit_compile`, TensorFlow's steps are traced with relaxed shapes
-    and run any piece size without compiling again; with it, XLA compiles
-    every new piece size (Keras turns it on by itself on a GPU). Run
-    eagerly, nothing is compiled.
-
-    Example:
-        >>> compiles_per_shape(model)  # model.compile(..., jit_compile=True)
-        True
+    Without it, TensorFlow's steps are traced with relaxed shapes and run any piece size.
     """
     if getattr(model, "run_eagerly", False):
         return False

@@ -1,21 +1,7 @@
 """Running the inference steps on every replica of a `tf.distribute.MirroredStrategy`.
 
-A model built under a `MirroredStrategy`'s scope, or used inside one, runs
-Keras's own predict and test steps with `strategy.run`: each replica gets a
-share of the batch, predictions are concatenated in replica order, and the
-metrics live per replica (Keras's metric variables are ON_READ: each replica
-adds to its own copy, and reading sums the copies). keras_memfit's steps do
-the same for every piece they run: the piece (a batch, or part of one after
-an OOM) is split into one contiguous share per replica, as even as possible
-(the first `rows % replicas` replicas get one row more, as `tf.data`'s
-rebatching splits Keras's batches), inside the compiled step, and the
-outputs come back concatenated in input order. The planner sizes the pieces
-for all replicas at once (see `keras_memfit.planning.planner`): one size is agreed
-before any replica runs it, so every replica runs the same number of pieces.
-
-Other strategies (`OneDeviceStrategy`, `MultiWorkerMirroredStrategy`,
-`TPUStrategy`, `ParameterServerStrategy`) are not recognised here: the steps
-run as without a strategy, on the default device.
+Each piece is split inside the compiled step into one contiguous share per replica, and the
+outputs come back concatenated in input order. Other strategies run as without a strategy.
 """
 
 from __future__ import annotations
@@ -35,11 +21,7 @@ def _distribute_strategy(model: keras.Model) -> Any:
 
 
 def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
-    """The `tf.distribute` strategy `model` runs under, of any kind, or None.
-
-    As in Keras's own trainer: the strategy whose scope the model was
-    created in, else the one whose scope is active now.
-    """
+    """The `tf.distribute` strategy `model` runs under (as Keras's trainer finds it), or None."""
     strategy = _distribute_strategy(model)
     if strategy is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
@@ -47,27 +29,13 @@ def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
 
 
 def distribution_of(model: Any) -> Optional[str]:
-    """The `tf.distribute` strategy `model` runs under, named, or None (see `active_strategy`).
-
-    Example:
-        >>> with tf.distribute.MirroredStrategy().scope():
-        ...     model = build_model()
-        >>> distribution_of(model)
-        'tf.distribute.MirroredStrategy'
-    """
+    """The `tf.distribute` strategy `model` runs under, named, or None."""
     strategy = active_strategy(model)
     return None if strategy is None else f"tf.distribute.{type(strategy).__name__}"
 
 
 def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:
-    """The `MirroredStrategy` `model` runs under (see `active_strategy`), or None.
-
-    Example:
-        >>> with tf.distribute.MirroredStrategy().scope():
-        ...     model = build_model()
-        >>> strategy_of(model).num_replicas_in_sync  # on two GPUs
-        2
-    """
+    """The `MirroredStrategy` `model` runs under (see `active_strategy`), or None."""
     strategy = active_strategy(model)
     return strategy if isinstance(strategy, tf.distribute.MirroredStrategy) else None
 
@@ -79,12 +47,7 @@ def short_name(device: str) -> str:
 
 
 def replica_devices(model: Any) -> Tuple[str, ...]:
-    """The devices of `model`'s replicas ("GPU:0", "GPU:1"), or () without a `MirroredStrategy`.
-
-    Example:
-        >>> replica_devices(model)  # built under MirroredStrategy on two GPUs
-        ('GPU:0', 'GPU:1')
-    """
+    """The devices of `model`'s replicas ("GPU:0", ...); () without a `MirroredStrategy`."""
     strategy = strategy_of(model)
     if strategy is None:
         return ()
@@ -92,15 +55,10 @@ def replica_devices(model: Any) -> Tuple[str, ...]:
 
 
 def split_bounds(rows: Union[int, tf.Tensor], replicas: int) -> List[Any]:
-    """Where each replica's share of `rows` rows starts, and where the last ends.
+    """Where each replica's share of `rows` rows starts, and the last one ends: (7, 2) -> [0, 4, 7].
 
-    Contiguous shares as even as possible, the larger ones first (replica
-    `i` gets rows `bounds[i]:bounds[i + 1]`). `rows` may be a scalar tensor
-    (a batch dimension unknown when tracing).
-
-    Example:
-        >>> split_bounds(7, 2)
-        [0, 4, 7]
+    Contiguous shares, the larger ones first. `rows` may be a scalar tensor (a batch dimension
+    unknown when tracing).
     """
     share, extra = rows // replicas, rows % replicas
     minimum = tf.minimum if tf.is_tensor(rows) else min
@@ -142,9 +100,8 @@ def _as_tensor(leaf: Any) -> Any:
 def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
     """`data` (a structure of tensors sharing their rows) as one share per replica.
 
-    The shares are cut on the host, so that each replica's device receives
-    only its own rows; ragged and sparse tensors are cut by rows too. None
-    leaves (optional inputs) stay None.
+    Cut on the host, so that each replica's device receives only its own rows; ragged and sparse
+    tensors are cut by rows; None leaves stay None.
     """
     data = keras.tree.map_structure(_as_tensor, data)
     replicas = strategy.num_replicas_in_sync
@@ -175,13 +132,11 @@ def _concat(parts: Sequence[Any]) -> Any:
 
 
 def combine(strategy: tf.distribute.Strategy, outputs: Any, how: str) -> Any:
-    """Each per-replica leaf of `outputs` made one, on the host.
+    """Each per-replica leaf of `outputs` (what `strategy.run` returned) made one, on the host.
 
     Args:
-        strategy: The strategy that ran the step.
-        outputs: What `strategy.run` returned.
-        how: "concat" (predictions, in replica order) or "mean" (logs, as
-            Keras's `reduce_per_replica` "auto" does for a test step).
+        how: "concat" (predictions, in replica order) or "mean" (logs, as Keras's
+            `reduce_per_replica` "auto" does for a test step).
     """
 
     def one(value: Any) -> Any:
@@ -204,24 +159,11 @@ def distributed_step(
     how: str,
     static_shapes: bool = False,
 ) -> Callable[[Any], Any]:
-    """`fn` run on every replica of `strategy`, each on its share of the batch.
+    """`fn` run on every replica of `strategy`, each on its share; outputs combined as `how` says.
 
-    Compiled as Keras compiles its own distributed steps: the step on one
-    replica is XLA-compiled when the model is (`jit_compile`), the whole
-    (splitting, `strategy.run`, combining) is a `tf.function` traced with an
-    unknown batch dimension, unless `static_shapes` (then once per piece
-    size, so that each replica's share has a static size). A model that runs
-    eagerly gets an eager step.
-
-    Args:
-        model: The model (for `run_eagerly` and `jit_compile`).
-        strategy: The model's strategy (see `strategy_of`).
-        fn: One replica's step on its share of the batch.
-        how: How the replicas' outputs are combined (see `combine`).
-        static_shapes: Trace once per piece size.
-
-    Returns:
-        A function of the whole batch returning the combined outputs.
+    Compiled as Keras compiles its own distributed steps: `fn` XLA-compiled under `jit_compile`,
+    the whole a `tf.function` traced with an unknown batch dimension (once per piece size with
+    `static_shapes`), eager for a model that runs eagerly.
     """
     eager = bool(getattr(model, "run_eagerly", False))
     inner = fn
@@ -253,15 +195,10 @@ def has_distributed(variables: Sequence[Any]) -> bool:
 
 
 class ReplicaGuard:
-    """Copies of every replica's copy of some variables, taken before a step, restored after.
+    """Every replica's copy of some variables, snapshotted before a step and restored after.
 
-    A distributed variable has one copy per replica, which a step under
-    `strategy.run` updates separately (the ON_READ metric variables hold a
-    different partial sum on each replica): the guard snapshots and
-    restores each copy on its own device, so the restored state is exactly
-    the one before the step, whatever strategy scope is active. The
-    snapshot is one compiled read of all the copies (a later update copies
-    the buffer rather than overwrite the snapshot).
+    Each copy is restored on its own device, whatever strategy scope is active. The snapshot is one
+    compiled read of all the copies (a later update copies the buffer rather than overwrite it).
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:

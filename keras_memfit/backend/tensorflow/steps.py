@@ -17,10 +17,8 @@ from keras_memfit.backend.tensorflow import replicas
 def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
     """`fn` compiled as Keras would compile the model's own steps.
 
-    The step functions below reach the model through a weak reference, so
-    that caching a compiled step per model (`keras_memfit._internal.cache`) does not
-    keep the model alive. `static_shapes` traces once per piece size instead
-    of relaxing the batch dimension to unknown (see `_needs_static_batch`).
+    `fn` reaches the model through a weak reference, so that a step cached per model does not keep
+    it alive. `static_shapes` traces once per piece size (see `_needs_static_batch`).
     """
     if getattr(model, "run_eagerly", False):
         return fn
@@ -32,10 +30,8 @@ def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> C
 def _needs_static_batch(model: keras.Model) -> bool:
     """Whether a step that splits batches must be traced with a static batch size.
 
-    Keras weights each per-output loss tracker (multi-output models) by the
-    *static* batch size of the outputs; in a step traced with an unknown batch
-    dimension every piece would count as one sample, so pieces of different
-    sizes would skew the per-output losses.
+    Keras weights each per-output loss tracker by the outputs' static batch size: traced with an
+    unknown one, pieces of different sizes would count alike.
     """
     return _keras_compat.has_per_output_loss_trackers(model)
 
@@ -43,9 +39,7 @@ def _needs_static_batch(model: keras.Model) -> bool:
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Callable:
-    """Compiled; under a `MirroredStrategy` (`replicas.strategy_of`) every
-    replica runs it on its share of `x`, the outputs concatenated in input
-    order, on the host."""
+    """Compiled; under a `MirroredStrategy` each replica runs its share of `x` (`replicas`)."""
     model_ref = weakref.ref(model)
 
     def predict_step(x):
@@ -69,11 +63,7 @@ KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
-    """Compiled, traced once with an unknown batch dimension as Keras's own
-    `evaluate` is (each call counts once for per-output loss trackers); with
-    `exact`, once per batch size. Under a `MirroredStrategy` every replica
-    runs it on its share of the batch, updating its own copy of the metrics;
-    the logs are the replicas' mean, as Keras's."""
+    """Traced once with an unknown batch size, as Keras's `evaluate` (`exact`: once per size)."""
     model_ref = weakref.ref(model)
 
     def test_step(data):
@@ -110,16 +100,10 @@ def traced_as_keras(step: Callable) -> Callable:
 
 
 def trace_as_keras(step: Callable, data: Any, spec: Any = None) -> None:
-    """Trace compiled `step` for `data` as Keras traces its own.
+    """Trace compiled `step` for `data` as Keras traces its own (nothing for an eager step).
 
-    Keras traces its step functions on its dataset's element spec: `spec`
-    where given and `data` fits it (static shapes trace another graph, which
-    can round differently), else `data` with an unknown batch dimension, as
-    most datasets give it; a later call on any batch size then runs that
-    trace. What reads the static batch size while tracing (the per-output
-    loss trackers of a multi-output model) sees what it sees in Keras. The
-    first trace also builds what the step builds (layers, the optimizer,
-    metrics). Nothing for a step run eagerly.
+    On `spec` (Keras's dataset element spec) where `data` fits it, else with an unknown batch
+    dimension, so that per-output loss trackers see the static batch size they see in Keras.
     """
     if isinstance(step, tf.types.experimental.PolymorphicFunction):
         step.get_concrete_function(spec if _fits(data, spec) else relaxed_spec(data))
@@ -144,8 +128,7 @@ def _fits(data: Any, spec: Any) -> bool:
 def relaxed_spec(value: Any) -> Any:
     """The type spec of `value` (a structure) with an unknown batch dimension.
 
-    Numpy object arrays (strings) are string tensors; None stays None; a
-    `tf.distribute` value, each replica's.
+    Numpy object arrays are string tensors; None stays None; a `tf.distribute` value, per replica.
     """
 
     def spec(leaf):
@@ -170,12 +153,9 @@ def relaxed_spec(value: Any) -> Any:
 
 
 class VariableGuard:
-    """A `Guard`: copies of some variables, taken before a step, restored if it fails.
+    """A `Guard`: copies of some variables on their own devices, taken by one compiled call.
 
-    The copies live on the variables' own devices and are taken by one small
-    compiled function, so a snapshot costs one dispatch, not a host round trip.
-    Take the snapshot *before* each attempt: a step that fails may have
-    updated some of the variables, or none.
+    Take the snapshot before each attempt: a failed step may have updated some of them, or none.
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
@@ -203,16 +183,14 @@ class VariableGuard:
 
 
 def guard_variables(variables: Sequence[Any]) -> Any:
-    """A `VariableGuard`; variables of a tf.distribute strategy (one copy per
-    replica) get a `replicas.ReplicaGuard`, which restores each replica's copy."""
+    """A `VariableGuard`, or a `replicas.ReplicaGuard` for tf.distribute variables."""
     if replicas.has_distributed(variables):
         return replicas.ReplicaGuard(variables)
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
-    """Under a `MirroredStrategy`, inside its scope (as Keras builds them), so
-    that the metrics get one copy per replica."""
+    """Under a `MirroredStrategy`, inside its scope, so the metrics get one copy per replica."""
     x, y, sample_weight = batch
     strategy = replicas.strategy_of(model)
     if strategy is None:
@@ -223,8 +201,7 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Optional[Any]:
-    """`NO_SPEC` for eager steps. The batch dimension is traced as unknown, so
-    the same trace then serves every batch size (the step is traced once)."""
+    """`NO_SPEC` for eager steps; traced once, with an unknown batch dimension."""
     polymorphic = tf.types.experimental.PolymorphicFunction
     if not isinstance(step, polymorphic):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper

@@ -13,14 +13,7 @@ from keras_memfit.backend.base import Trace, TracedTensor
 
 
 def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
-    """(structure of `tf.TensorSpec`s, positional) to call `model` symbolically with.
-
-    The structure is Keras's (see `_keras_compat.input_structure`); the batch
-    dimension is always unknown.
-
-    Raises:
-        ValueError: If the model has not been built.
-    """
+    """`(structure of tf.TensorSpec, positional)` to call `model` with, batch dimension unknown."""
     struct, positional = _keras_compat.input_structure(model)
     spec = keras.tree.map_structure(
         lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), tf.as_dtype(t.dtype)), struct
@@ -36,9 +29,7 @@ def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], s
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Traced in a throw-away `tf.function` (nothing runs) within a
-    `keras.StatelessScope` (no variable changes, no losses recorded); the
-    batch dimension is traced as None."""
+    """Traced in a throw-away `tf.function` within a `keras.StatelessScope`."""
     spec, positional = _model_input_specs(model)
     flat_spec = keras.tree.flatten(spec)
     recorder = CallRecorder(_tensor_info)

@@ -1,18 +1,7 @@
 """Keras's step functions in the TensorFlow trainer's calling convention.
 
-Keras's TensorFlow trainer calls `model.train_function(iterator)` and
-`model.test_function(iterator)`, each pulling up to `steps_per_execution`
-batches itself, and `model.predict_function(batches)` with the batches it
-already pulled. `step_function` builds a replacement with that convention
-around a backend-neutral `run_batches(batches)`; the end of an
-epoch's data shows as `StopIteration` or `tf.errors.OutOfRangeError`
-(`is_end_of_data`).
-
-Another backend's `trainer` module offers the same functions in its own
-convention, and MemFit does not change: JAX's `train_function(state,
-iterator)` also pulls its batches, and its replacement runs keras_memfit's
-steps on Keras's state tuple and returns `(logs, state)` (see
-`keras_memfit.backend.jax.trainer`).
+`model.train_function(iterator)` and `test_function(iterator)` pull up to
+`steps_per_execution` batches; `predict_function(batches)` gets those Keras pulled.
 """
 
 from __future__ import annotations
@@ -33,9 +22,7 @@ def step_function(
     kind: str,
     run_batches: Callable[[Iterable[Any]], Any],
 ) -> Callable[[Any], Any]:
-    """`function(iterator)` for "train" and "test" (pulls up to
-    `model.steps_per_execution` batches, one at a time, raising `StopIteration`
-    or `OutOfRangeError` when none is left), `function(batches)` for "predict"."""
+    """`function(iterator)` ("train", "test": it pulls the batches), or `function(batches)`."""
     check_step_kind(kind)
     if kind == "predict":
 
@@ -65,7 +52,7 @@ def keras_batch_spec(model: keras.Model) -> Optional[Any]:
 
 
 def _as_tf_sparse(value: Any) -> Any:
-    """A scipy or JAX sparse matrix as a `tf.SparseTensor`, as Keras's generator adapter makes it."""
+    """A scipy or JAX sparse matrix as a `tf.SparseTensor`, as Keras's adapter makes it."""
     if value is None:
         return None
     if data_adapter_utils.is_scipy_sparse(value):
@@ -78,12 +65,9 @@ def _as_tf_sparse(value: Any) -> Any:
 def adapter_batches(adapter: Any) -> Iterator[Any]:
     """As Keras's TensorFlow loops hand them over.
 
-    A `tf.data.Dataset` and arrays Keras batches itself (sparse arrays) come
-    as TensorFlow's own tensors, as in `model.predict` (Keras's numpy
-    iterator would pad ragged tensors, densify sparse ones and turn strings
-    into object arrays); the other kinds (generators, `PyDataset`) as numpy
-    arrays, with sparse matrices (scipy, JAX BCOO) as `tf.SparseTensor`s,
-    which is what Keras's own `tf.data` pipeline for them makes.
+    A `tf.data.Dataset` and arrays Keras batches itself come as TensorFlow tensors, as in
+    `model.predict`; generators and `PyDataset`s as numpy arrays, sparse matrices as
+    `tf.SparseTensor`s (what Keras's own `tf.data` pipeline for them makes).
     """
     if type(adapter).__name__ in ("TFDatasetAdapter", "ArrayDataAdapter"):
         return iter(adapter.get_tf_dataset())
@@ -96,8 +80,7 @@ def adapter_batches(adapter: Any) -> Iterator[Any]:
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """The predict function takes the list of batches, the train and test
-    functions an iterator over them."""
+    """The predict function takes the list of batches, the others an iterator."""
     return function(batches if kind == "predict" else iter(batches))
 
 

@@ -1,22 +1,7 @@
-"""Train steps that can tell how far a failed call got; the seam's `Training`.
+"""MemFit's train steps on TensorFlow (the seam's `Training`): each tells how far a failed call got.
 
-MemFit's train steps for the TensorFlow backend: `make_train_step` (Keras's
-default step, with its small state snapshotted inside the same compiled call)
-and `make_custom_train_step` (a model's own `train_step`); Keras's step in
-parts is in `default_step`, what an XLA call that updates variables holds so
-that an OOM leaves them intact in `holds`, gradient accumulation in
-`accumulation` (`make_accumulator`). Under a `tf.distribute` strategy MemFit
-trains through the replicas' steps (`distribute`).
-
-Under XLA (`jit_compile=True`, Keras's default on a GPU) Keras's default step
-runs as two compiled calls, as on JAX: a gradient call (forward pass, loss,
-gradients, metrics), which updates only the small state and so can be held
-whole (`XlaHolds`) at no cost, then an update call (`apply_gradients`),
-which TensorFlow's XLA launch lets update the weights and optimizer slots in
-place (it donates their buffers). One fused call would have to hold the
-weights and slots while it runs, so that an OOM cannot free them, and XLA
-would then write their updates into new buffers: about 0.6 of the weights'
-bytes more at the peak (`benchmarks/footprint.py`, "fit-jit").
+Under XLA Keras's default step runs as two calls, as on JAX: a gradient call that updates only
+the small state, then an in-place update call (docs/backends.md, "XLA").
 """
 
 from __future__ import annotations
@@ -56,57 +41,23 @@ STRICT_SHARE = 0.02
 class TrainStep:
     """Keras's default train step, compiled, that can tell how far a failed step got.
 
-    Same computation as `TensorFlowTrainer.train_step`, plus, inside the same
-    compiled function (no extra call per step):
+    Inside the same compiled call, before anything that needs memory, it copies `guarded` (the
+    small state) into shadow variables and bumps `generation`; it sets `update_began` to that
+    generation before the optimizer update may begin (`flagged_train_step`): in the strict order
+    once every gradient exists (any OOM before it is retriable, for `strict_extra_bytes` more at
+    the peak), in the free order once the first one does, as Keras's own step. It runs strict
+    where that costs at most `STRICT_SHARE` of the estimated peak at its rows, without an estimate,
+    and always after an OOM that left the weights untouched. Under XLA it runs `split` instead: an
+    OOM of the update call is `UPDATE_BEGAN` (its donated weights and slots may be freed).
 
-    - a snapshot of `guarded` (the small state a step updates: see
-      `train_state_variables`) into shadow variables, then a bump of
-      `generation`; the forward pass depends on both, so nothing that needs
-      memory runs before them;
-    - `update_began`, set to the step's generation before any op of the
-      optimizer update may run (`flagged_train_step`), in one of two orders:
-
-      - **strict**: once every gradient exists. Any OOM of the forward or
-        backward pass then leaves weights and slots untouched (retriable),
-        at the cost of every gradient alive at once: up to the gradients'
-        bytes minus the largest one's more at the peak;
-      - **free**: once the gradient computed first exists (the last
-        trainable weight's, next to the loss); the update of a weight then
-        runs, and frees its gradient, while earlier layers' gradients are
-        still being computed, as in Keras's own step. An OOM after it began
-        is not retriable.
-
-    A call runs strict when that costs little: when the gradients' bytes
-    minus the largest one's are at most `STRICT_SHARE` of the estimated
-    training peak at its rows (`use_peak_estimate`; where activations
-    dominate, OOMs come from the batch and strict keeps them retriable),
-    when no estimate was given or it failed, and always after an OOM that
-    left the weights untouched (the batch drives memory: later OOMs must stay
-    retriable). Each order is a `tf.function`, traced when first used.
-
-    Under XLA the step is split instead (`split`, see the module docstring):
-    the gradient call snapshots and bumps as above and returns the
-    gradients; the update call applies them in place. An OOM of the gradient
-    call leaves the weights untouched (it only reads them); one of the update
-    call sets `UPDATE_BEGAN` (its donated weights and slots may be freed).
-
-    When a call raises an `Exception`, the step reads the counters (host
-    reads, only then), restores the small state if the snapshot had run, and
-    sets `last_outcome` to a `StepOutcome`: `UNTOUCHED` (nothing ran: XLA,
-    for one, allocates before it executes anything), `RESTORED` (it ran
-    part-way; its small state is back), or `UPDATE_BEGAN` (the optimizer
-    update had begun: weights and slots may be partly updated, so the step
-    must not be retried).
+    After a call raises `Exception`, the counters are read on the host, the small state is
+    restored if the snapshot ran, and `last_outcome` is `UNTOUCHED` (nothing ran), `RESTORED` or
+    `UPDATE_BEGAN` (weights and slots may be partly updated: not retried).
 
     Attributes:
-        snapshots_itself: True: callers need no `Guard` around a call.
-        last_outcome: The outcome of the last call that raised, or None.
-        strict_extra_bytes: What the strict order holds at most beyond the
-            free one: the trainable weights' bytes minus the largest one's.
-        always_strict: Whether every call runs strict (set after an OOM that
-            left the weights untouched).
-        split: Whether the step runs as a gradient call and an update call
-            (under XLA).
+        strict_extra_bytes: The trainable weights' bytes minus the largest one's.
+        always_strict: Whether every call runs strict.
+        split: Whether the step runs as a gradient call and an update call (under XLA).
     """
 
     snapshots_itself = True
@@ -143,7 +94,7 @@ class TrainStep:
         self._peak_at = peak_at
 
     def strict_at(self, rows: Optional[int]) -> bool:
-        """Whether a call on `rows` rows runs in the strict order (see the class docstring)."""
+        """Whether a call on `rows` rows runs in the strict order."""
         if self.always_strict or self._peak_at is None or rows is None:
             return True
         try:
@@ -250,9 +201,7 @@ def make_train_step(model: keras.Model) -> TrainStep:
 def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]) -> Any:
     """`data`, ordered after `pairs`' snapshot (`shadow <- value`) and `generation`'s bump.
 
-    Inside a compiled step: whatever reads the returned tensors runs after
-    the small state was copied into its shadows and the call counted, so
-    that a failure later in the call can be told from one before it.
+    A failure later in the call can then be told from one before it.
     """
     reads = [shadow.assign(v.value) for shadow, v in pairs]
     with tf.control_dependencies(reads):
@@ -279,11 +228,8 @@ def _make_train_step(
 def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, Callable]:
     """Keras's default step as two compiled calls: `data -> (gradients, logs)`, `gradients -> None`.
 
-    The first snapshots `pairs` and bumps `generation` before anything
-    that needs memory (as `_make_train_step`), then runs the forward pass,
-    the loss, the gradients, the loss tracker and the metrics (which do not
-    read the updated weights); it returns the gradients that exist (sparse
-    ones as `tf.IndexedSlices`). The second applies them, one optimizer step.
+    The first snapshots and bumps first (`_after_snapshot`) and returns the gradients that exist
+    (sparse ones as `tf.IndexedSlices`); the second is one optimizer step.
     """
     model_ref = weakref.ref(model)
     present: List[bool] = []  # per trainable weight: whether it gets a gradient (at trace)
@@ -309,19 +255,10 @@ def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, 
 class CustomTrainStep:
     """A model's own (overridden) `train_step`, compiled and traced as Keras would.
 
-    Traced when made, on Keras's batch with an unknown batch dimension (as
-    Keras traces its train function): the trace builds what the step builds
-    (layers, the optimizer, metrics: a model with no `call()` is built by
-    its `train_step` alone), so the small state to guard exists afterwards.
-    It cannot tell how far a failed call got, nor snapshot what it touches:
-    callers snapshot the small state with a `Guard` around each call. Under
-    XLA it cannot be split either: a call holds the small state, and on the
-    first call at each input signature the weights and optimizer variables
-    too (`XlaHolds`), so that an OOM there frees none of them.
-
-    Attributes:
-        snapshots_itself: False.
-        last_outcome: Always None (unknown).
+    Traced when made, on Keras's batch spec: the trace builds what the step builds (a model with no
+    `call()` included). It cannot tell how far a failed call got: callers guard the small state.
+    Under XLA a call holds the small state, and on its first call at each input signature the
+    weights and optimizer variables too (`XlaHolds`).
     """
 
     snapshots_itself = False
@@ -353,8 +290,7 @@ class CustomTrainStep:
 def checkpoint(fn: Callable) -> Callable:
     """`tf.recompute_grad` over `fn`'s floating inputs.
 
-    The others (token ids, seed states) are closed over: the recomputation
-    reads the same tensors, and TensorFlow computes no gradient for them.
+    The others (token ids, seed states) are closed over: TensorFlow computes no gradient for them.
     """
 
     def call(*args: Any) -> Any:

@@ -1,8 +1,7 @@
 """torch's distribution answers: one process on one device; `torch.distributed` refused.
 
-Keras's torch backend has no distribution MemFit trains under: a model in a
-`torch.distributed` process group (DistributedDataParallel) is refused by
-MemFit (`training_replicas`); every piece runs on Keras's one device.
+Keras's torch backend has no distribution MemFit trains under: every piece runs on Keras's one
+device.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Memory statistics and limits of PyTorch's devices, for the planner.
 
-On CUDA, from PyTorch's caching allocator: `torch.cuda.memory_allocated`
-(bytes held by tensors), `torch.cuda.max_memory_allocated` since
-`torch.cuda.reset_peak_memory_stats`, and as the limit what the allocator
-can still reach: the device's free memory (`torch.cuda.mem_get_info`) plus
-what it already reserved (`torch.cuda.memory_reserved`), bounded by a
-per-process memory fraction where one is set
-(`torch.cuda.set_per_process_memory_fraction`).
-
-On the CPU, where the process runs under an address-space limit
-(`RLIMIT_AS`, which makes PyTorch's CPU allocations fail with a recoverable
-`DefaultCPUAllocator: can't allocate memory`), that limit is the device's
-limit and the process's address space (`/proc/self/status`: `VmSize`) what
-is in use. Its peak since `reset_peak` is the address space then plus how
-far the resident memory rose above what was resident then (`VmHWM`, whose
-high-water mark `reset_peak` resets through `/proc/self/clear_refs`, after
-returning the heap's free pages to the system with glibc's `malloc_trim`,
-so that a piece reusing freed memory counts too); where the mark cannot be
-reset, only a rise above the old one counts (a lower bound). Without such a
-limit (and on MPS) nothing is reported: the planner sizes batches from the
-first OOM instead.
+On CUDA, PyTorch's caching allocator; its limit is the free memory plus what it reserved,
+bounded by a per-process memory fraction. On the CPU under `RLIMIT_AS`, that limit, and the
+address space (`VmSize`) in use; the peak since `reset_peak` is the address space then plus
+how far the resident memory rose (`VmHWM`, reset through `/proc/self/clear_refs` after
+`malloc_trim`, so that a piece reusing freed memory counts too; where it cannot be reset, a
+lower bound). Nothing elsewhere (MPS, the CPU without a limit).
 """
 
 from __future__ import annotations
@@ -60,8 +46,7 @@ def _is_cpu(device: str) -> bool:
 
 
 def _address_space() -> Optional[Dict[str, int]]:
-    """The soft `RLIMIT_AS` and the process's `VmSize`, `VmPeak`, `VmRSS` and
-    `VmHWM` in bytes; None without a limit (or off Linux)."""
+    """The soft `RLIMIT_AS` and `VmSize`, `VmPeak`, `VmRSS`, `VmHWM` in bytes; None if unlimited."""
     if resource is None:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -80,8 +65,6 @@ def _address_space() -> Optional[Dict[str, int]]:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """Bytes held by tensors (CUDA's caching allocator), or the process's
-    address space under `RLIMIT_AS` (CPU); None otherwise."""
     index = _cuda_index(device)
     if index is not None:
         return int(torch.cuda.memory_allocated(index)), int(torch.cuda.max_memory_allocated(index))
@@ -97,15 +80,6 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """The device's free memory plus what PyTorch already reserved (its cache),
-    at most the per-process memory fraction of the device's total where one
-    is set; on the CPU the address-space limit (`RLIMIT_AS`) where one is set;
-    None otherwise.
-
-    Example:
-        >>> memory_limit("cuda:0")  # an idle 16 GB card
-        (16928342016, True)
-    """
     index = _cuda_index(device)
     if index is None:
         space = _address_space() if _is_cpu(device) else None
@@ -159,7 +133,6 @@ def conv_columns(model: Any, device: str) -> bool:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """False: keras_memfit's steps on torch run eagerly, also where Keras wraps
-    its own in `torch.compile` (`jit_compile=True`; see `steps`)."""
+    """False: keras_memfit's steps on torch run eagerly, also under `jit_compile=True`."""
     return False
 

@@ -1,28 +1,7 @@
 """PyTorch's own out-of-memory forms, and the bases of `OutOfMemoryError`.
 
-Each form is a small named predicate over the exception's class and message;
-`is_oom_error` is true when any of them is. PyTorch reports most runtime
-failures as a plain `RuntimeError`, so the class alone says little: each
-predicate but the first also needs the allocator's own message.
-
-- CUDA's caching allocator raises `torch.OutOfMemoryError` (the same class as
-  `torch.cuda.OutOfMemoryError`, a `RuntimeError`; it exists without a GPU).
-- The CPU allocator raises a plain `RuntimeError`: `[enforce fail at
-  alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory:
-  you tried to allocate N bytes. Error code 12 (Cannot allocate memory)`.
-  Raised inside a layer, Keras re-raises it as the same class with
-  "Exception encountered when calling Conv2D.call()" prepended.
-- Aligned host allocations inside a kernel (NNPACK's and torch's native
-  convolution buffers) report `posix_memalign failed:Cannot allocate memory
-  (12)` (ENOMEM).
-- cuBLAS and cuDNN report their workspace allocation failures as
-  `RuntimeError`s naming `CUBLAS_STATUS_ALLOC_FAILED` or
-  `CUDNN_STATUS_ALLOC_FAILED`.
-- Apple's MPS backend: `RuntimeError: MPS backend out of memory (MPS
-  allocated: ..., other allocations: ..., max allowed: ...)`.
-
-Nothing else is an OOM: an error that merely mentions memory (a device-side
-assert, "an illegal memory access was encountered") propagates untouched.
+PyTorch raises most failures as a plain `RuntimeError`, so each form but CUDA's allocator's
+needs the allocator's own message; an error that merely mentions memory is not an OOM.
 """
 
 from __future__ import annotations
@@ -52,12 +31,12 @@ def is_cuda_allocator_oom(exc: BaseException) -> bool:
 
 
 def is_cpu_allocator_oom(exc: BaseException) -> bool:
-    """The CPU allocator ran out: `RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`."""
+    """The CPU allocator ran out: `... DefaultCPUAllocator: can't allocate memory ...`."""
     return bool(_CPU_ALLOCATOR.search(_runtime_message(exc)))
 
 
 def is_aligned_alloc_oom(exc: BaseException) -> bool:
-    """A kernel's aligned host allocation failed: `posix_memalign failed:Cannot allocate memory (12)`."""
+    """A kernel's aligned host allocation failed: `posix_memalign failed:Cannot allocate memory`."""
     return bool(_ALIGNED_ALLOC.search(_runtime_message(exc)))
 
 
@@ -77,7 +56,7 @@ def is_mps_oom(exc: BaseException) -> bool:
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """PyTorch's own OOM forms: CUDA's allocator, the CPU allocator, aligned host allocations, cuBLAS, cuDNN, MPS."""
+    """Any of PyTorch's own OOM forms above."""
     return (
         is_cuda_allocator_oom(exc)
         or is_cpu_allocator_oom(exc)
@@ -89,9 +68,10 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    """Bases for `OutOfMemoryError`: `torch.OutOfMemoryError` (a `RuntimeError`), so
-    `except torch.OutOfMemoryError`, `except torch.cuda.OutOfMemoryError` and
-    `except RuntimeError` still catch it."""
+    """`torch.OutOfMemoryError` (a `RuntimeError`, also `torch.cuda.OutOfMemoryError`).
+
+    So `except torch.OutOfMemoryError` and `except RuntimeError` still catch it.
+    """
     return (torch.OutOfMemoryError,)
 
 

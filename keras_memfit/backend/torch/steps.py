@@ -1,23 +1,9 @@
-"""Predict and test steps, their traced outputs, and variable guards.
+"""Predict and test steps, their traced outputs, and variable guards, on torch.
 
-Keras's torch trainer runs its steps eagerly (`torch.compile` only with
-`jit_compile=True`), updating variables in place; nothing is donated, so a
-step that runs out of memory leaves the model's weights as they were. What a
-failed test step may already have changed is the metric state (the loss
-tracker is updated before the metrics): `safe_evaluate` and MemFit guard it
-with a `VariableGuard`.
-
-The steps here run the model's own `predict_step`/`test_step` eagerly under
-`torch.no_grad()`, as Keras's do, on the batch converted to torch tensors on
-Keras's device (as Keras's torch data loader hands them over). A model
-compiled with `jit_compile=True` runs them eagerly too: the same
-computation, without `torch.compile`'s compilation per new piece shape.
-
-After a step ran out of memory, PyTorch's CUDA cache still holds the failed
-step's blocks: the next step returns them to the device first
-(`torch.cuda.empty_cache()`), once the caller has dropped the exception (its
-traceback holds the failed step's tensors; keras_memfit's retry loop drops
-it before retrying).
+The steps run eagerly under `torch.no_grad()`, as Keras's do (also under `jit_compile=True`:
+no compilation per piece shape). After a step ran out of memory, the next one first empties
+the CUDA cache (`AfterOOM`), once the caller dropped the exception (its traceback holds the
+failed step's tensors).
 """
 
 from __future__ import annotations
@@ -53,12 +39,7 @@ def to_tensors(data: Any) -> Any:
 
 
 class AfterOOM:
-    """Empties PyTorch's CUDA cache before the next call once a call raised.
-
-    Example:
-        >>> cleanup = AfterOOM()
-        >>> cleanup.before_call(); ...; cleanup.failed()
-    """
+    """Empties PyTorch's CUDA cache before the next call once a call raised."""
 
     __slots__ = ("_pending",)
 
@@ -125,10 +106,8 @@ class PredictStep(_Step):
                 with keras.StatelessScope(state_mapping=mapping):
                     return self._run(model, xs)
 
-        # Two batch sizes: the dimensions that follow the batch are unknown.
-        # One and two rows: a meta trace's cost grows with the rows it is
-        # given (measured: 0.03 s at 1 row, 2.1 s at 4,096 for the digit CNN,
-        # about a third of a real predict of those rows), the shapes do not.
+        # Two batch sizes: the dimensions that follow the batch are unknown. One and
+        # two rows: a meta trace's cost grows with the rows it is given.
         a, b = at(1), at(2)
 
         def describe(left: Any, right: Any) -> Any:
@@ -156,7 +135,7 @@ class TestStep(_Step):
 
 
 def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> PredictStep:
-    """Eager, under `torch.no_grad()` (see the module)."""
+    """Eager, under `torch.no_grad()`."""
     return PredictStep(model, postprocess)
 
 
@@ -176,14 +155,8 @@ def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
 class TensorsOf:
     """The torch tensors behind a list of Keras variables, looked up again only when it changes.
 
-    A built Keras variable on torch keeps one tensor for its life (`assign`
-    copies into it in place), and reading `variable.value` costs about a
-    microsecond and a half of Python: a step that runs every batch reads
-    them once per list of variables.
-
-    Example:
-        >>> tensors = TensorsOf()
-        >>> for t in tensors(model.trainable_weights): t.grad = None
+    A built Keras variable on torch keeps one tensor for its life (`assign` copies into it), and
+    reading `variable.value` costs Python time on every batch.
     """
 
     __slots__ = ("_variables", "_tensors")
@@ -204,14 +177,8 @@ class TensorsOf:
 class VariableGuard:
     """A `Guard`: copies of some variables, taken before a step, restored if it fails.
 
-    The copies are tensors on the variables' own devices (the guarded state
-    is small: metrics, counters, non-trainable layer state), made by the
-    first `snapshot` and refilled in place by the next ones (one `foreach`
-    copy); `restore` copies them back in place.
-
-    Example:
-        >>> guard = VariableGuard(model.metrics_variables)
-        >>> guard.snapshot(); ...; guard.restore()
+    The copies are tensors on the variables' devices, made by the first `snapshot` and refilled
+    in place by the next ones; `restore` copies them back in place.
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
@@ -245,11 +212,11 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """Traced on PyTorch's "meta" device: the step runs on meta tensors (a shape
-    and a dtype, no storage: nothing is computed or allocated) with the
-    model's variables mapped to meta tensors (`keras.StatelessScope`), at two
-    batch sizes. Where an op has no meta kernel (or anything else in the
-    trace raises), `NO_SPEC`: the first piece's outputs describe the step."""
+    """Traced on PyTorch's "meta" device at two batch sizes (nothing computed or allocated).
+
+    `NO_SPEC` where the trace raises (an op without a meta kernel): the first piece's outputs then
+    describe the step.
+    """
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):

@@ -1,15 +1,8 @@
 """Symbolic traces of a model on torch: every layer and operation call of one forward pass.
 
-The torch counterpart of the other backends' `tracing` (`memory_report`'s
-input): the model is called on PyTorch's "meta" device (tensors with a shape
-and a dtype, no storage: nothing runs, nothing is allocated), its variables
-mapped to meta tensors of their shapes in a `keras.StatelessScope`, with
-`Layer.__call__` and `Operation.__call__` wrapped to record each call. A
-layer whose ops have no meta implementation makes the pass fall back to a
-real one at the same two small batch sizes on Keras's device, under
-`torch.no_grad()` (as Keras's own `compute_output_spec` on torch does).
-Shapes are static, so the pass runs at two batch sizes and a dimension that
-differs between them is the batch's (None), as on JAX.
+On PyTorch's "meta" device (nothing runs, nothing is allocated), the variables mapped to meta
+tensors, at two batch sizes (`trace_at_two_batches`). Where an op has no meta kernel the pass
+runs for real at those small sizes on Keras's device, under `torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -95,6 +88,4 @@ def _record(model: keras.Model, batch: int) -> CallRecorder:
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Traced on the "meta" device at two batch sizes (see the module); where an
-    op has no meta kernel, for real on Keras's device at a small batch."""
     return trace_at_two_batches(model, lambda batch: _record(model, batch))

@@ -1,13 +1,8 @@
 """Keras's step functions in the torch trainer's calling convention.
 
-Keras's torch trainer calls `model.train_function(data)`,
-`model.test_function(data)` and `model.predict_function(data)` with `data` a
-list of the batches of one execution (always one: `steps_per_execution > 1`
-is an error on torch): `[(x, y)]` from `fit` (`[(x, y, sample_weight)]`
-from `train_on_batch`), `[(x,)]` from `predict`. `fit` makes its train
-function before `on_train_begin` and reads `model.train_function` at every
-step, so MemFit swaps it as it does on TensorFlow. The steps return the
-logs (`{'loss': 0-d tensor, ...}`) or the outputs (torch tensors).
+Keras calls `model.train_function(data)`, `test_function(data)` and `predict_function(data)`
+with `data` the list of one execution's batches (one: `steps_per_execution > 1` is an error on
+torch). `fit` reads `model.train_function` at every step, so MemFit swaps it as on TensorFlow.
 """
 
 from __future__ import annotations

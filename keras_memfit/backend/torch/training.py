@@ -1,22 +1,4 @@
-"""Train steps that can tell how far a failed call got, and gradient accumulation.
-
-MemFit's building blocks for the torch backend. Keras's torch train step
-runs eagerly and updates the weights in place: forward pass, loss, the loss
-tracker, `loss.backward()`, `optimizer.apply`, then the metrics. Nothing is
-donated, so an OOM in the forward or backward pass leaves the weights and
-optimizer variables as they were; but the loss tracker (updated before the
-backward pass), BatchNorm statistics and RNG seeds may already have moved,
-and the gradients of the failed step still sit in the weights' `.grad`.
-
-`TrainStep` is that step, snapshotting the small state before it runs
-(`train_state_variables`: metrics, counters, non-trainable layer state) and
-restoring it when the step raises; it drops the failed step's gradients, and
-knows whether `optimizer.apply` had begun (`StepOutcome.UPDATE_BEGAN`: the
-weights may be partly updated in place; the step must not be retried).
-`GradientAccumulator` sums micro-batch gradients into one buffer the size of
-the trainable weights and applies them as one optimizer step. Every returned
-object satisfies its protocol in `keras_memfit.backend.base`.
-"""
+"""Train steps that can tell how far a failed call got, and gradient accumulation, on torch."""
 
 from __future__ import annotations
 
@@ -46,8 +28,7 @@ def _rows(x: Any) -> int:
 def _forward_loss(
     model: keras.Model, x: Any, y: Any, sample_weight: Any, loss_factor: float = 1.0
 ) -> tuple:
-    """Keras's torch train step up to the loss, the loss tracker updated as it does
-    (given the loss times `loss_factor`)."""
+    """Keras's torch train step up to the loss; the loss tracker gets it times `loss_factor`."""
     if _keras_compat.call_has_training_arg(model):
         y_pred = model(x, training=True)
     else:
@@ -85,20 +66,10 @@ def _set_random_state(state: tuple) -> None:
 class TrainStep:
     """Keras's default torch train step, which can tell how far a failed call got.
 
-    The same computation as `TorchTrainer.train_step`. Before it runs, the
-    small state (`guarded`) and torch's global random state (what Keras's
-    unseeded dropout draws from) are snapshotted; when it raises an
-    `Exception`, they are restored, the gradients it made are dropped and
-    `last_outcome` says `RESTORED` (the weights untouched) or `UPDATE_BEGAN`
-    (`optimizer.apply` had begun). The gradients are also dropped after a
-    step that succeeded (Keras's own step keeps them until the next one).
-
-    Attributes:
-        snapshots_itself: True: callers need no `Guard` around a call.
-        last_outcome: The outcome of the last call that raised, or None.
-
-    Example:
-        >>> logs = make_train_step(model)((x[:64], y[:64]))
+    The small state (`guarded`) and torch's global random state (what unseeded dropout draws from)
+    are snapshotted first; when the step raises `Exception` they are restored, its gradients are
+    dropped, and `last_outcome` is `RESTORED` (weights untouched) or `UPDATE_BEGAN`
+    (`optimizer.apply` had begun). Gradients are also dropped after a step that succeeded.
     """
 
     snapshots_itself = True
@@ -151,13 +122,8 @@ def make_train_step(model: keras.Model) -> TrainStep:
 class CustomTrainStep:
     """A model's own (overridden) `train_step`, run eagerly as Keras runs it.
 
-    It cannot tell how far a failed call got: callers snapshot the small
-    state with a `Guard` around each call. The gradients a failed call left
-    on the weights are dropped.
-
-    Attributes:
-        snapshots_itself: False.
-        last_outcome: Always None (unknown).
+    It cannot tell how far a failed call got (callers guard the small state); the gradients a
+    failed call left on the weights are dropped.
     """
 
     snapshots_itself = False
@@ -191,13 +157,8 @@ def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
 class GradientAccumulator:
     """Sums weighted micro-batch gradients in place and applies them as one optimizer step.
 
-    The sums are one tensor per trainable weight, made by `reset()` (only once
-    a batch has had to be split: exact accumulation's one extra buffer) and
-    dropped by `apply()`. `add` runs Keras's torch train step up to the
-    gradients on a micro-batch (forward pass, loss, loss tracker), adds
-    `weight` times the gradient of the scaled loss to the sums, frees the
-    micro-batch's gradients and updates the metrics; `apply` runs
-    `optimizer.apply` once on the sums (one step: `iterations` + 1).
+    The first micro-batch's gradients become the sums (one tensor per trainable weight); the next
+    ones are added in place; `apply` drops them.
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -246,7 +207,6 @@ class GradientAccumulator:
                 del grad
 
     def held(self) -> Optional[str]:
-        """None: the gradients are dense, their sums the size of the weights."""
         return None
 
     def apply(self) -> None:
