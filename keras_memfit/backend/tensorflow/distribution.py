@@ -5,9 +5,6 @@ Multi-worker strategies are refused (`distribute`), so nothing here agrees with 
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager
-
 from keras_memfit.backend.tensorflow import distribute, replicas
 
 distribution_of = replicas.distribution_of
@@ -19,7 +16,3 @@ def piece_multiple() -> int:
     """1: any piece size runs (tf.distribute splits uneven batches itself)."""
     return 1
 
-
-def evaluation(model: Any) -> ContextManager[None]:
-    """Nothing around it: one process (a strategy's replicas share their metric variables)."""
-    return contextlib.nullcontext()

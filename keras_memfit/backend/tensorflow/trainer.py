@@ -87,6 +87,3 @@ def call_keras_function(
 def is_end_of_data(exc: BaseException) -> bool:
     return isinstance(exc, (StopIteration, tf.errors.OutOfRangeError))
 
-
-def materialize(model: Any) -> None:
-    """Nothing: the model's variables hold its state inside Keras's loops too."""

@@ -29,10 +29,6 @@ from keras_memfit.backend.tensorflow.trainer import keras_batch_spec
 logger = logging.getLogger("keras_memfit")
 
 
-def check_training_mode(model: keras.Model, mode: str) -> None:
-    """Nothing: one process (multi-worker strategies are refused: `distribute`)."""
-
-
 # The strict order is used where it costs at most this share of the estimated
 # peak of the step (see `TrainStep`).
 STRICT_SHARE = 0.02

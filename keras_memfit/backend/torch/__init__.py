@@ -16,6 +16,7 @@ torch backend runs every layer on its one device.
 - `distribution`: one process on one device (`torch.distributed` refused).
 """
 
+from keras_memfit.backend.base import check_training_mode, evaluation, materialize
 from keras_memfit.backend.torch.oom import (
     init_oom_error, is_oom_error, oom_error_bases,
 )
@@ -27,18 +28,18 @@ from keras_memfit.backend.torch.steps import (
     make_predict_step, make_test_step, output_spec, prepare_test,
 )
 from keras_memfit.backend.torch.training import (
-    check_training_mode, checkpoint, make_accumulator, make_custom_train_step,
+    checkpoint, make_accumulator, make_custom_train_step,
     make_train_step,
 )
 from keras_memfit.backend.torch.trainer import (
-    adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
+    adapter_batches, call_keras_function, is_end_of_data, step_function,
 )
 from keras_memfit.backend.torch.devices import (
     canonical_device, device_exists, host_device, list_accelerators, variable_device,
 )
 from keras_memfit.backend.torch.tracing import trace_layer_calls
 from keras_memfit.backend.torch.distribution import (
-    distribution_of, evaluation, piece_multiple, replica_devices, training_replicas,
+    distribution_of, piece_multiple, replica_devices, training_replicas,
 )
 
 placement = None  # `place` cannot keep layers on another device here

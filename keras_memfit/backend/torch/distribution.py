@@ -6,8 +6,7 @@ device.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import keras
 import torch
@@ -49,7 +48,3 @@ def piece_multiple() -> int:
     """1: any piece size runs."""
     return 1
 
-
-def evaluation(model: keras.Model) -> ContextManager[None]:
-    """Nothing around it: one process."""
-    return contextlib.nullcontext()

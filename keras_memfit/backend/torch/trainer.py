@@ -42,6 +42,3 @@ def call_keras_function(
 def is_end_of_data(exc: BaseException) -> bool:
     return isinstance(exc, StopIteration)
 
-
-def materialize(model: Any) -> None:
-    """Nothing: the model's variables hold its state inside Keras's loops too."""

@@ -15,10 +15,6 @@ from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.torch.steps import AfterOOM, TensorsOf, VariableGuard, to_tensors
 
 
-def check_training_mode(model: keras.Model, mode: str) -> None:
-    """Nothing: one process (`torch.distributed` is refused: `distribution`)."""
-
-
 def _rows(x: Any) -> int:
     if type(x) is torch.Tensor:
         return int(x.shape[0])
