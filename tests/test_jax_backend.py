@@ -121,6 +121,21 @@ def child_memory_and_unsupported():
     assert keras.backend.backend() == "jax"
 
 
+def child_place_refuses_before_changing_anything():
+    import keras
+    import pytest
+
+    import keras_memfit
+
+    model = _model()
+    call, add_weight = model.call, model.layers[1].add_weight
+    with pytest.raises(NotImplementedError, match="not implemented for the jax backend"):
+        keras_memfit.place(model, accelerator="cpu:1", cpu_layers=[model.layers[1].name])
+    assert model.call == call and model.layers[1].add_weight == add_weight
+    assert "call" not in model.__dict__ and "add_weight" not in model.layers[1].__dict__
+    assert keras.backend.backend() == "jax"
+
+
 def child_predict_and_evaluate_equal_keras():
     import keras
 
@@ -257,6 +272,10 @@ def test_jax_oom_forms_and_out_of_memory_error():
 
 def test_memory_statistics_on_cpu_and_unsupported_parts_say_so():
     run_in_jax(__file__, "child_memory_and_unsupported")
+
+
+def test_place_refuses_on_jax_before_changing_anything():
+    run_in_jax(__file__, "child_place_refuses_before_changing_anything", devices=2)
 
 
 def test_safe_predict_and_safe_evaluate_equal_keras_on_jax():
