@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import keras
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import validate as _validate
 from keras_memfit.inference import loop as _loop
@@ -96,7 +97,7 @@ def safe_evaluate(
     first = next(source.chunks, None)
     if first is None:
         raise ValueError("x yielded no batches; there is nothing to evaluate")
-    first_batch = first if requested is None else _data.rows(first, 0, requested)
+    first_batch = first if requested is None else _batches.rows(first, 0, requested)
     step, guard = _steps.test_step_and_guard(model, first_batch, exact=exact_output_losses)
     batches = _output_losses.SplitBatches(model, exact_output_losses)
 

@@ -7,9 +7,9 @@ import inspect
 import logging
 from typing import Any, Dict, Hashable, Optional, Tuple
 
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import validate as _validate
 from keras_memfit.inference import generation as _generation
-from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner
 from keras_memfit.planning.runner import run_in_pieces
 
@@ -95,7 +95,7 @@ def safe_generate(
     planners: Dict[Hashable, Tuple[BatchPlanner, _generation.ShapeKeeper]] = {}
     done = 0
     for chunk in chunks:
-        signature = (_data.signature(chunk[0]), settings)
+        signature = (_batches.signature(chunk[0]), settings)
         if signature not in planners:
             planners[signature] = (
                 BatchPlanner(causal_lm, _PHASE, signature, batch_size),
@@ -105,7 +105,7 @@ def safe_generate(
 
         def step(piece: Any, keeper: _generation.ShapeKeeper = keeper) -> Any:
             padded, own = keeper.pad(piece[0])
-            rows = _data.num_rows((padded,))
+            rows = _batches.num_rows((padded,))
             try:
                 result = causal_lm.generate(
                     _generation.to_generate_input(padded), max_length=max_length,

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from keras_memfit._internal import batches as _batches
-from keras_memfit.planning import data
 
 
 def _chunks():
@@ -38,7 +37,7 @@ def test_splittable_rows_agrees_with_unsplittable_and_num_rows(name):
     if _batches.unsplittable(chunk) is not None:
         assert rows is None
     else:
-        assert rows == data.num_rows(chunk)
+        assert rows == _batches.num_rows(chunk)
 
 
 def test_splittable_rows_reads_the_rows_and_refuses_what_cannot_be_split():

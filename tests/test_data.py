@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_memfit._internal import batches
 from keras_memfit.planning import data
 from support import Batches
 
@@ -60,28 +61,28 @@ def test_is_array_like_rejects_everything_else(value):
 # num_rows / rows / signature / shapes
 # --------------------------------------------------------------------------
 def test_num_rows_reads_the_leading_dimension():
-    assert data.num_rows(np.zeros((7, 3))) == 7
-    assert data.num_rows(tf.zeros((5, 2))) == 5
-    assert data.num_rows((None, np.zeros((6,)), None)) == 6
-    assert data.num_rows({"a": np.zeros((3, 1)), "b": np.zeros((3, 4))}) == 3
-    assert data.num_rows((np.zeros((0, 3)),)) == 0
+    assert batches.num_rows(np.zeros((7, 3))) == 7
+    assert batches.num_rows(tf.zeros((5, 2))) == 5
+    assert batches.num_rows((None, np.zeros((6,)), None)) == 6
+    assert batches.num_rows({"a": np.zeros((3, 1)), "b": np.zeros((3, 4))}) == 3
+    assert batches.num_rows((np.zeros((0, 3)),)) == 0
 
 
 def test_num_rows_of_nothing_is_zero():
-    assert data.num_rows((None, None)) == 0
+    assert batches.num_rows((None, None)) == 0
 
 
 @pytest.mark.parametrize("leaf", [np.float32(1.0), np.array(3.0), 4], ids=["np-scalar", "0d", "int"])
 def test_num_rows_without_batch_dimension_raises(leaf):
     with pytest.raises(ValueError, match="batch dimension"):
-        data.num_rows((leaf,))
+        batches.num_rows((leaf,))
 
 
 def test_rows_are_numpy_views_in_every_leaf():
     x = _arange(10)
     y = np.arange(10)
     chunk = ({"a": x, "b": [x[:, :1]]}, y, None)
-    piece = data.rows(chunk, 3, 7)
+    piece = batches.rows(chunk, 3, 7)
     assert piece[2] is None
     np.testing.assert_array_equal(piece[0]["a"], x[3:7])
     np.testing.assert_array_equal(piece[0]["b"][0], x[3:7, :1])
@@ -94,41 +95,41 @@ def test_rows_are_numpy_views_in_every_leaf():
 
 def test_rows_clips_past_the_end_and_slices_tensors():
     x = tf.constant(_arange(5))
-    piece = data.rows((x,), 3, 10)
+    piece = batches.rows((x,), 3, 10)
     assert tf.is_tensor(piece[0])
     np.testing.assert_array_equal(piece[0].numpy(), _arange(5)[3:])
 
 
 def test_signature_ignores_the_batch_dimension():
-    a = data.signature((np.zeros((10, 3, 2), "float32"), np.zeros((10,), "int64")))
-    b = data.signature((np.zeros((1, 3, 2), "float32"), np.zeros((1,), "int64")))
+    a = batches.signature((np.zeros((10, 3, 2), "float32"), np.zeros((10,), "int64")))
+    b = batches.signature((np.zeros((1, 3, 2), "float32"), np.zeros((1,), "int64")))
     assert a == b
     assert a == (((3, 2), "float32"), ((), "int64"))
     hash(a)  # usable as a dict key
 
 
 def test_signature_tells_shapes_dtypes_and_structure_apart():
-    base = data.signature(np.zeros((4, 3), "float32"))
-    assert data.signature(np.zeros((4, 4), "float32")) != base
-    assert data.signature(np.zeros((4, 3), "float64")) != base
-    assert data.signature([np.zeros((4, 3), "float32")] * 2) != base
+    base = batches.signature(np.zeros((4, 3), "float32"))
+    assert batches.signature(np.zeros((4, 4), "float32")) != base
+    assert batches.signature(np.zeros((4, 3), "float64")) != base
+    assert batches.signature([np.zeros((4, 3), "float32")] * 2) != base
 
 
 def test_signature_of_a_tensor_equals_that_of_an_array_of_the_same_dtype():
     # The planner remembers what fitted per signature: calling with a
     # tf.Tensor and then with the same data as numpy must share that record.
-    assert data.signature(tf.zeros((9, 3), tf.float32)) == data.signature(
+    assert batches.signature(tf.zeros((9, 3), tf.float32)) == batches.signature(
         np.zeros((4, 3), "float32")
     )
 
 
 def test_signature_skips_none_leaves_and_handles_dicts():
-    sig = data.signature({"a": np.zeros((2, 5), "float32"), "b": None})
+    sig = batches.signature({"a": np.zeros((2, 5), "float32"), "b": None})
     assert sig == (((5,), "float32"),)
 
 
 def test_shapes_lists_non_none_leaves():
-    assert data.shapes((np.zeros((1, 3)), None, np.zeros((1,)))) == ((1, 3), (1,))
+    assert batches.shapes((np.zeros((1, 3)), None, np.zeros((1,)))) == ((1, 3), (1,))
 
 
 # --------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_array_dict_inputs_keep_their_structure():
     x = {"a": _arange(5), "b": np.ones((5, 2))}
     (chunk,) = data.from_input(x, np.zeros(5), batch_size=2, steps=None, with_targets=True).chunks
     assert set(chunk[0]) == {"a", "b"}
-    assert data.num_rows(chunk) == 5
+    assert batches.num_rows(chunk) == 5
 
 
 def test_tensor_input_is_kept_as_a_tensor():
@@ -193,7 +194,7 @@ def test_steps_times_batch_size_truncates_arrays(steps, batch_size, expected):
     source = data.from_input(x, y, batch_size=batch_size, steps=steps, with_targets=True)
     assert source.num_samples == expected
     (chunk,) = source.chunks
-    assert data.num_rows(chunk) == expected
+    assert batches.num_rows(chunk) == expected
     np.testing.assert_array_equal(chunk[0], x[:expected])
     np.testing.assert_array_equal(chunk[1], y[:expected])
 
@@ -249,7 +250,7 @@ def test_dataset_yields_one_chunk_per_batch_in_order():
     assert source.from_arrays is False
     assert source.num_samples is None
     chunks = list(source.chunks)
-    assert [data.num_rows(c) for c in chunks] == [4, 4, 2]
+    assert [batches.num_rows(c) for c in chunks] == [4, 4, 2]
     np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]), x)
     np.testing.assert_array_equal(np.concatenate([c[1] for c in chunks]), y)
     assert all(c[2] is None for c in chunks)
@@ -272,7 +273,7 @@ def test_dataset_for_predict_keeps_only_x():
 def test_x_only_dataset_with_targets_has_no_y():
     ds = tf.data.Dataset.from_tensor_slices(_arange(5)).batch(2)
     chunks = list(data.from_input(ds, batch_size=None, steps=None, with_targets=True).chunks)
-    assert [data.num_rows(c) for c in chunks] == [2, 2, 1]
+    assert [batches.num_rows(c) for c in chunks] == [2, 2, 1]
     assert all(c[1] is None and c[2] is None for c in chunks)
 
 
@@ -280,13 +281,13 @@ def test_x_only_dataset_with_targets_has_no_y():
 def test_steps_limits_the_number_of_dataset_batches(steps, expected):
     ds, _ = _dataset()
     chunks = list(data.from_input(ds, batch_size=None, steps=steps, with_targets=True).chunks)
-    assert [data.num_rows(c) for c in chunks] == expected
+    assert [batches.num_rows(c) for c in chunks] == expected
 
 
 def test_steps_stops_an_infinite_dataset():
     ds, _ = _dataset()
     chunks = list(data.from_input(ds.repeat(), batch_size=None, steps=5, with_targets=True).chunks)
-    assert [data.num_rows(c) for c in chunks] == [4, 4, 2, 4, 4]
+    assert [batches.num_rows(c) for c in chunks] == [4, 4, 2, 4, 4]
 
 
 def test_generator_yields_one_chunk_per_item():
@@ -295,7 +296,7 @@ def test_generator_yields_one_chunk_per_item():
             yield np.full((i + 2, 2), i, "float32"), np.full((i + 2,), i)
 
     chunks = list(data.from_input(gen(), batch_size=None, steps=None, with_targets=True).chunks)
-    assert [data.num_rows(c) for c in chunks] == [2, 3, 4]
+    assert [batches.num_rows(c) for c in chunks] == [2, 3, 4]
     assert [int(c[1][0]) for c in chunks] == [0, 1, 2]
 
 
@@ -320,14 +321,14 @@ def test_pydataset_yields_one_chunk_per_batch_in_order():
     source = data.from_input(ds, batch_size=None, steps=None, with_targets=True)
     assert source.from_arrays is False
     chunks = list(source.chunks)
-    assert [data.num_rows(c) for c in chunks] == [4, 4, 3]
+    assert [batches.num_rows(c) for c in chunks] == [4, 4, 3]
     np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]), ds.x)
     np.testing.assert_array_equal(np.concatenate([c[1] for c in chunks]), ds.y)
 
 
 def test_pydataset_steps_limit():
     chunks = list(data.from_input(_batches(), batch_size=None, steps=2, with_targets=True).chunks)
-    assert [data.num_rows(c) for c in chunks] == [4, 4]
+    assert [batches.num_rows(c) for c in chunks] == [4, 4]
 
 
 def test_chunks_are_lazy():

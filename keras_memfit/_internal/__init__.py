@@ -3,7 +3,8 @@
 - `keras_compat`: every use of Keras's private API shared by the backends, and its tested range;
 - `model_state`: what a compiled model holds, read through Keras's public API;
 - `reductions`: how a part of a batch weighs in the batch's loss, by the loss reductions;
-- `batches`: Keras's batches as chunks of rows, packed as Keras packs them, what cannot split;
+- `batches`: batches as chunks of rows: cutting rows, packed as Keras packs them, what cannot split;
+- `kinds`: what kind of tensor a value is, by class, importing no framework;
 - `cache`: compiled steps and guards kept per model;
 - `validate`: the argument checks shared by the public functions;
 - `units`: human-readable sizes, counts, shapes and tables;

@@ -122,9 +122,9 @@ def _one_output_row(
     import keras
     import numpy as np
 
-    from keras_memfit.planning import data
+    from keras_memfit._internal import batches
 
-    first = data.rows(x, 0, 1)
+    first = batches.rows(x, 0, 1)
     if prepare is not None:
         first = prepare(first)
     try:
@@ -177,8 +177,8 @@ def _scaler(x: Any, specs: Any, scale: float) -> Callable[[Any], Any]:
 
 def _prepared_batches(x: Any, n: int, batch_size: int, prepare: Callable) -> Any:
     """Batches of `x`, each passed through `prepare` (host memory: one batch)."""
-    from keras_memfit.planning import data
+    from keras_memfit._internal import batches
 
     for begin in range(0, n, batch_size):
         # A 1-tuple: Keras reads a 2- or 3-tuple (or list) as (x, y[, weights]).
-        yield (prepare(data.rows(x, begin, min(n, begin + batch_size))),)
+        yield (prepare(batches.rows(x, begin, min(n, begin + batch_size))),)

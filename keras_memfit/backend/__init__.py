@@ -7,7 +7,6 @@ Each backend package has the same modules (`oom`, `memory`, `steps`,
 every member of `base.Backend` from them in its `__init__`.
 
 - `base`: the seam's contract, typed: one protocol per concern;
-- `kinds`: what kind of tensor a value is, by class, importing no framework;
 - `_layer_calls`: recording every layer and operation call of one symbolic
   forward pass (the backends' `tracing`);
 - `tensorflow`: the TensorFlow backend;

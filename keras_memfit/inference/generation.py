@@ -13,7 +13,7 @@ from typing import Any, Dict, Hashable, Iterator, List, Optional, Set, Tuple
 import keras
 import numpy as np
 
-from keras_memfit.planning import data as _data
+from keras_memfit._internal import batches as _batches
 
 logger = logging.getLogger("keras_memfit")
 
@@ -75,7 +75,7 @@ def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool, Optional[int]]:
     if _is_string_leaf(inputs):
         return iter([(_as_rows("inputs", [inputs]), None, None)]), True, 1
     x = _rows_of(inputs)
-    rows = _data.num_rows((x,))
+    rows = _batches.num_rows((x,))
     if rows == 0:
         raise ValueError(f"inputs must hold at least one prompt; received {inputs!r:.80}")
     return iter([(x, None, None)]), False, rows
@@ -136,7 +136,7 @@ class ShapeKeeper:
 
     def pad(self, x: Any) -> Tuple[Any, int]:
         """(`x` padded to `target` rows with copies of its last row, its own rows)."""
-        rows = _data.num_rows((x,))
+        rows = _batches.num_rows((x,))
         target = self.target(rows)
         if target == rows:
             return x, rows

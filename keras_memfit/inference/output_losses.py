@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import keras
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import reductions as _reductions
-from keras_memfit.planning import data as _data
 
 Copies = Callable[[Any], Sequence[Any]]
 
@@ -143,11 +143,11 @@ class SplitBatches:
         two of Keras's batches.
         """
         for chunk in chunks:
-            n = _data.num_rows(chunk)
+            n = _batches.num_rows(chunk)
             step = batch_size if (self.trackers or self.loss) and batch_size else n
             for start in range(0, n, step or 1):
-                batch = _data.rows(chunk, start, start + step)
-                self.begin_batch(_data.num_rows(batch))
+                batch = _batches.rows(chunk, start, start + step)
+                self.begin_batch(_batches.num_rows(batch))
                 yield batch
 
     def step(
@@ -163,7 +163,7 @@ class SplitBatches:
 
         def run(piece: Any) -> Any:
             nonlocal exact_step
-            if _data.num_rows(piece) >= self.rows:
+            if _batches.num_rows(piece) >= self.rows:
                 return keras_step(piece)
             if not self.split:  # the state before the batch (a failed try was undone)
                 self.split = True

@@ -14,7 +14,7 @@ import numpy as np
 from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend import Spec
-from keras_memfit.backend.kinds import is_ragged, is_sparse
+from keras_memfit._internal.kinds import is_ragged, is_sparse
 
 
 def is_native(leaf: Any) -> bool:

@@ -10,9 +10,9 @@ from typing import Any, Callable, Optional, Tuple
 import keras
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
-from keras_memfit.planning import data as _data
 
 
 def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> Callable:
@@ -33,8 +33,8 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
     input). `exact`: per-output loss trackers weighted by rows (True), or as Keras's `evaluate`.
     """
     backend = _backend.get()
-    whole = _model_state.stateful_layers(model) or not _data.splittable(batch)
-    sample = batch if whole else _data.rows(batch, 0, 1)
+    whole = _model_state.stateful_layers(model) or not _batches.splittable(batch)
+    sample = batch if whole else _batches.rows(batch, 0, 1)
     backend.prepare_test(model, sample)
     key = (
         "evaluate",

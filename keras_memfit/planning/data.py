@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Iterable, Iterator, Optional, Tuple
 
 import keras
 import numpy as np
 
 from keras_memfit import backend as _backend
-from keras_memfit.backend.kinds import is_foreign_tf_tensor, is_sparse
+from keras_memfit._internal.kinds import is_foreign_tf_tensor, is_sparse
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit._internal.batches import leaves as _leaves
+from keras_memfit._internal.batches import num_rows, rows, splittable
 
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
@@ -75,82 +75,6 @@ def _to_array(value: Any) -> Any:
     if is_sparse(value):
         return value
     return value.to_numpy()
-
-
-def num_rows(chunk: Any) -> int:
-    """The leading dimension shared by the leaves of `chunk`."""
-    for leaf in _leaves(chunk):
-        if leaf is not None:
-            shape = getattr(leaf, "shape", None)
-            if not shape:
-                raise ValueError(
-                    "every input must have a batch dimension; received a leaf of "
-                    f"shape {shape!r} ({type(leaf).__name__})"
-                )
-            return int(shape[0])
-    return 0
-
-
-def rows(chunk: Any, start: int, stop: int) -> Any:
-    """Rows `start:stop` of every leaf of `chunk` (numpy views); all its rows are `chunk` itself.
-
-    Raises:
-        TypeError: If `start:stop` is a proper part of a chunk holding a sparse leaf.
-    """
-    n = num_rows(chunk)
-    if start <= 0 and stop >= n:
-        return chunk
-    return keras.tree.map_structure(
-        lambda leaf: None if leaf is None else _leaf_rows(leaf, start, stop, n), chunk
-    )
-
-
-def splittable(chunk: Any) -> bool:
-    """Whether rows of `chunk` can be taken (it holds no sparse leaf)."""
-    return not any(is_sparse(leaf) for leaf in keras.tree.flatten(chunk))
-
-
-def _leaf_rows(leaf: Any, start: int, stop: int, n: int) -> Any:
-    if is_sparse(leaf):
-        raise TypeError(
-            f"keras_memfit must run a batch of {n} samples in smaller pieces (it ran out "
-            f"of memory, or the memory statistics say it would), but cannot split "
-            f"sparse input; received a {type(leaf).__name__} of shape "
-            f"{tuple(leaf.shape)}. Pass a smaller batch_size (or batch the dataset "
-            "smaller), or densify the input."
-        )
-    return leaf[start:stop]
-
-
-_DTYPE_NAMES: Dict[Any, str] = {}
-
-
-def dtype_name(dtype: Any) -> str:
-    """Keras's name of `dtype` (numpy object arrays are "string"), cached per dtype."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):
-        pass
-    name = "string" if dtype == np.dtype(object) else keras.backend.standardize_dtype(dtype)
-    try:
-        _DTYPE_NAMES[dtype] = name
-    except TypeError:  # an unhashable dtype object
-        pass
-    return name
-
-
-def signature(x: Any) -> Tuple:
-    """Shapes (without the batch dimension) and dtypes of the leaves of `x`."""
-    return tuple([
-        (tuple(leaf.shape[1:]), dtype_name(leaf.dtype))
-        for leaf in _leaves(x)
-        if leaf is not None
-    ])
-
-
-def shapes(x: Any) -> Tuple[Tuple[int, ...], ...]:
-    """Shapes of the non-None leaves of `x`."""
-    return tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(x) if leaf is not None)
 
 
 def _check_cardinality(structure: Any) -> int:

@@ -14,11 +14,11 @@ import dataclasses
 import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
+from keras_memfit._internal import batches as _batches
 from keras_memfit.backend.base import Guard, StartedPiece
 from keras_memfit.oom import (
     CANNOT_SPLIT, ONE_SAMPLE, OutOfMemoryError, can_place, is_retryable_oom,
 )
-from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 
 
@@ -101,7 +101,7 @@ def run_in_pieces(
         for chunk in chunks:
             current = planner
             if current is None:
-                sig = _data.signature(chunk[0])
+                sig = _batches.signature(chunk[0])
                 current = planners.get(sig)
                 if current is None:
                     current = planners[sig] = BatchPlanner(model, phase, sig, requested, events)
@@ -136,7 +136,7 @@ def run_whole(
     Raises:
         OutOfMemoryError: If the chunk is a single sample and ran out of memory.
     """
-    n = _data.num_rows(chunk) if rows is None else rows
+    n = _batches.num_rows(chunk) if rows is None else rows
     if not n:
         return SPLIT  # no rows: no step, as in `run_in_pieces`
     planned = planner.next_size(n)
@@ -201,7 +201,7 @@ class _PieceLoop:
     def rows(self, chunk: Any, planner: BatchPlanner,
              accumulation: Optional[Accumulation] = None) -> Iterator[Piece]:
         """All of `chunk`'s rows in pieces, in order (by `accumulation` where one is too few)."""
-        n = _data.num_rows(chunk)
+        n = _batches.num_rows(chunk)
         offset = 0
         while offset < n:
             planned = planner.next_size(n - offset)
@@ -213,7 +213,7 @@ class _PieceLoop:
                 yield Piece(n, chunk, result, parts)
                 return
             size = int(min(planned, n - offset))
-            piece = _data.rows(chunk, offset, offset + size)
+            piece = _batches.rows(chunk, offset, offset + size)
             if self.start is not None and not planner.measuring:
                 started = yield from self._start(planner, piece, size, planned)
                 if started:  # else it did not start (an OOM): try smaller
@@ -288,7 +288,7 @@ def _all_or_nothing(
     detail: str,
 ) -> Tuple[Any, int]:
     """Run `chunk` by `accumulation`, starting over smaller after an OOM; (result, parts)."""
-    n = _data.num_rows(chunk)
+    n = _batches.num_rows(chunk)
     guard = accumulation.guard
     while True:
         accumulation.begin()
@@ -298,7 +298,7 @@ def _all_or_nothing(
             while offset < n:
                 planned = planner.next_size(n - offset)
                 size = int(min(planned, n - offset))
-                piece = _data.rows(chunk, offset, offset + size)
+                piece = _batches.rows(chunk, offset, offset + size)
                 planner.started(size)
                 accumulation.add(piece)
                 planner.succeeded(size, full=size >= planned)
@@ -339,11 +339,11 @@ def _final_error(
     return OutOfMemoryError(
         getattr(model, "name", type(model).__name__),
         phase,
-        _data.shapes(_data.rows(chunk[0], 0, 1)),
+        _batches.shapes(_batches.rows(chunk[0], 0, 1)),
         planner.device,
         detail=detail,
         cause=CANNOT_SPLIT if stateful else ONE_SAMPLE,
-        rows=_data.num_rows(chunk) if stateful else None,
+        rows=_batches.num_rows(chunk) if stateful else None,
         can_place=can_place(model),
         stateful=stateful,
     )

@@ -15,9 +15,9 @@ import keras
 import numpy as np
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.planning import data as _data
 
 logger = logging.getLogger("keras_memfit")
 
@@ -76,11 +76,11 @@ def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
         rows or two equal ones, no floating output of one row per sample, or a forward pass
         that raised (logged at DEBUG).
     """
-    if _data.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
+    if _batches.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
         return None
     try:
         _backend.get().materialize(model)  # JAX inside Keras's loops: the weights
-        first, second = (_numpy(_data.rows(x, i, i + 1)) for i in (0, 1))
+        first, second = (_numpy(_batches.rows(x, i, i + 1)) for i in (0, 1))
         if all(np.array_equal(a, b) for a, b in zip(_leaves(first), _leaves(second))):
             return None
         together = _forward(model, _stacked(first, second))

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import (
@@ -24,7 +25,6 @@ from keras_memfit._internal.batches import (
 from keras_memfit.backend.base import Accumulator, Guard, TrainStep
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
-from keras_memfit.planning import data as _data
 
 
 class Cut(Protocol):
@@ -64,7 +64,7 @@ class Rows:
         self.form = form  # how Keras packed the batch: every piece alike
         self.slots = self.rows = rows
         self.x = chunk[0]
-        self.signature = _data.signature(chunk[0])
+        self.signature = _batches.signature(chunk[0])
 
     def batch(self, piece: tuple) -> Any:
         return as_batch(piece, self.form)
@@ -73,7 +73,7 @@ class Rows:
         return (as_batch(piece, self.form), *_reductions.weights(how, piece, self.chunk))
 
     def rows_in(self, piece: tuple) -> int:
-        return _data.num_rows(piece)
+        return _batches.num_rows(piece)
 
     def join(self, outputs: List[Any]) -> Any:
         return concatenate(outputs)
@@ -96,7 +96,7 @@ class OneDevice:
 
     def prepare(self, model: keras.Model, cut: Rows) -> None:
         """Build the model, its metrics and loss (and optimizer) before a train step is made."""
-        _backend.get().prepare_test(model, _data.rows(cut.chunk, 0, 1))
+        _backend.get().prepare_test(model, _batches.rows(cut.chunk, 0, 1))
 
     def train_step(self, model: keras.Model, custom: bool, cut: Rows) -> TrainStep:
         """The train step (the model's own `train_step` when `custom`, built on `cut`'s batch)."""
@@ -155,14 +155,14 @@ class Slots:
             largest[0],
         )
         self.chunk = (shapes, np.arange(self.slots), None)
-        self.signature = (_data.signature(largest[0]), "replicas", replicas.count)
+        self.signature = (_batches.signature(largest[0]), "replicas", replicas.count)
 
     def _parts(self, piece: tuple) -> List[tuple]:
         """Each replica's rows for the slots of `piece`."""
         slots = piece[1]
         a, b = (int(slots[0]), int(slots[-1]) + 1) if len(slots) else (0, 0)
         return [
-            _data.rows(chunk, a * n // self.slots, b * n // self.slots)
+            _batches.rows(chunk, a * n // self.slots, b * n // self.slots)
             for chunk, n in zip(self.local, self.counts)
         ]
 
@@ -179,7 +179,7 @@ class Slots:
                 self.replicas.scalars(weights), self.replicas.scalars(factors))
 
     def rows_in(self, piece: tuple) -> int:
-        return sum(_data.num_rows(chunk) for chunk in self._parts(piece))
+        return sum(_batches.num_rows(chunk) for chunk in self._parts(piece))
 
     def join(self, outputs: List[Any]) -> Any:
         """Each replica's pieces in order, then the replicas in order, as Keras joins them."""
@@ -210,7 +210,7 @@ class Replicated:
     def prepare(self, model: keras.Model, cut: Slots) -> None:
         """Build the model, its metrics and loss, under the strategy's scope."""
         with self.replicas.strategy.scope():
-            _backend.get().prepare_test(model, _data.rows(cut.local[0], 0, 1))
+            _backend.get().prepare_test(model, _batches.rows(cut.local[0], 0, 1))
 
     def train_step(self, model: keras.Model, custom: bool, cut: Slots) -> TrainStep:
         """The train step on a distributed batch (`model.train_step` when `custom`)."""

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Tupl
 import keras
 
 from keras_memfit import backend as _backend
+from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
@@ -35,7 +36,6 @@ from keras_memfit.oom import (
     can_place,
     is_oom_error,
 )
-from keras_memfit.planning import data as _data
 from keras_memfit.planning.planner import BatchPlanner, Event
 from keras_memfit.planning.runner import (
     SPLIT,
@@ -355,7 +355,7 @@ class Run:
     ) -> OutOfMemoryError:
         """The error for an OOM in the update of `rows` of `cut`'s batch, or in its sums."""
         return OutOfMemoryError(
-            self.model.name, "train", _data.shapes(_data.rows(cut.chunk[0], 0, 1)),
+            self.model.name, "train", _batches.shapes(_batches.rows(cut.chunk[0], 0, 1)),
             planner.device, cause=cause, rows=rows, held=held, can_place=can_place(self.model),
             can_shrink=self._can_shrink(),
         )
