@@ -248,7 +248,7 @@ class MemFit(keras.callbacks.Callback):
         backend = _backend.get()
         model = self.model
         _keras_compat.warn_if_untested_keras()
-        backend.training_replicas(model)  # raises for a distribution MemFit refuses
+        backend.training_layout(model)  # raises for a distribution MemFit refuses
         backend.check_training_mode(model, self.mode)  # raises for a mode it refuses there
         if self.mode != "accumulate":
             return self.mode, None

@@ -466,14 +466,14 @@ def inject_oom(monkeypatch):
 
     monkeypatch.setattr(backend.training.GradientAccumulator, "add", add_micro_batch)
     if BACKEND == "tensorflow":
-        _inject_replica_steps(monkeypatch, injector, backend.distribute)
+        _inject_replica_steps(monkeypatch, injector, backend.distribution)
     _cache.clear()  # steps compiled before the patch would bypass it
     yield injector
     _cache.clear()
 
 
-def _inject_replica_steps(monkeypatch, injector, distribute):
-    """The injection on MemFit's steps under a `tf.distribute` strategy (its `Replicas`).
+def _inject_replica_steps(monkeypatch, injector, distribution):
+    """The injection on MemFit's steps under a `tf.distribute` strategy (its `Replicated`).
 
     A distributed batch's rows are its largest replica's (the rows MemFit
     plans). A train step that ran has applied its update: a late OOM is
@@ -485,18 +485,18 @@ def _inject_replica_steps(monkeypatch, injector, distribute):
         leaf = next(leaf for leaf in keras.tree.flatten(data) if leaf is not None)
         return max(int(value.shape[0]) for value in leaf.values)
 
-    replicas, accumulator = distribute.Replicas, distribute.ReplicaAccumulator
-    train_step, test_step = replicas.train_step, replicas.test_step
-    predict_step, add = replicas.predict_step, accumulator.add
+    replicas, accumulator = distribution.Replicated, distribution.ReplicaAccumulator
+    train_step, test_step = replicas.train_step, replicas._test_step
+    predict_step, add = replicas._predict_step, accumulator.add
 
     def add_micro_batch(self, data, weight, loss_factor):
         injector.wrap("train", lambda d: add(self, d, weight, loss_factor), True, rows_of)(data)
 
     monkeypatch.setattr(replicas, "train_step", lambda self, *a: _InjectedTrainStep(
         injector, train_step(self, *a), False, rows_of))
-    monkeypatch.setattr(replicas, "test_step", lambda self, *a, **k: injector.wrap(
+    monkeypatch.setattr(replicas, "_test_step", lambda self, *a, **k: injector.wrap(
         "evaluate", test_step(self, *a, **k), True, rows_of))
-    monkeypatch.setattr(replicas, "predict_step", lambda self, *a: injector.wrap(
+    monkeypatch.setattr(replicas, "_predict_step", lambda self, *a: injector.wrap(
         "predict", predict_step(self, *a), True, rows_of))
     monkeypatch.setattr(accumulator, "add", add_micro_batch)
 

@@ -394,3 +394,46 @@ def test_stub_check_finds_one(tmp_path):
     )
     assert [line.split(": ")[1] for line in _stubs([str(source)])] == [
         "evaluation", "materialize", "place"]
+
+
+_STRATEGY_WORDS = re.compile(r"strateg|^Replicas$|^Replicated$|^Slots$|distribute_values")
+
+
+def _strategy_names(paths: List[str]) -> List[str]:
+    """Names in code (not strings) that reach a `tf.distribute` strategy or its replica layout."""
+    found = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.arg):
+                names = [node.arg]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.asname or alias.name for alias in node.names]
+            found += [f"{os.path.relpath(path, ROOT)}:{node.lineno}: {name}"
+                      for name in names if _STRATEGY_WORDS.search(name)]
+    return sorted(found)
+
+
+def test_no_strategy_or_replica_layout_above_the_seam():
+    above = [path for name, path in _modules(PACKAGE).items()
+             if not name.startswith((f"{PACKAGE}.backend", f"{PACKAGE}.app"))]
+    assert len(above) > 40
+    assert _strategy_names(above) == []
+
+
+def test_strategy_check_finds_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def prepare(layout, model):\n"
+        "    with layout.replicas.strategy.scope():\n"
+        "        return 'a strategy in a string is fine'\n"
+    )
+    assert [line.split(": ")[1] for line in _strategy_names([str(source)])] == ["strategy"]

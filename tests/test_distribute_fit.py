@@ -103,7 +103,7 @@ class OneReplicaInjector:
 
     def __init__(self, monkeypatch, strategy, threshold, after=False, replica=1):
         from keras_memfit._internal import cache as _cache
-        from keras_memfit.backend.tensorflow import distribute
+        from keras_memfit.backend.tensorflow import distribution
 
         self.calls = []
         self.strategy = strategy
@@ -128,19 +128,19 @@ class OneReplicaInjector:
             return wrapped
 
         monkeypatch.setattr(
-            distribute.ReplicaTrainStep, "__call__",
-            wrap("train", distribute.ReplicaTrainStep.__call__),
+            distribution.ReplicaTrainStep, "__call__",
+            wrap("train", distribution.ReplicaTrainStep.__call__),
         )
         monkeypatch.setattr(
-            distribute.ReplicaAccumulator, "add", wrap("add", distribute.ReplicaAccumulator.add)
+            distribution.ReplicaAccumulator, "add", wrap("add", distribution.ReplicaAccumulator.add)
         )
-        make_test = distribute.Replicas.test_step
+        make_test = distribution.Replicated._test_step
 
-        def test_step(self_, model, exact=False):
+        def test_step(self_, model, exact):
             step = make_test(self_, model, exact)
             return lambda data: wrap("test", lambda _, d: step(d))(None, data)
 
-        monkeypatch.setattr(distribute.Replicas, "test_step", test_step)
+        monkeypatch.setattr(distribution.Replicated, "_test_step", test_step)
         _cache.clear()
 
     def rows(self, data):
@@ -386,13 +386,13 @@ def test_predict_pieces_in_input_order(monkeypatch):
 
     from keras_memfit import MemFit
     from keras_memfit._internal import cache as _cache
-    from keras_memfit.backend.tensorflow import distribute
+    from keras_memfit.backend.tensorflow import distribution
 
     strategy = _strategy()
     x, y = _data(45)
     model = _model(strategy)
     ref = model.predict(x, batch_size=23, verbose=0)
-    make = distribute.Replicas.predict_step
+    make = distribution.Replicated._predict_step
     seen = []
 
     def predict_step(self_, model_):
@@ -408,7 +408,7 @@ def test_predict_pieces_in_input_order(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(distribute.Replicas, "predict_step", predict_step)
+    monkeypatch.setattr(distribution.Replicated, "_predict_step", predict_step)
     _cache.clear()  # a step compiled before the patch would bypass it
     memfit = MemFit()
     got = model.predict(x, batch_size=23, verbose=0, callbacks=[memfit])
@@ -464,14 +464,14 @@ def test_an_oom_once_the_update_began_is_final(monkeypatch):
 
     from keras_memfit import MemFit, OutOfMemoryError
     from keras_memfit._internal import cache as _cache
-    from keras_memfit.backend.tensorflow import distribute
+    from keras_memfit.backend.tensorflow import distribution
 
     strategy = _strategy()
     x, y = _data(32)
     model = _model(strategy)
     model.build((None, 6))
     before = [np.array(w) for w in model.get_weights()]
-    make = distribute.ReplicaTrainStep.__init__
+    make = distribution.ReplicaTrainStep.__init__
 
     def init(self, *args, **kwargs):
         make(self, *args, **kwargs)
@@ -483,7 +483,7 @@ def test_an_oom_once_the_update_began_is_final(monkeypatch):
 
         self._step = step
 
-    monkeypatch.setattr(distribute.ReplicaTrainStep, "__init__", init)
+    monkeypatch.setattr(distribution.ReplicaTrainStep, "__init__", init)
     _cache.clear()
     with pytest.raises(OutOfMemoryError, match="once the optimizer update of a step on 16 rows had begun") as info:
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[MemFit()])
@@ -499,8 +499,8 @@ def test_unsupported_strategies_raise_clear_errors(monkeypatch):
     import tensorflow as tf
 
     from keras_memfit import MemFit
-    from keras_memfit.backend.tensorflow import distribute
-    from keras_memfit.backend.tensorflow.distribute import check_strategy
+    from keras_memfit.backend.tensorflow import distribution
+    from keras_memfit.backend.tensorflow.distribution import check_strategy
 
     cases = [
         (tf.distribute.MultiWorkerMirroredStrategy, "keras-team/keras#20585"),
@@ -518,7 +518,7 @@ def test_unsupported_strategies_raise_clear_errors(monkeypatch):
     model = _model(_strategy())
     x, y = _data(16)
     fake = object.__new__(tf.distribute.MultiWorkerMirroredStrategy)
-    monkeypatch.setattr(distribute, "active_strategy", lambda model: fake)
+    monkeypatch.setattr(distribution, "active_strategy", lambda model: fake)
     for call in (model.fit, model.evaluate):
         with pytest.raises(NotImplementedError, match="keras-team/keras#20585"):
             call(x, y, batch_size=16, verbose=0, callbacks=[MemFit()])

@@ -18,6 +18,7 @@ from typing import (
     Callable,
     ContextManager,
     Dict,
+    Hashable,
     Iterable,
     Iterator,
     List,
@@ -205,6 +206,74 @@ class Accumulator(Protocol):
 
     def held(self) -> Optional[str]:
         """What the last `apply` held that grows with the batch, in words; None: only sums."""
+
+
+class Cut(Protocol):
+    """One Keras batch as a `Layout` cuts it.
+
+    `chunk` is what `run_in_pieces` cuts, its rows the batch's slots (`slots`, what the planner
+    sizes); `rows`: the batch's rows on every device; `signature`: the planner's key; `x`: one
+    device's inputs (for MemFit's warnings).
+    """
+
+    chunk: tuple
+    slots: int
+    rows: int
+    signature: Hashable
+    x: Any
+
+    def batch(self, piece: tuple) -> Any:
+        """The Keras batch of `piece`'s rows, as the layout's steps take it."""
+
+    def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
+        """`piece`'s batch, weight and loss factor for `Accumulator.add` (`how`: a weighting)."""
+
+    def rows_in(self, piece: tuple) -> int:
+        """The rows `piece` runs, on every device."""
+
+    def join(self, outputs: List[Any]) -> Any:
+        """The predict step's outputs on consecutive pieces, as one, in the input's order."""
+
+
+class Layout(Protocol):
+    """How MemFit cuts a Keras batch into pieces, and the steps that run them.
+
+    On one device `training.layout.OneDevice`; a backend that runs a batch on several replicas
+    each with its own rows gives its own (`Distribution.training_layout`).
+
+    Attributes:
+        key: Part of every cache key of the steps the layout makes.
+        copies: Each replica's copy of a variable (per-output loss trackers are settled on
+            each); None on one device.
+    """
+
+    key: Hashable
+    copies: Optional[Callable[[Any], Sequence[Any]]]
+
+    def cut(self, batch: Any) -> Optional[Cut]:
+        """`batch` as a `Cut`, or None when it cannot be split."""
+
+    def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
+        """What cannot be split in `batches`, in words (None: everything can)."""
+
+    def prepare(self, model: Any, cut: Cut) -> None:
+        """Build the model, its metrics and loss (and optimizer) before a train step is made."""
+
+    def train_step(self, model: Any, custom: bool, cut: Cut) -> TrainStep:
+        """The train step (the model's own `train_step` when `custom`)."""
+
+    def guard(self, variables: Sequence[Any]) -> Guard:
+        """A `Guard` over (every copy of) `variables`."""
+
+    def accumulator(self, model: Any) -> Accumulator:
+        """A gradient accumulator (sums the size of the weights)."""
+
+    def test_step(self, model: Any, cut: Cut, exact: bool) -> Tuple[Callable[[Any], Any], Guard]:
+        """The test step on a cut's batch and a guard over the metric state; `exact`: per-output
+        loss trackers weight a piece by its rows (else as Keras's `evaluate` counts a batch)."""
+
+    def predict_step(self, model: Any) -> Callable[[Any], Any]:
+        """The predict step on a cut's batch."""
 
 
 # ---------------------------------------------------------------- the seam
@@ -428,13 +497,13 @@ class Distribution(Protocol):
     def distribution_of(self, model: Any) -> Optional[str]:
         """The distribution `model` runs under, named for messages, or None."""
 
-    def training_replicas(self, model: Any) -> Optional[Any]:
+    def training_layout(self, model: Any) -> Optional[Layout]:
         """May MemFit train under the current distribution, and how.
 
         Returns:
-            The replicas whose rows MemFit splits alike (a `tf.distribute`
-            strategy's), or None where batches are split whole (no
-            distribution, JAX's `DataParallel`).
+            The backend's `Layout` of the batches (a `tf.distribute`
+            strategy's replicas), or None where batches are split whole on
+            one device or laid out by the steps (JAX's `DataParallel`).
 
         Raises:
             NotImplementedError: For a distribution MemFit refuses, naming

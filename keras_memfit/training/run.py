@@ -23,7 +23,9 @@ from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import concatenate
 from keras_memfit.analysis import training_peak
-from keras_memfit.backend.base import Accumulator, Guard, OrderedTrainStep, StepOutcome, TrainStep
+from keras_memfit.backend.base import (
+    Accumulator, Cut, Guard, OrderedTrainStep, StepOutcome, TrainStep,
+)
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import (
     ACCUMULATE,
@@ -45,7 +47,7 @@ from keras_memfit.planning.runner import (
     run_whole,
 )
 from keras_memfit.training.batch_dependence import SplitWarnings
-from keras_memfit.training.layout import Cut, layout_of
+from keras_memfit.training.layout import layout_of
 from keras_memfit.training.remat import Rematerialization, Setting
 
 logger = logging.getLogger("keras_memfit")
@@ -344,7 +346,7 @@ class Run:
                 return TrainParts(
                     step=step,
                     guard=layout.guard(_model_state.train_state_variables(model)),
-                    counted=layout.counted(model),
+                    counted=CountedOnce(model, copies=layout.copies),
                 )
 
             self._train_parts = _cache.per_model(model, key, build)
@@ -381,7 +383,8 @@ class Run:
     def _test_batch(self, cut: Cut, logs: Any) -> Any:
         """Evaluate one Keras batch in pieces; the last piece's logs (else `logs`)."""
         if self._test_parts is None:
-            self._test_parts = self.layout.test_parts(self.model, cut)
+            step, guard = self.layout.test_step(self.model, cut, exact=False)
+            self._test_parts = (step, guard, SplitBatches(self.model, False, self.layout.copies))
         step, guard, split = self._test_parts
         run = self._test_runner(step, split, cut)
         planner = self._planner("evaluate", cut)
@@ -414,7 +417,7 @@ class Run:
         split.begin_batch(cut.slots)
 
         def make_exact(first: tuple) -> Callable[[tuple], Any]:  # at the first split
-            exact = self.layout.exact_test_step(self.model, cut)
+            exact = self.layout.test_step(self.model, cut, exact=True)[0]
             return lambda piece: exact(cut.batch(piece))
 
         return split.step(run, make_exact)

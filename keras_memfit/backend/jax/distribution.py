@@ -272,7 +272,7 @@ class ShardedAccumulator:
         self.__wrapped__.apply()
 
 
-def training_replicas(model: keras.Model) -> None:
+def training_layout(model: keras.Model) -> None:
     """None: under `DataParallel` Keras hands MemFit whole global batches, which the steps lay
     out; `check_trainable` refuses the other distributions."""
     check_trainable(model)

@@ -9,12 +9,11 @@
 - `devices`: naming devices;
 - `placement`: keeping layers on another device (`place`);
 - `tracing`: the model's layer calls, traced symbolically;
-- `distribution`: the seam's answers about `tf.distribute` strategies (from
-  `replicas` and `distribute`);
-- `replicas`: the inference steps on every replica of a
-  `tf.distribute.MirroredStrategy` (used by `steps` and `distribution`);
-- `distribute`: MemFit's train, test and predict steps under a
-  `tf.distribute` strategy;
+- `distribution`: `tf.distribute` strategies: inference steps on every
+  replica of a `MirroredStrategy`, MemFit's layout over the replicas (its
+  train, test and predict steps), the refused strategies;
+- `compiling`: compiling steps as Keras compiles its own, tracing them as
+  Keras does;
 - `accumulation`: gradient accumulation on one device;
 - `default_step`: Keras's default train step, in the parts MemFit's steps
   are made of;
@@ -45,6 +44,6 @@ from keras_memfit.backend.tensorflow.devices import (
 )
 from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.distribution import (
-    distribution_of, piece_multiple, replica_devices, training_replicas,
+    distribution_of, piece_multiple, replica_devices, training_layout,
 )
 from keras_memfit.backend.tensorflow import placement

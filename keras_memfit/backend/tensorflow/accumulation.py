@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras_memfit._internal.cache import per_model
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit._internal.units import format_bytes
-from keras_memfit.backend.tensorflow.steps import _compile, _needs_static_batch
+from keras_memfit.backend.tensorflow.compiling import compile_step, needs_static_batch
 from keras_memfit.backend.tensorflow.default_step import forward_loss, track_loss
 from keras_memfit.backend.tensorflow.holds import XlaHolds
 
@@ -161,8 +161,8 @@ class AccumulationSteps:
                 if total is not None:
                     total.assign(tf.zeros_like(total))
 
-        self.add = _compile(model, add_step, static_shapes=_needs_static_batch(model))
-        self.apply = _compile(model, apply_step)
+        self.add = compile_step(model, add_step, static_shapes=needs_static_batch(model))
+        self.apply = compile_step(model, apply_step)
         self.reset = tf.function(reset_step)
         self.holds = XlaHolds(
             model, small=lambda: train_state_variables(model_ref()),

@@ -1,18 +1,665 @@
-"""The seam's `Distribution` on TensorFlow: `tf.distribute` strategies, in one process.
+"""TensorFlow's distribution: `tf.distribute` strategies, in one process.
 
-Multi-worker strategies are refused (`distribute`), so nothing here agrees with other processes.
+Inference (`safe_predict`, `safe_evaluate`) under a `MirroredStrategy` splits each piece inside
+the compiled step into one contiguous share per replica (`distributed_step`). MemFit's layout
+under a strategy (`Replicated`) cuts each Keras batch so that every replica runs the same number
+of pieces (one replica's OOM aborts the whole step, and the optimizer's all-reduce must line
+up): a batch whose largest replica holds `m` rows is `m` slots, and slots `a:b` are, on a replica
+of `n` rows, its rows `a*n//m : b*n//m` (`Slots`); the planner sizes the largest replica's rows.
+Multi-worker, TPU and parameter-server strategies are refused (`check_strategy`).
 """
 
 from __future__ import annotations
 
-from keras_memfit.backend.tensorflow import distribute, replicas
+import weakref
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple, Union
 
-distribution_of = replicas.distribution_of
-replica_devices = replicas.replica_devices
-training_replicas = distribute.training_replicas
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+from keras_memfit._internal import batches as _batches
+from keras_memfit._internal import cache as _cache
+from keras_memfit._internal import keras_compat as _keras_compat
+from keras_memfit._internal import reductions as _reductions
+from keras_memfit._internal.batches import as_batch, concatenate, first_unsplittable, form_of
+from keras_memfit._internal.batches import splittable_rows
+from keras_memfit.backend.base import StepOutcome
+from keras_memfit.backend.tensorflow.accumulation import (
+    add_gradients, apply_gradients, kept_rows_text, sparse_gradients, sums_sparse_exactly,
+)
+from keras_memfit.backend.tensorflow.compiling import (
+    compile_step, needs_static_batch, traced_as_keras,
+)
+from keras_memfit.backend.tensorflow.default_step import flagged_train_step
+
+_HOST = "/CPU:0"
+
+
+def _distribute_strategy(model: keras.Model) -> Any:
+    """The distribution strategy `model` was built under, or None (`_distribute_strategy`)."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
+    """The `tf.distribute` strategy `model` runs under (as Keras's trainer finds it), or None."""
+    strategy = _distribute_strategy(model)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return strategy
+
+
+def distribution_of(model: Any) -> Optional[str]:
+    """The `tf.distribute` strategy `model` runs under, named, or None."""
+    strategy = active_strategy(model)
+    return None if strategy is None else f"tf.distribute.{type(strategy).__name__}"
+
+
+def strategy_of(model: Any) -> Optional[tf.distribute.MirroredStrategy]:
+    """The `MirroredStrategy` `model` runs under (see `active_strategy`), or None."""
+    strategy = active_strategy(model)
+    return strategy if isinstance(strategy, tf.distribute.MirroredStrategy) else None
+
+
+def short_name(device: str) -> str:
+    """A full device name as "TYPE:index" ("/job:localhost/.../device:GPU:1" -> "GPU:1")."""
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+
+def replica_devices(model: Any) -> Tuple[str, ...]:
+    """The devices of `model`'s replicas ("GPU:0", ...); () without a `MirroredStrategy`."""
+    strategy = strategy_of(model)
+    if strategy is None:
+        return ()
+    return tuple(short_name(d) for d in strategy.extended.worker_devices)
+
+
+def split_bounds(rows: Union[int, tf.Tensor], replicas: int) -> List[Any]:
+    """Where each replica's share of `rows` rows starts, and the last one ends: (7, 2) -> [0, 4, 7].
+
+    Contiguous shares, the larger ones first. `rows` may be a scalar tensor (a batch dimension
+    unknown when tracing).
+    """
+    share, extra = rows // replicas, rows % replicas
+    minimum = tf.minimum if tf.is_tensor(rows) else min
+    return [i * share + minimum(i, extra) for i in range(replicas + 1)]
+
+
+def _rows(data: Any) -> Union[int, tf.Tensor]:
+    for leaf in keras.tree.flatten(data):
+        if leaf is not None:
+            static = leaf.shape[0]
+            if static is not None:
+                return int(static)
+            if isinstance(leaf, tf.RaggedTensor):
+                return tf.cast(leaf.nrows(), tf.int32)
+            if isinstance(leaf, tf.SparseTensor):
+                return tf.cast(leaf.dense_shape[0], tf.int32)
+            return tf.shape(leaf)[0]
+    return 0
+
+
+def _share(leaf: Any, start: Any, stop: Any) -> Any:
+    """Rows `start:stop` of a tensor, ragged or sparse tensor (None stays None)."""
+    if leaf is None:
+        return None
+    if isinstance(leaf, tf.SparseTensor):
+        rank = leaf.shape.rank
+        begin = tf.stack([tf.cast(start, tf.int64)] + [tf.constant(0, tf.int64)] * (rank - 1))
+        size = tf.concat([[tf.cast(stop - start, tf.int64)], leaf.dense_shape[1:]], axis=0)
+        return tf.sparse.slice(leaf, begin, size)
+    return leaf[start:stop]
+
+
+def _as_tensor(leaf: Any) -> Any:
+    if leaf is None or isinstance(leaf, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
+        return leaf
+    return tf.convert_to_tensor(leaf)
+
+
+def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
+    """`data` (a structure of tensors sharing their rows) as one share per replica.
+
+    Cut on the host, so that each replica's device receives only its own rows; ragged and sparse
+    tensors are cut by rows; None leaves stay None.
+    """
+    data = keras.tree.map_structure(_as_tensor, data)
+    replicas = strategy.num_replicas_in_sync
+    with tf.device(_HOST):
+        bounds = split_bounds(_rows(data), replicas)
+
+    def share(context: Any) -> Any:
+        i = context.replica_id_in_sync_group
+        with tf.device(_HOST):
+            return keras.tree.map_structure(
+                lambda leaf: _share(leaf, bounds[i], bounds[i + 1]), data
+            )
+
+    return strategy.experimental_distribute_values_from_function(share)
+
+
+def _is_per_replica(value: Any) -> bool:
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _concat(parts: Sequence[Any]) -> Any:
+    """Replicas' outputs as one, in replica order (Keras's `reduce_per_replica` "concat")."""
+    if isinstance(parts[0], tf.SparseTensor):
+        return tf.sparse.concat(axis=0, sp_inputs=list(parts))
+    if parts[0].shape.rank == 0:
+        return tf.stack(parts)
+    return tf.concat(list(parts), axis=0)
+
+
+def combine(strategy: tf.distribute.Strategy, outputs: Any, how: str) -> Any:
+    """Each per-replica leaf of `outputs` (what `strategy.run` returned) made one, on the host.
+
+    Args:
+        how: "concat" (predictions, in replica order) or "mean" (logs, as Keras's
+            `reduce_per_replica` "auto" does for a test step).
+    """
+
+    def one(value: Any) -> Any:
+        if not _is_per_replica(value):
+            return value
+        parts = strategy.experimental_local_results(value)
+        if how == "concat":
+            return _concat(parts)
+        return tf.reduce_mean(tf.stack(list(parts)), axis=0)
+
+    with tf.device(_HOST):
+        return tf.nest.map_structure(one, outputs)
+
+
+def distributed_step(
+    model: keras.Model,
+    strategy: tf.distribute.MirroredStrategy,
+    fn: Callable[[Any], Any],
+    *,
+    how: str,
+    static_shapes: bool = False,
+) -> Callable[[Any], Any]:
+    """`fn` run on every replica of `strategy`, each on its share; outputs combined as `how` says.
+
+    Compiled as Keras compiles its own distributed steps: `fn` XLA-compiled under `jit_compile`,
+    the whole a `tf.function` traced with an unknown batch dimension (once per piece size with
+    `static_shapes`), eager for a model that runs eagerly.
+    """
+    eager = bool(getattr(model, "run_eagerly", False))
+    inner = fn
+    if not eager and model.jit_compile:
+        inner = tf.function(fn, reduce_retracing=not static_shapes, jit_compile=True)
+
+    def step(data: Any) -> Any:
+        outputs = strategy.run(inner, args=(distribute(strategy, data),))
+        return combine(strategy, outputs, how)
+
+    if eager:
+        return step
+    return tf.function(step, reduce_retracing=not static_shapes)
+
+
+def variable_copies(variable: Any) -> Tuple[Any, ...]:
+    """The per-replica `tf.Variable`s of a (Keras) variable; itself when not distributed."""
+    value = variable._value if isinstance(variable, keras.Variable) else variable
+    if isinstance(value, tf.distribute.DistributedValues):
+        return tuple(value.values)
+    return (value,)
+
+
+def has_distributed(variables: Sequence[Any]) -> bool:
+    """Whether any of `variables` is a tf.distribute variable (one copy per replica)."""
+    return any(
+        _is_per_replica(v._value if isinstance(v, keras.Variable) else v) for v in variables
+    )
+
+
+class ReplicaGuard:
+    """Every replica's copy of some variables, snapshotted before a step and restored after.
+
+    Each copy is restored on its own device, whatever strategy scope is active. The snapshot is one
+    compiled read of all the copies (a later update copies the buffer rather than overwrite it).
+    """
+
+    def __init__(self, variables: Sequence[Any]) -> None:
+        self._copies = [c for v in variables for c in variable_copies(v)]
+        self._saved: Optional[List[Any]] = None
+        copies = self._copies
+
+        @tf.function
+        def read() -> List[Any]:
+            return [c.read_value() for c in copies]
+
+        self._read = read if copies else None
+
+    def snapshot(self) -> None:
+        """Record every copy's current value."""
+        if self._read is not None:
+            self._saved = self._read()
+
+    def restore(self) -> None:
+        """Put back the values recorded by the last `snapshot()`."""
+        if self._saved is None:
+            return
+        for copy, value in zip(self._copies, self._saved):
+            copy.assign(value)
+
+
+_SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
+
+
+def check_strategy(strategy: Any) -> None:
+    """Raise a clear `NotImplementedError` for a strategy MemFit cannot split for.
+
+    Raises:
+        NotImplementedError: For any strategy but `MirroredStrategy` and `OneDeviceStrategy`
+            (multi-worker, TPU, parameter server, ...).
+    """
+    if isinstance(strategy, _SUPPORTED):
+        return
+    name = type(strategy).__name__
+    received = f"Received: a model under {name}."
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.MultiWorkerMirroredStrategy: Keras 3's "
+            "own fit fails under it before any out-of-memory error (keras-team/keras#20585, "
+            "'ValueError: Attempt to convert a value (PerReplica...)'). " + received
+            + " Use tf.distribute.MirroredStrategy on one machine's devices."
+        )
+    if isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.TPUStrategy: a TPU step is compiled "
+            "for a fixed batch shape, which MemFit cannot split. " + received
+            + " Train without MemFit, or with a smaller batch_size."
+        )
+    if isinstance(
+        strategy,
+        (tf.distribute.ParameterServerStrategy,
+         tf.distribute.experimental.ParameterServerStrategy),
+    ):
+        raise NotImplementedError(
+            "MemFit does not support tf.distribute.ParameterServerStrategy: its workers "
+            "run steps asynchronously through a coordinator, outside the step functions "
+            "MemFit replaces. " + received + " Train without MemFit."
+        )
+    raise NotImplementedError(
+        "MemFit supports tf.distribute.MirroredStrategy and OneDeviceStrategy. "
+        + received + " Use MirroredStrategy, or train without MemFit."
+    )
+
+
+def _local(strategy: tf.distribute.Strategy, value: Any) -> tuple:
+    if value is None:
+        return (None,) * strategy.num_replicas_in_sync
+    return tuple(strategy.experimental_local_results(value))
+
+
+def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = None) -> Any:
+    with strategy.scope():
+        return tf.Variable(
+            initial, dtype=dtype, trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+
+
+class ReplicaTrainStep:
+    """A train step on a distributed batch that can tell whether its update began.
+
+    Keras's default train step (or the model's own `train_step` when `custom`) under
+    `strategy.run`; callers guard its small state. The default step sets a per-replica `ON_READ`
+    flag once every gradient exists (always the strict order), so after a failed call
+    `last_outcome` is `UPDATE_BEGAN` where a replica set it, else `RESTORED`; None for a custom
+    `train_step` (unknown).
+    """
+
+    snapshots_itself = False
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, custom: bool) -> None:
+        self.last_outcome: Optional[StepOutcome] = None
+        self._custom = custom
+        self._started = None if custom else _sync_on_read(strategy, 0, tf.int32)
+        model_ref = weakref.ref(model)
+        started = self._started
+
+        def replica_step(data):
+            model = model_ref()
+            if custom:
+                return model.train_step(data)
+            reset = started.assign(0)
+            with tf.control_dependencies([reset]):
+                data = keras.tree.map_structure(
+                    lambda t: None if t is None else tf.identity(t), data
+                )
+            # The strict order (every gradient before the update): an OOM of a
+            # replica's forward or backward pass stays retriable.
+            return flagged_train_step(model, data, lambda: started.assign(1), strict=True)
+
+        def step(data):
+            outputs = strategy.run(replica_step, args=(data,))
+            return reduce_per_replica(outputs, strategy, "auto")
+
+        self._step = traced_as_keras(compile_step(model, step))
+
+    def __call__(self, data: Any) -> Dict[str, Any]:
+        try:
+            return self._step(data)
+        except Exception:
+            if not self._custom:
+                began = int(self._started.read_value().numpy()) > 0
+                self.last_outcome = StepOutcome.UPDATE_BEGAN if began else StepOutcome.RESTORED
+            raise
+
+
+class ReplicaAccumulator:
+    """Sums each replica's weighted micro-batch gradients; applies them as one step.
+
+    The sums are `ON_READ`/`SUM` variables (one copy per replica), made at the first micro-batch.
+    `apply` calls `apply_gradients` once on every replica with its local sums, which the optimizer
+    all-reduces: Keras's update on the whole batch. Sparse gradients are kept as each replica's
+    rows, as on one device, unless the optimizer sums rows exactly (`sums_sparse_exactly`).
+    """
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+        self._model = weakref.ref(model)
+        self._strategy = strategy
+        self._weights = list(model.trainable_weights)
+        self._sums: Optional[List[Any]] = None  # per weight; None: a sparse gradient kept as rows
+        self._kept: List[List[List[Any]]] = []  # per kept gradient, per replica: (values, indices)
+        self._held: Optional[str] = None
+        self._traced = {"mask": tuple(False for _ in self._weights)}
+
+    def _make(self, data: Any) -> None:
+        """The sums (none for the sparse gradients kept as rows) and the compiled steps."""
+        model, strategy, traced = self._model(), self._strategy, self._traced
+        model_ref, weights = self._model, self._weights
+        keeps_rows = not sums_sparse_exactly(model.optimizer)
+        local = keras.tree.map_structure(lambda v: _local(strategy, v)[0], data)
+        sparse = sparse_gradients(model, local) if keeps_rows else [False] * len(self._weights)
+        sums = self._sums = [
+            None if kept else _sync_on_read(strategy, tf.zeros_like(w.value))
+            for w, kept in zip(weights, sparse)
+        ]
+        rows = [i for i, total in enumerate(sums) if total is None]
+
+        def replica_add(data, weight, loss_factor):
+            kept = {}
+
+            def add(i, g):
+                if sums[i] is None:
+                    kept[i] = (g.values, g.indices)
+                else:
+                    sums[i].assign_add(tf.convert_to_tensor(g))
+
+            traced["mask"] = add_gradients(model_ref(), data, weight, loss_factor, add)
+            return tuple(kept[i] for i in rows)
+
+        def add(data, weight, loss_factor):
+            return strategy.run(replica_add, args=(data, weight, loss_factor))
+
+        def replica_apply(mask, kept):
+            gradients = [None if missing or s is None else s.read_value()
+                         for s, missing in zip(sums, mask)]
+            for i, (values, indices) in zip(rows, kept):
+                gradients[i] = tf.IndexedSlices(values, indices, tf.shape(weights[i].value))
+            apply_gradients(model_ref(), gradients)
+
+        def apply(mask, kept):
+            strategy.run(replica_apply, args=(mask, kept))
+
+        @tf.function
+        def reset():
+            for total in sums:
+                if total is not None:
+                    total.assign(tf.zeros_like(total))
+
+        self._add = compile_step(model, add, static_shapes=needs_static_batch(model))
+        self._apply = compile_step(model, apply)
+        self._reset = reset
+
+    def reset(self) -> None:
+        """Start a new batch: zero the sums on every replica, drop the kept rows."""
+        self._kept = []
+        if self._sums is not None:
+            self._reset()
+
+    def add(self, data: Any, weight: Any, loss_factor: Any) -> None:
+        """Add each replica's `weight` times its gradient on its rows of `data`.
+
+        Args:
+            data: A distributed batch (`Replicated.distribute`).
+            weight: A distributed float per replica (`Replicated.scalars`).
+            loss_factor: Likewise, what each replica's loss tracker multiplies its loss by.
+        """
+        if self._sums is None:
+            self._make(data)
+        kept = self._add(data, weight, loss_factor)
+        if not self._kept:
+            self._kept = [[[] for _ in range(self._strategy.num_replicas_in_sync)] for _ in kept]
+        for pieces, (values, indices) in zip(self._kept, kept):
+            for replica, pair in enumerate(zip(_local(self._strategy, values),
+                                               _local(self._strategy, indices))):
+                pieces[replica].append(pair)
+
+    def held(self) -> Optional[str]:
+        return self._held
+
+    def apply(self) -> None:
+        """Apply the summed gradients (and each replica's kept rows) as one optimizer step."""
+        kept, self._kept = self._kept, []
+        sparse = [i for i, total in enumerate(self._sums) if total is None]
+        self._held = kept_rows_text(self._model().optimizer, [
+            ([values for pieces in per_replica for values, _ in pieces], self._weights[i])
+            for i, per_replica in zip(sparse, kept)
+        ])
+        joined = []
+        for replica, device in enumerate(self._strategy.extended.worker_devices):
+            with tf.device(device):  # each replica's rows, in order, on its device
+                joined.append(tuple(
+                    (tf.concat([v for v, _ in per_replica[replica]], 0),
+                     tf.concat([i for _, i in per_replica[replica]], 0))
+                    for per_replica in kept
+                ))
+        del kept
+        rows = () if not joined[0] else self._strategy.experimental_distribute_values_from_function(
+            lambda context: joined[context.replica_id_in_sync_group])
+        self._apply(self._traced["mask"], rows)
+
+
+class Slots:
+    """A distributed Keras batch as slots: each replica's rows split alike (a `base.Cut`)."""
+
+    def __init__(self, layout: "Replicated", batch: Any, local: List[tuple],
+                 counts: List[int]) -> None:
+        self.layout = layout
+        self.distributed = batch
+        self.form = form_of(batch)  # how Keras packed it: each replica's pieces alike
+        self.local = local
+        self.counts = counts
+        self.slots = max(counts)
+        self.rows = sum(counts)
+        largest = local[counts.index(self.slots)]
+        self.x = largest[0]
+        # The chunk run_in_pieces splits: x with the largest replica's shapes
+        # (stride-0 views, for the OutOfMemoryError's message), y the slots.
+        shapes = keras.tree.map_structure(
+            lambda leaf: None if leaf is None
+            else np.broadcast_to(np.zeros((), np.bool_), (self.slots,) + tuple(leaf.shape[1:])),
+            largest[0],
+        )
+        self.chunk = (shapes, np.arange(self.slots), None)
+        self.signature = (_batches.signature(largest[0]), "replicas", layout.count)
+
+    def _parts(self, piece: tuple) -> List[tuple]:
+        """Each replica's rows for the slots of `piece`."""
+        slots = piece[1]
+        a, b = (int(slots[0]), int(slots[-1]) + 1) if len(slots) else (0, 0)
+        return [
+            _batches.rows(chunk, a * n // self.slots, b * n // self.slots)
+            for chunk, n in zip(self.local, self.counts)
+        ]
+
+    def batch(self, piece: tuple) -> Any:
+        if len(piece[1]) == self.slots:
+            return self.distributed  # the whole batch, as Keras distributed it
+        return self.layout.distribute([as_batch(c, self.form) for c in self._parts(piece)])
+
+    def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
+        chunks = self._parts(piece)  # each replica weighted in its own rows
+        weights, factors = zip(*(
+            _reductions.weights(how, part, whole) for part, whole in zip(chunks, self.local)))
+        return (self.layout.distribute([as_batch(c, self.form) for c in chunks]),
+                self.layout.scalars(weights), self.layout.scalars(factors))
+
+    def rows_in(self, piece: tuple) -> int:
+        return sum(_batches.num_rows(chunk) for chunk in self._parts(piece))
+
+    def join(self, outputs: List[Any]) -> Any:
+        """Each replica's pieces in order, then the replicas in order, as Keras joins them."""
+        return concatenate([
+            concatenate([per_replica[r] for per_replica in outputs])
+            for r in range(self.layout.count)
+        ])
+
+
+class Replicated:
+    """MemFit's layout under a `MirroredStrategy` (or `OneDeviceStrategy`): a `base.Layout`."""
+
+    def __init__(self, strategy: tf.distribute.Strategy) -> None:
+        self.strategy = strategy
+        self.count = int(strategy.num_replicas_in_sync)
+        self.key: Hashable = ("replicas", id(strategy))
+
+    def local(self, batch: Any) -> List[tuple]:
+        """Each replica's rows of a distributed Keras batch, as `(x, y, sample_weight)` chunks."""
+        chunk = tuple(keras.utils.unpack_x_y_sample_weight(batch))
+        leaves = keras.tree.flatten(chunk)
+        per_leaf = [_local(self.strategy, leaf) for leaf in leaves]
+        return [
+            keras.tree.pack_sequence_as(chunk, [values[r] for values in per_leaf])
+            for r in range(self.count)
+        ]
+
+    def distribute(self, chunks: Sequence[Any]) -> Any:
+        """One structure per replica (same structure) as one distributed value."""
+        chunks = list(chunks)
+        leaves = [keras.tree.flatten(c) for c in chunks]
+        devices = self.strategy.extended.worker_devices
+
+        def leaf(i):
+            if leaves[0][i] is None:
+                return None
+
+            def value(context):
+                r = context.replica_id_in_sync_group
+                with tf.device(devices[r]):
+                    return tf.identity(leaves[r][i])
+
+            return self.strategy.experimental_distribute_values_from_function(value)
+
+        return keras.tree.pack_sequence_as(chunks[0], [leaf(i) for i in range(len(leaves[0]))])
+
+    def scalars(self, values: Sequence[float]) -> Any:
+        """One float per replica as a distributed float64 scalar."""
+        values = [float(v) for v in values]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
+        )
+
+    def copies(self, variable: Any) -> Sequence[Any]:
+        """Each replica's copy of `variable` (a `tf.Variable` each)."""
+        return variable_copies(variable)
+
+    def cut(self, batch: Any) -> Optional[Slots]:
+        """`batch` as `Slots`, or None when some replica's rows cannot be split."""
+        local = self.local(batch)
+        counts = [splittable_rows(chunk) for chunk in local]
+        return None if None in counts else Slots(self, batch, local, counts)
+
+    def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
+        """What cannot be split in some replica's rows of `batches`, in words."""
+        return first_unsplittable(chunk for batch in batches for chunk in self.local(batch))
+
+    def prepare(self, model: keras.Model, cut: Slots) -> None:
+        """Build the model, its metrics and loss, under the strategy's scope."""
+        x, y, sample_weight = _batches.rows(cut.local[0], 0, 1)
+        with self.strategy.scope():
+            _keras_compat.symbolic_build(model, (x, y, sample_weight))
+
+    def train_step(self, model: keras.Model, custom: bool, cut: Slots) -> "ReplicaTrainStep":
+        """The train step on a distributed batch (`model.train_step` when `custom`)."""
+        return ReplicaTrainStep(model, self.strategy, custom)
+
+    def guard(self, variables: Sequence[Any]) -> ReplicaGuard:
+        """A guard over every replica's copy of `variables`."""
+        return ReplicaGuard(variables)
+
+    def accumulator(self, model: keras.Model) -> "ReplicaAccumulator":
+        """A gradient accumulator over the replicas (one all-reduce when applied)."""
+        return ReplicaAccumulator(model, self.strategy)
+
+    def test_step(self, model: keras.Model, cut: Slots,
+                  exact: bool) -> Tuple[Callable[[Any], Any], ReplicaGuard]:
+        """Keras's `model.test_step` on a distributed batch (the reduced logs) and a guard over
+        the metric state, cached. Traced as Keras traces its own (per-output loss trackers count
+        a batch once); with `exact`, once per piece size (they weight a piece by its rows)."""
+        if not exact:
+            self.prepare(model, cut)
+        key = ("evaluate", exact, self.key, tuple(id(v) for v in model.metrics_variables),
+               bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+        return _cache.per_model(model, key, lambda: (
+            self._test_step(model, exact), ReplicaGuard(model.metrics_variables)))
+
+    def _test_step(self, model: keras.Model, exact: bool) -> Callable[[Any], Any]:
+        model_ref = weakref.ref(model)
+        strategy = self.strategy
+
+        def step(data):
+            outputs = strategy.run(lambda d: model_ref().test_step(d), args=(data,))
+            return reduce_per_replica(outputs, strategy, "auto")
+
+        if exact:
+            return compile_step(model, step, static_shapes=needs_static_batch(model))
+        return traced_as_keras(compile_step(model, step))
+
+    def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
+        """`model.predict_step` on a distributed batch: each replica's outputs, cached."""
+        key = ("predict", self.key, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+        return _cache.per_model(model, key, lambda: self._predict_step(model))
+
+    def _predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
+        model_ref = weakref.ref(model)
+        strategy = self.strategy
+
+        def step(data):
+            return strategy.run(lambda d: model_ref().predict_step(d), args=(data,))
+
+        compiled = compile_step(model, step)
+
+        def run(data):
+            outputs = compiled(data)
+            flat = keras.tree.flatten(outputs)
+            per_leaf = [_local(strategy, leaf) for leaf in flat]
+            return [
+                keras.tree.pack_sequence_as(outputs, [values[r] for values in per_leaf])
+                for r in range(self.count)
+            ]
+
+        return run
+
+
+def training_layout(model: keras.Model) -> Optional[Replicated]:
+    """`Replicated` under `model`'s strategy, or None without one (see `check_strategy`)."""
+    strategy = active_strategy(model)
+    if strategy is None:
+        return None
+    check_strategy(strategy)
+    return Replicated(strategy)
 
 
 def piece_multiple() -> int:
     """1: any piece size runs (tf.distribute splits uneven batches itself)."""
     return 1
-

@@ -11,35 +11,16 @@ import tensorflow as tf
 
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
-from keras_memfit.backend.tensorflow import replicas
-
-
-def _compile(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
-    """`fn` compiled as Keras would compile the model's own steps.
-
-    `fn` reaches the model through a weak reference, so that a step cached per model does not keep
-    it alive. `static_shapes` traces once per piece size (see `_needs_static_batch`).
-    """
-    if getattr(model, "run_eagerly", False):
-        return fn
-    return tf.function(
-        fn, reduce_retracing=not static_shapes, jit_compile=bool(model.jit_compile)
-    )
-
-
-def _needs_static_batch(model: keras.Model) -> bool:
-    """Whether a step that splits batches must be traced with a static batch size.
-
-    Keras weights each per-output loss tracker by the outputs' static batch size: traced with an
-    unknown one, pieces of different sizes would count alike.
-    """
-    return _keras_compat.has_per_output_loss_trackers(model)
+from keras_memfit.backend.tensorflow import distribution
+from keras_memfit.backend.tensorflow.compiling import (
+    compile_step, needs_static_batch, relaxed_spec, traced_as_keras,
+)
 
 
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Callable:
-    """Compiled; under a `MirroredStrategy` each replica runs its share of `x` (`replicas`)."""
+    """Compiled; under a `MirroredStrategy` each replica runs its share of `x` (`distribution`)."""
     model_ref = weakref.ref(model)
 
     def predict_step(x):
@@ -48,10 +29,10 @@ def make_predict_step(
             outputs = postprocess(outputs)
         return outputs
 
-    strategy = replicas.strategy_of(model)
+    strategy = distribution.strategy_of(model)
     if strategy is not None:
-        return replicas.distributed_step(model, strategy, predict_step, how="concat")
-    return _compile(model, predict_step)
+        return distribution.distributed_step(model, strategy, predict_step, how="concat")
+    return compile_step(model, predict_step)
 
 
 # Keras's own `evaluate` on TensorFlow runs its test step on a tf.data
@@ -69,87 +50,18 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
     def test_step(data):
         return model_ref().test_step(data)
 
-    strategy = replicas.strategy_of(model)
+    strategy = distribution.strategy_of(model)
 
-    def compile_step(static_shapes: bool = False) -> Callable:
+    def compiled(static_shapes: bool = False) -> Callable:
         if strategy is not None:
-            return replicas.distributed_step(
+            return distribution.distributed_step(
                 model, strategy, test_step, how="mean", static_shapes=static_shapes
             )
-        return _compile(model, test_step, static_shapes=static_shapes)
+        return compile_step(model, test_step, static_shapes=static_shapes)
 
     if exact:
-        return compile_step(static_shapes=_needs_static_batch(model))
-    return traced_as_keras(compile_step())
-
-
-def traced_as_keras(step: Callable) -> Callable:
-    """Compiled `step`, traced on its first call as Keras traces its own (`trace_as_keras`)."""
-    if not isinstance(step, tf.types.experimental.PolymorphicFunction):
-        return step  # run eagerly: shapes are always static
-    traced = []
-
-    def relaxed_step(data):
-        if not traced:
-            trace_as_keras(step, data)
-            traced.append(True)
-        return step(data)
-
-    relaxed_step.__wrapped__ = step
-    return relaxed_step
-
-
-def trace_as_keras(step: Callable, data: Any, spec: Any = None) -> None:
-    """Trace compiled `step` for `data` as Keras traces its own (nothing for an eager step).
-
-    On `spec` (Keras's dataset element spec) where `data` fits it, else with an unknown batch
-    dimension, so that per-output loss trackers see the static batch size they see in Keras.
-    """
-    if isinstance(step, tf.types.experimental.PolymorphicFunction):
-        step.get_concrete_function(spec if _fits(data, spec) else relaxed_spec(data))
-
-
-def _fits(data: Any, spec: Any) -> bool:
-    """Whether `data` (a structure of values) fits the type spec structure `spec`."""
-    if spec is None:
-        return False
-    try:
-        tf.nest.assert_same_structure(data, spec)
-    except (ValueError, TypeError):
-        return False
-    for value, leaf in zip(tf.nest.flatten(data), tf.nest.flatten(spec)):
-        if (value is None) != (leaf is None):
-            return False
-        if value is not None and not leaf.is_compatible_with(value):
-            return False
-    return True
-
-
-def relaxed_spec(value: Any) -> Any:
-    """The type spec of `value` (a structure) with an unknown batch dimension.
-
-    Numpy object arrays are string tensors; None stays None; a `tf.distribute` value, per replica.
-    """
-
-    def spec(leaf):
-        if leaf is None:
-            return None
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            return type(tf.type_spec_from_value(leaf))(*[spec(v) for v in leaf.values])
-        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
-            return tf.TensorSpec((None,) + leaf.shape[1:], tf.string)
-        if not isinstance(leaf, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
-            leaf = tf.convert_to_tensor(leaf)
-        shape = (None,) + tuple(leaf.shape[1:])
-        if isinstance(leaf, tf.RaggedTensor):
-            return tf.RaggedTensorSpec(
-                shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits.dtype
-            )
-        if isinstance(leaf, tf.SparseTensor):
-            return tf.SparseTensorSpec(shape, leaf.dtype)
-        return tf.TensorSpec(shape, leaf.dtype)
-
-    return keras.tree.map_structure(spec, value)
+        return compiled(static_shapes=needs_static_batch(model))
+    return traced_as_keras(compiled())
 
 
 class VariableGuard:
@@ -183,16 +95,16 @@ class VariableGuard:
 
 
 def guard_variables(variables: Sequence[Any]) -> Any:
-    """A `VariableGuard`, or a `replicas.ReplicaGuard` for tf.distribute variables."""
-    if replicas.has_distributed(variables):
-        return replicas.ReplicaGuard(variables)
+    """A `VariableGuard`, or a `distribution.ReplicaGuard` for tf.distribute variables."""
+    if distribution.has_distributed(variables):
+        return distribution.ReplicaGuard(variables)
     return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
     """Under a `MirroredStrategy`, inside its scope, so the metrics get one copy per replica."""
     x, y, sample_weight = batch
-    strategy = replicas.strategy_of(model)
+    strategy = distribution.strategy_of(model)
     if strategy is None:
         _keras_compat.symbolic_build(model, (x, y, sample_weight))
         return

@@ -23,7 +23,7 @@ from keras_memfit.backend.tensorflow.default_step import (
     track_loss,
 )
 from keras_memfit.backend.tensorflow.holds import XlaHolds
-from keras_memfit.backend.tensorflow.steps import _compile, trace_as_keras
+from keras_memfit.backend.tensorflow.compiling import compile_step, trace_as_keras
 from keras_memfit.backend.tensorflow.trainer import keras_batch_spec
 
 logger = logging.getLogger("keras_memfit")
@@ -218,7 +218,7 @@ def _make_train_step(
             model, data, lambda: update_began.assign(generation.read_value()), strict=strict
         )
 
-    return _compile(model, train_step)
+    return compile_step(model, train_step)
 
 
 def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, Callable]:
@@ -245,7 +245,7 @@ def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, 
         weights = [w for w, p in zip(model.trainable_weights, present) if p]
         model.optimizer.apply_gradients(zip(gradients, weights))
 
-    return _compile(model, gradient_step), _compile(model, update_step)
+    return compile_step(model, gradient_step), compile_step(model, update_step)
 
 
 class CustomTrainStep:
@@ -266,7 +266,7 @@ class CustomTrainStep:
         def train_step(data):
             return model_ref().train_step(data)
 
-        self._step = _compile(model, train_step)
+        self._step = compile_step(model, train_step)
         trace_as_keras(self._step, data, keras_batch_spec(model))
         self._holds = XlaHolds(
             model, small=lambda: train_state_variables(model_ref()),

@@ -25,7 +25,7 @@ def check_not_distributed(what: str) -> None:
         )
 
 
-def training_replicas(model: keras.Model) -> None:
+def training_layout(model: keras.Model) -> None:
     """None: one device; refused under `torch.distributed` (DDP)."""
     check_not_distributed("MemFit")
     return None
