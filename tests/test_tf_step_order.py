@@ -39,7 +39,7 @@ pytestmark = [
 import keras_memfit  # noqa: E402
 from keras_memfit import MemFit  # noqa: E402
 from keras_memfit._internal import cache as _cache
-from keras_memfit.training import run as _training  # noqa: E402
+from keras_memfit.training import layout as _training  # noqa: E402
 
 TOL = dict(rtol=1e-6, atol=1e-7)
 FREE, STRICT = (lambda model: (lambda rows: 0)), (lambda model: (lambda rows: None))

@@ -183,14 +183,6 @@ class TrainStep(Protocol):
 
 
 @runtime_checkable
-class OrderedTrainStep(TrainStep, Protocol):
-    """A `TrainStep` whose update waits for every gradient where that is cheap (TensorFlow)."""
-
-    def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
-        """Give the estimated training peak in bytes at a number of rows (None: unknown)."""
-
-
-@runtime_checkable
 class Accumulator(Protocol):
     """Sums weighted micro-batch gradients and applies them as one optimizer step."""
 
@@ -375,8 +367,14 @@ class Training(Protocol):
             NotImplementedError: Naming what was received and what to do.
         """
 
-    def make_train_step(self, model: Any) -> TrainStep:
-        """A `TrainStep` running Keras's default `train_step` on `model`."""
+    def make_train_step(
+        self, model: Any, peak_at: Optional[Callable[[int], Optional[int]]] = None
+    ) -> TrainStep:
+        """A `TrainStep` running Keras's default `train_step` on `model`.
+
+        `peak_at(rows)`: the estimated training peak in bytes (None: unknown), for a backend
+        whose step chooses by it when its update may begin (TensorFlow).
+        """
 
     def make_custom_train_step(self, model: Any, data: Any) -> TrainStep:
         """A `TrainStep` running the model's own `train_step`, made ready on Keras's first batch."""

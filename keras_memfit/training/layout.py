@@ -16,6 +16,7 @@ from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import (
     as_batch, as_chunk, concatenate, first_unsplittable, form_of, splittable_rows,
 )
+from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import Accumulator, Guard, Layout, TrainStep
 from keras_memfit.inference.steps import predict_step, test_step_and_guard
 
@@ -70,7 +71,7 @@ class OneDevice:
         backend = _backend.get()
         if custom:  # built as Keras builds it: by the step itself, on Keras's batch
             return backend.make_custom_train_step(model, cut.batch(cut.chunk))
-        return backend.make_train_step(model)
+        return backend.make_train_step(model, training_peak(model))
 
     def guard(self, variables: List[Any]) -> Guard:
         return _backend.get().guard_variables(variables)

@@ -22,9 +22,8 @@ from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import concatenate
-from keras_memfit.analysis import training_peak
 from keras_memfit.backend.base import (
-    Accumulator, Cut, Guard, OrderedTrainStep, StepOutcome, TrainStep,
+    Accumulator, Cut, Guard, StepOutcome, TrainStep,
 )
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import (
@@ -340,11 +339,8 @@ class Run:
             )
 
             def build() -> TrainParts:
-                step = layout.train_step(model, custom, cut)
-                if isinstance(step, OrderedTrainStep):  # when its update may begin
-                    step.use_peak_estimate(training_peak(model))
                 return TrainParts(
-                    step=step,
+                    step=layout.train_step(model, custom, cut),
                     guard=layout.guard(_model_state.train_state_variables(model)),
                     counted=CountedOnce(model, copies=layout.copies),
                 )

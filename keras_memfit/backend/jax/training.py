@@ -345,7 +345,10 @@ def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
     return laid_out(made) if chosen is distribution.Variant.DATA_PARALLEL else made
 
 
-def make_train_step(model: keras.Model) -> Any:
+def make_train_step(
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
+) -> Any:
+    """The variant's train step (`peak_at` unused: XLA's buffer analysis chooses, `_choose`)."""
     return _as_variant(model, TrainStep, distribution.ShardedTrainStep,
                        process_training.ProcessTrainStep)
 

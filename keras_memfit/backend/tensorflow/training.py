@@ -58,7 +58,8 @@ class TrainStep:
 
     snapshots_itself = True
 
-    def __init__(self, model: keras.Model, guarded: Sequence[Any]) -> None:
+    def __init__(self, model: keras.Model, guarded: Sequence[Any],
+                 peak_at: Optional[Callable[[int], Optional[int]]] = None) -> None:
         self.update_began = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.generation = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._completed = 0  # generations the host knows have run
@@ -66,7 +67,7 @@ class TrainStep:
         self.always_strict = False
         sizes = [_nbytes(w) for w in model.trainable_weights]
         self.strict_extra_bytes = sum(sizes) - max(sizes, default=0)
-        self._peak_at: Optional[Callable[[int], Optional[int]]] = None
+        self._peak_at = peak_at
         self._guarded = list(guarded)
         self._shadows = []
         for v in self._guarded:
@@ -84,10 +85,6 @@ class TrainStep:
         self.split = self._holds.active
         self._split_steps: Optional[Tuple[Callable, Callable]] = None  # made on first use
         self._traced: Dict[int, Any] = {}  # id(step) -> the Keras batch spec it was traced for
-
-    def use_peak_estimate(self, peak_at: Callable[[int], Optional[int]]) -> None:
-        """Choose the order of each call from `peak_at(rows)`: the estimated peak, or None."""
-        self._peak_at = peak_at
 
     def strict_at(self, rows: Optional[int]) -> bool:
         """Whether a call on `rows` rows runs in the strict order."""
@@ -189,9 +186,11 @@ def _host_rows(data: Any) -> Optional[int]:
     return None
 
 
-def make_train_step(model: keras.Model) -> TrainStep:
-    """A `TrainStep` guarding `train_state_variables(model)`."""
-    return TrainStep(model, train_state_variables(model))
+def make_train_step(
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
+) -> TrainStep:
+    """A `TrainStep` guarding `train_state_variables(model)`, its order chosen by `peak_at`."""
+    return TrainStep(model, train_state_variables(model), peak_at)
 
 
 def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]) -> Any:

@@ -110,8 +110,10 @@ class TrainStep:
             raise
 
 
-def make_train_step(model: keras.Model) -> TrainStep:
-    """A `TrainStep` guarding `train_state_variables(model)`."""
+def make_train_step(
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
+) -> TrainStep:
+    """A `TrainStep` guarding `train_state_variables(model)` (`peak_at` unused: eager steps)."""
     return TrainStep(model, train_state_variables(model))
 
 
