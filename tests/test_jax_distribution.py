@@ -382,6 +382,25 @@ ROWS = REAL_OOM_ROWS
 FITS = REAL_OOM_FITS
 
 
+def child_steps_made_outside_the_distribution_are_not_reused_inside():
+    from keras_memfit.backend.jax.distribution import ShardedStep
+    from keras_memfit.inference.steps import predict_step, test_step_and_guard
+
+    import keras
+
+    model = _model()
+    x, y, _ = _data(8)
+    outside = predict_step(model), test_step_and_guard(model, (x, y, None))[0]
+    with keras.distribution.DataParallel().scope():
+        inside = predict_step(model), test_step_and_guard(model, (x, y, None))[0]
+        again = predict_step(model), test_step_and_guard(model, (x, y, None))[0]
+    after = predict_step(model), test_step_and_guard(model, (x, y, None))[0]
+    assert not any(isinstance(step, ShardedStep) for step in outside)
+    assert all(isinstance(step, ShardedStep) for step in inside)
+    assert again[0] is inside[0] and again[1] is inside[1]  # cached within the variant
+    assert after[0] is outside[0] and after[1] is outside[1]
+
+
 def child_real_oom_predict():
     """Under the limit and DataParallel: plain Keras at the full batch runs out of
     memory; safe_predict equals Keras at a batch that fits, its pieces laid out over
@@ -443,6 +462,11 @@ def test_memfit_remat_under_data_parallel_equals_keras():
 
 def test_memfit_shrink_under_data_parallel_one_update_per_piece():
     run_in_jax(__file__, "child_memfit_shrink", devices=2)
+
+
+def test_steps_made_outside_the_distribution_are_not_reused_inside():
+    run_in_jax(__file__, "child_steps_made_outside_the_distribution_are_not_reused_inside",
+               devices=2)
 
 
 def test_memfit_refuses_model_parallel_and_multi_process_with_a_clear_error():

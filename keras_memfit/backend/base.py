@@ -30,6 +30,7 @@ from typing import (
     runtime_checkable,
 )
 
+import keras
 import numpy as np
 
 
@@ -511,6 +512,10 @@ class Distribution(Protocol):
     def replica_devices(self, model: Any) -> Tuple[str, ...]:
         """The devices of `model`'s replicas when each piece is split across several; else ()."""
 
+    def step_variant(self, model: Any) -> Hashable:
+        """How a step made now for `model` runs (one device, a strategy's replicas, the devices
+        of a `DataParallel`, several processes): part of every step's cache key."""
+
     def piece_multiple(self) -> int:
         """What every planned piece size must be a multiple of (the devices a
         batch is laid out over); 1 for any size."""
@@ -556,6 +561,22 @@ def evaluation(model: Any) -> ContextManager[None]:
 
 
 # ------------------------------------------- shared by the backends' modules
+def spec_of_two_sizes(a: Any, b: Any, dtype_of: Callable[[Any], Optional[np.dtype]]) -> Any:
+    """`Spec`s of a step's outputs traced at two batch sizes (`a`, `b`): a dimension that
+    differs follows the batch (None). `dtype_of(leaf)`: None for a leaf that is no array."""
+
+    def describe(left: Any, right: Any) -> Any:
+        dtype = dtype_of(left)
+        if dtype is None:
+            return left
+        if len(left.shape) != len(right.shape):
+            return Spec(None, dtype)
+        shape = tuple(None if x != y else int(x) for x, y in zip(left.shape, right.shape))
+        return Spec(shape, dtype)
+
+    return keras.tree.map_structure(describe, a, b)
+
+
 def model_of(model_ref: Callable[[], Any]) -> Any:
     """The model a step holds weakly (`model_ref`, a `weakref.ref`).
 

@@ -19,7 +19,7 @@ def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> 
     """The compiled predict step (then `postprocess`), cached per model and replica devices."""
     key = (
         "predict", postprocess, bool(getattr(model, "run_eagerly", False)), model.jit_compile,
-        _backend.get().replica_devices(model),
+        _backend.get().step_variant(model),
     )
     return _cache.per_model(
         model, key, lambda: _backend.get().make_predict_step(model, postprocess)
@@ -42,7 +42,7 @@ def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> T
         tuple(id(v) for v in model.metrics_variables),  # a recompile makes new ones
         bool(getattr(model, "run_eagerly", False)),
         model.jit_compile,
-        backend.replica_devices(model),  # inside a strategy's scope, or not
+        backend.step_variant(model),
     )
     return _cache.per_model(
         model, key,

@@ -329,6 +329,7 @@ class Run:
             key = (
                 "train",
                 layout.key,
+                _backend.get().step_variant(model),
                 custom,
                 id(model.optimizer),
                 tuple(id(v) for v in model.trainable_variables),

@@ -45,7 +45,8 @@ from keras_memfit.backend.jax.devices import (
 )
 from keras_memfit.backend.jax.tracing import trace_layer_calls
 from keras_memfit.backend.jax.distribution import (
-    distribution_of, evaluation, piece_multiple, replica_devices, training_layout,
+    distribution_of, evaluation, piece_multiple, replica_devices, step_variant,
+    training_layout,
 )
 
 placement = None  # `place` cannot keep layers on another device here

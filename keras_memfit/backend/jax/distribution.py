@@ -13,8 +13,8 @@ factories of `steps` and `training` wrap their steps here (`ShardedStep`, `Shard
   replicated on every device, as a second call; a train step (one update per piece) runs the
   whole piece replicated instead.
 
-A step is wrapped or not when it is made, and steps are cached per model: steps first made
-outside the distribution's scope stay unlaid. Other distributions (`ModelParallel`) leave
+A step is wrapped or not when it is made; `step_variant` is part of every step's cache key, so
+a step made outside the distribution is not reused inside it. Other distributions (`ModelParallel`) leave
 safe_predict and safe_evaluate unlaid and are refused by MemFit (`check_trainable`); several
 processes run on local copies of the state instead (`processes`, `process_training`).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Hashable, Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,16 @@ def variant() -> Variant:
     if processes.multi_process():
         return Variant.PROCESSES if processes.is_data_parallel() else Variant.ONE_DEVICE
     return Variant.ONE_DEVICE if data_parallel() is None else Variant.DATA_PARALLEL
+
+
+def step_variant(model: keras.Model) -> Hashable:
+    """`variant()` and, under a distribution, the devices of its mesh and its batch axis."""
+    chosen = variant()
+    if chosen is Variant.ONE_DEVICE:
+        return chosen.value
+    distribution = keras.distribution.distribution()
+    devices = tuple(str(d) for d in np.asarray(distribution.device_mesh.devices).flat)
+    return chosen.value, devices, distribution.batch_dim_name
 
 
 def piece_multiple() -> int:

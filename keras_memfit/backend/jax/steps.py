@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend.base import NO_SPEC, Spec, model_of
+from keras_memfit.backend.base import NO_SPEC, model_of, spec_of_two_sizes
 from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax import state as _state
 
@@ -146,18 +146,9 @@ class PredictStep(_Step):
             )
             return jax.eval_shape(self._fn, *state, xs)[0]
 
-        # Two batch sizes: the dimensions that follow the batch are unknown.
-        a, b = at(rows), at(rows + 1)
-
-        def describe(left, right):
-            if not hasattr(left, "shape"):
-                return left
-            shape = tuple(
-                None if da != db else int(da) for da, db in zip(left.shape, right.shape)
-            )
-            return Spec(shape, np.dtype(left.dtype))
-
-        return jax.tree_util.tree_map(describe, a, b)
+        return spec_of_two_sizes(
+            at(rows), at(rows + 1),
+            lambda leaf: np.dtype(leaf.dtype) if hasattr(leaf, "shape") else None)
 
 
 class TestStep(_Step):

@@ -44,6 +44,6 @@ from keras_memfit.backend.tensorflow.devices import (
 )
 from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.distribution import (
-    distribution_of, piece_multiple, replica_devices, training_layout,
+    distribution_of, piece_multiple, replica_devices, step_variant, training_layout,
 )
 from keras_memfit.backend.tensorflow import placement

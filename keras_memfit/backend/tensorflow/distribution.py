@@ -660,6 +660,12 @@ def training_layout(model: keras.Model) -> Optional[Replicated]:
     return Replicated(strategy)
 
 
+def step_variant(model: Any) -> Hashable:
+    """The strategy `model` runs under (its identity), or "one device"."""
+    strategy = active_strategy(model)
+    return "one device" if strategy is None else ("replicas", id(strategy))
+
+
 def piece_multiple() -> int:
     """1: any piece size runs (tf.distribute splits uneven batches itself)."""
     return 1

@@ -39,7 +39,7 @@ from keras_memfit.backend.torch.devices import (
 )
 from keras_memfit.backend.torch.tracing import trace_layer_calls
 from keras_memfit.backend.torch.distribution import (
-    distribution_of, piece_multiple, replica_devices, training_layout,
+    distribution_of, piece_multiple, replica_devices, step_variant, training_layout,
 )
 
 placement = None  # `place` cannot keep layers on another device here

@@ -6,7 +6,7 @@ device.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Hashable, Optional, Tuple
 
 import keras
 import torch
@@ -42,6 +42,11 @@ def distribution_of(model: keras.Model) -> Optional[str]:
 def replica_devices(model: Any) -> Tuple[str, ...]:
     """(): every piece is planned for `compute_device()` alone."""
     return ()
+
+
+def step_variant(model: keras.Model) -> Hashable:
+    """Every step runs on Keras's one device."""
+    return "one device"
 
 
 def piece_multiple() -> int:

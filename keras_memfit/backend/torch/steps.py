@@ -19,7 +19,7 @@ import torch
 from keras.src.backend.torch.core import device_scope, to_torch_dtype
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend.base import NO_SPEC, Spec, model_of
+from keras_memfit.backend.base import NO_SPEC, model_of, spec_of_two_sizes
 from keras_memfit.backend.torch import memory
 
 logger = logging.getLogger("keras_memfit")
@@ -106,19 +106,11 @@ class PredictStep(_Step):
                 with keras.StatelessScope(state_mapping=mapping):
                     return self._run(model, xs)
 
-        # Two batch sizes: the dimensions that follow the batch are unknown. One and
-        # two rows: a meta trace's cost grows with the rows it is given.
-        a, b = at(1), at(2)
-
-        def describe(left: Any, right: Any) -> Any:
-            if not isinstance(left, torch.Tensor):
-                return left
-            shape = tuple(None if da != db else int(da) for da, db in zip(left.shape, right.shape))
-            if len(left.shape) != len(right.shape):
-                shape = None
-            return Spec(shape, np.dtype(keras.backend.standardize_dtype(left.dtype)))
-
-        return keras.tree.map_structure(describe, a, b)
+        # One and two rows: a meta trace's cost grows with the rows it is given.
+        return spec_of_two_sizes(
+            at(1), at(2),
+            lambda leaf: np.dtype(keras.backend.standardize_dtype(leaf.dtype))
+            if isinstance(leaf, torch.Tensor) else None)
 
 
 def _torch_dtype(dtype: Any) -> Any:
