@@ -55,7 +55,7 @@ class MemFit(keras.callbacks.Callback):
 
     Attributes:
         events: One dict per adaptation during the last call (the fields of
-            `keras_memfit.planning.records.Event`: `epoch`, `step`, `phase`, `kind`,
+            `keras_memfit.planning.knowledge.Event`: `epoch`, `step`, `phase`, `kind`,
             the sizes and split, `reason`, ...; sizes are rows per replica under a
             strategy); empty when nothing was adapted.
         plan: The `PlacementPlan` of the last placement made for `place=`, or None.

@@ -1,7 +1,7 @@
 """`place`: keep oversized, cheap-to-compute layers on the host, the rest on the accelerator.
 
 The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis` (the automatic
-choice: `keras_memfit.analysis.choice`); this module resolves the arguments, applies the
+choice: `keras_memfit.analysis.placement_choice`); this module resolves the arguments, applies the
 placement and describes it.
 """
 
@@ -20,7 +20,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import validate as _validate
 from keras_memfit._internal.units import format_bytes
-from keras_memfit.analysis import ModelAnalysis, analyse, choice
+from keras_memfit.analysis import ModelAnalysis, analyse, placement_choice
 from keras_memfit.analysis.sizes import ByteCounter
 
 logger = logging.getLogger("keras_memfit")
@@ -169,7 +169,7 @@ def place(
         return plan
 
     analysis = _analyse(model)
-    sizes = choice.layer_bytes(analysis, model.layers)
+    sizes = placement_choice.layer_bytes(analysis, model.layers)
     if pinned is None:
         if not model.built:
             raise ValueError(
@@ -180,7 +180,7 @@ def place(
         if budget is None:
             limit = be.memory_limit(accelerator.lstrip("/"))
             budget = limit[0] if limit else None
-        pinned, reason = choice.choose(
+        pinned, reason = placement_choice.choose(
             analysis, model.layers, sizes, budget, weight_share=WEIGHT_SHARE,
             oversized_bytes=OVERSIZED_BYTES, dominant_share=DOMINANT_SHARE)
     else:
@@ -286,7 +286,7 @@ def _plan(
 ) -> PlacementPlan:
     """The `PlacementPlan` of pinning `pinned`, from the model's analysis."""
     model = analysis.model
-    sizes = choice.layer_bytes(analysis, model.layers) if sizes is None else sizes
+    sizes = placement_choice.layer_bytes(analysis, model.layers) if sizes is None else sizes
     names = [layer.name for layer in pinned]
     total = sum(sizes.values())
     on_host = sum(analysis.weights_bytes(layer.weights) for layer in pinned)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 
-from keras_memfit._internal import lengths as _lengths
+from keras_memfit._internal import sequence_lengths as _lengths
 from keras_memfit._internal import validate as _validate
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis import Row, analyse, short_device, sizes

@@ -27,7 +27,7 @@ BACKEND_DIR = os.path.join(ROOT, "keras_memfit", "backend")
 # backends have the same module names in each).
 CONCERNS = {
     base.OutOfMemory: "oom", base.Memory: "memory", base.Steps: "steps",
-    base.Training: "training", base.Trainer: "trainer", base.Devices: "devices",
+    base.Training: "training", base.KerasFunctions: "keras_functions", base.Devices: "devices",
     base.Tracing: "tracing", base.Distribution: "distribution",
 }
 CAPABILITIES = {"placement": base.Placement}

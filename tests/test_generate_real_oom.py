@@ -39,7 +39,7 @@ def child_real_limit():
     import numpy as np
 
     from keras_memfit import is_oom_error, safe_generate
-    from keras_memfit.planning import records
+    from keras_memfit.planning import knowledge as records
     from tests.jax_support import hide_address_space_limit
     from tests.generate_support import generate_in_batches, gpt2_lm, token_prompts
 

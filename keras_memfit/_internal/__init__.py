@@ -9,7 +9,7 @@
 - `validate`: the argument checks shared by the public functions;
 - `units`: human-readable sizes, counts, shapes and tables;
 - `legacy`: recognising Keras 2 (`tf_keras`) objects;
-- `lengths`: the length given to an input dimension a model leaves unknown.
+- `sequence_lengths`: the length given to an input dimension a model leaves unknown.
 
 The bottom layer: these modules import only one another (ARCHITECTURE.md).
 """

@@ -12,7 +12,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Tuple, Type
 
 import keras
 
-from keras_memfit._internal import lengths as _lengths
+from keras_memfit._internal import sequence_lengths as _lengths
 
 # MemFit reaches into Keras's training loop. CI (.ci/run) tests Keras 3.8 with
 # TensorFlow 2.18 (the floor, Kaggle and Colab through 2025), 3.13 with

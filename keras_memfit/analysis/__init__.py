@@ -7,7 +7,7 @@
 - `model`: `ModelAnalysis`, the above for one model, row by row (and `training_peak`);
 - `segments`: the cut of a sequence of calls into segments to recompute;
 - `backward`: one layer's own backward need (what no recomputation frees);
-- `choice`: which cheap layers `place` pins for a budget;
+- `placement_choice`: which cheap layers `place` pins for a budget;
 - `report_text`: the text table of a `MemoryReport`.
 """
 

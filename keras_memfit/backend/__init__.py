@@ -3,7 +3,7 @@
 `get()` returns the active backend's package; it is the only way the rest of
 keras_memfit reaches a backend, and it imports nothing until it is called.
 Each backend package has the same modules (`oom`, `memory`, `steps`,
-`training`, `trainer`, `devices`, `tracing`, `distribution`) and imports
+`training`, `keras_functions`, `devices`, `tracing`, `distribution`) and imports
 every member of `base.Backend` from them in its `__init__`.
 
 - `base`: the seam's contract, typed: one protocol per concern;

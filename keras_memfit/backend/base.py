@@ -391,8 +391,8 @@ class Training(Protocol):
         """An `Accumulator` over `model`'s trainable weights."""
 
 
-class Trainer(Protocol):
-    """Keras's step functions in the backend's calling convention (module `trainer`)."""
+class KerasFunctions(Protocol):
+    """Keras's step functions in the backend's calling convention (module `keras_functions`)."""
 
     def step_function(
         self, model: Any, kind: str, run_batches: Callable[[Iterable[Any]], Any]
@@ -526,7 +526,7 @@ class Distribution(Protocol):
 
 
 class Backend(
-    OutOfMemory, Memory, Steps, Training, Trainer, Devices, Tracing, Distribution, Protocol
+    OutOfMemory, Memory, Steps, Training, KerasFunctions, Devices, Tracing, Distribution, Protocol
 ):
     """What `keras_memfit.backend.get()` returns: every concern's members."""
 
@@ -589,7 +589,7 @@ def model_of(model_ref: Callable[[], Any]) -> Any:
     return model
 
 
-# What `Trainer.step_function` accepts as its `kind`.
+# What `KerasFunctions.step_function` accepts as its `kind`.
 STEP_KINDS = ("train", "test", "predict")
 
 

@@ -5,7 +5,7 @@
    the free memory; elsewhere pieces are the requested ones, and the probes follow the first OOM.
 2. Shrink on OOM: to half, or less where the corrected estimate says so; one sample is final.
    Where the limit is unknown, the first OOM proves a budget the rest stays within.
-3. Remember what fitted and failed per model, phase and signature (`records`).
+3. Remember what fitted and failed per model, phase and signature (`knowledge`).
 4. Grow back after `GROW_AFTER` full pieces (under MemFit: batches, to fewer pieces per batch),
    never above the ceiling; a growth that fails freezes it.
 
@@ -21,7 +21,7 @@ from typing import Any, Hashable, List, Optional, Tuple
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal.model_state import stateful_layers
-from keras_memfit.planning.records import Event, Knowledge, forget, knowledge_for
+from keras_memfit.planning.knowledge import Event, Knowledge, forget, knowledge_for
 from keras_memfit.planning.replica_memory import ReplicaMemory
 from keras_memfit.planning.shape_plan import analytic_estimate, blind_size, even_size
 

@@ -16,7 +16,7 @@ import keras
 
 from keras_memfit import backend as _backend
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit._internal import lengths as _lengths
+from keras_memfit._internal import sequence_lengths as _lengths
 from keras_memfit.analysis import ModelAnalysis, Row, analyse
 from keras_memfit.analysis.backward import LayerNeed, heaviest
 from keras_memfit.analysis.segments import cut

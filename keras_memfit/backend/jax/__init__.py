@@ -11,7 +11,7 @@ a second program that updates the state in place. `place` is not available
 - `steps`: compiled predict and test steps, also started without waiting;
 - `training`: train steps that never lose the model's state to an OOM; the
   variant (one device, `DataParallel`, several processes) chosen once;
-- `trainer`: Keras's step functions in JAX's calling convention;
+- `keras_functions`: Keras's step functions in JAX's calling convention;
 - `devices`: naming devices;
 - `tracing`: the model's layer calls, traced with `jax.eval_shape`;
 - `distribution`: `keras.distribution.DataParallel`: pieces laid out over
@@ -37,7 +37,7 @@ from keras_memfit.backend.jax.training import (
     check_training_mode, checkpoint, make_accumulator, make_custom_train_step,
     make_train_step,
 )
-from keras_memfit.backend.jax.trainer import (
+from keras_memfit.backend.jax.keras_functions import (
     adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
 )
 from keras_memfit.backend.jax.devices import (

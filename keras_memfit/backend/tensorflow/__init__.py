@@ -5,7 +5,7 @@
 - `steps`: compiled predict and test steps, their traced outputs, guards;
 - `training`: train steps that say how far a failed call got (under XLA
   split as JAX's are);
-- `trainer`: Keras's step functions in TensorFlow's calling convention;
+- `keras_functions`: Keras's step functions in TensorFlow's calling convention;
 - `devices`: naming devices;
 - `placement`: keeping layers on another device (`place`);
 - `tracing`: the model's layer calls, traced symbolically;
@@ -17,7 +17,7 @@
 - `accumulation`: gradient accumulation on one device;
 - `default_step`: Keras's default train step, in the parts MemFit's steps
   are made of;
-- `holds`: what a compiled step that updates variables holds while it runs
+- `xla_holds`: what a compiled step that updates variables holds while it runs
   under XLA.
 """
 
@@ -36,7 +36,7 @@ from keras_memfit.backend.tensorflow.training import (
     checkpoint, make_accumulator, make_custom_train_step,
     make_train_step,
 )
-from keras_memfit.backend.tensorflow.trainer import (
+from keras_memfit.backend.tensorflow.keras_functions import (
     adapter_batches, call_keras_function, is_end_of_data, step_function,
 )
 from keras_memfit.backend.tensorflow.devices import (

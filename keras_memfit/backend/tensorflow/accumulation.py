@@ -13,7 +13,7 @@ from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.backend.tensorflow.compiling import compile_step, needs_static_batch
 from keras_memfit.backend.tensorflow.default_step import forward_loss, track_loss
-from keras_memfit.backend.tensorflow.holds import XlaHolds
+from keras_memfit.backend.tensorflow.xla_holds import XlaHolds
 
 
 def add_gradients(

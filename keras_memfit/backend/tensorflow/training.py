@@ -22,9 +22,9 @@ from keras_memfit.backend.tensorflow.default_step import (
     loss_and_gradients,
     track_loss,
 )
-from keras_memfit.backend.tensorflow.holds import XlaHolds
+from keras_memfit.backend.tensorflow.xla_holds import XlaHolds
 from keras_memfit.backend.tensorflow.compiling import compile_step, trace_as_keras
-from keras_memfit.backend.tensorflow.trainer import keras_batch_spec
+from keras_memfit.backend.tensorflow.keras_functions import keras_batch_spec
 
 logger = logging.getLogger("keras_memfit")
 

@@ -10,7 +10,7 @@ torch backend runs every layer on its one device.
 - `steps`: predict and test steps under `torch.no_grad()`, guards;
 - `training`: train steps that say how far a failed call got, and gradient
   accumulation;
-- `trainer`: Keras's step functions in torch's calling convention;
+- `keras_functions`: Keras's step functions in torch's calling convention;
 - `devices`: naming devices;
 - `tracing`: the model's layer calls, traced on the "meta" device;
 - `distribution`: one process on one device (`torch.distributed` refused).
@@ -31,7 +31,7 @@ from keras_memfit.backend.torch.training import (
     checkpoint, make_accumulator, make_custom_train_step,
     make_train_step,
 )
-from keras_memfit.backend.torch.trainer import (
+from keras_memfit.backend.torch.keras_functions import (
     adapter_batches, call_keras_function, is_end_of_data, step_function,
 )
 from keras_memfit.backend.torch.devices import (
