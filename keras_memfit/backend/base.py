@@ -60,7 +60,7 @@ NO_SPEC = _NoSpec()
 
 
 class TracedTensor(NamedTuple):
-    """A tensor of a symbolic trace: `key` identifies it; `shape` starts with the batch dimension."""
+    """A tensor of a symbolic trace: `key` identifies it; `shape` starts with the batch axis."""
 
     key: str
     shape: Tuple[Optional[int], ...]
@@ -235,12 +235,10 @@ class Layout(Protocol):
     each with its own rows gives its own (`Distribution.training_layout`).
 
     Attributes:
-        key: Part of every cache key of the steps the layout makes.
         copies: Each replica's copy of a variable (per-output loss trackers are settled on
             each); None on one device.
     """
 
-    key: Hashable
     copies: Optional[Callable[[Any], Sequence[Any]]]
 
     def cut(self, batch: Any) -> Optional[Cut]:
@@ -529,19 +527,6 @@ class Backend(
     OutOfMemory, Memory, Steps, Training, KerasFunctions, Devices, Tracing, Distribution, Protocol
 ):
     """What `keras_memfit.backend.get()` returns: every concern's members."""
-
-
-def members(protocol: type) -> Tuple[str, ...]:
-    """The names a protocol and its protocol bases declare: attributes, then methods."""
-    names: List[str] = []
-    for cls in reversed(protocol.__mro__):
-        if cls.__module__ != __name__:  # object, typing's Protocol and Generic
-            continue
-        own = vars(cls)
-        names += own.get("__annotations__", {})
-        names += [name for name, value in own.items()
-                  if callable(value) and not name.startswith("_")]
-    return tuple(dict.fromkeys(names))
 
 
 # ------------------------------------------------------ the seam's defaults

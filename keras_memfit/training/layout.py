@@ -6,7 +6,7 @@ A backend that runs a batch on several replicas, each with its own rows, gives i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import keras
 
@@ -49,7 +49,6 @@ class Rows:
 class OneDevice:
     """The identity layout: a batch is its rows, run by the backend's own steps."""
 
-    key: Hashable = "one device"
     copies = None  # every variable has one copy
 
     def cut(self, batch: Any) -> Optional[Rows]:

@@ -328,8 +328,7 @@ class Run:
                 layout.prepare(model, cut)
             key = (
                 "train",
-                layout.key,
-                _backend.get().step_variant(model),
+                _backend.get().step_variant(model),  # the layout's too
                 custom,
                 id(model.optimizer),
                 tuple(id(v) for v in model.trainable_variables),

@@ -14,9 +14,9 @@ factories of `steps` and `training` wrap their steps here (`ShardedStep`, `Shard
   whole piece replicated instead.
 
 A step is wrapped or not when it is made; `step_variant` is part of every step's cache key, so
-a step made outside the distribution is not reused inside it. Other distributions (`ModelParallel`) leave
-safe_predict and safe_evaluate unlaid and are refused by MemFit (`check_trainable`); several
-processes run on local copies of the state instead (`processes`, `process_training`).
+a step made outside the distribution is not reused inside it. Other distributions
+(`ModelParallel`) leave safe_predict and safe_evaluate unlaid and are refused by MemFit
+(`check_trainable`); several processes run on local copies of the state instead (`processes`, `process_training`).
 """
 
 from __future__ import annotations

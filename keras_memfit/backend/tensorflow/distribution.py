@@ -531,7 +531,6 @@ class Replicated:
     def __init__(self, strategy: tf.distribute.Strategy) -> None:
         self.strategy = strategy
         self.count = int(strategy.num_replicas_in_sync)
-        self.key: Hashable = ("replicas", id(strategy))
 
     def local(self, batch: Any) -> List[tuple]:
         """Each replica's rows of a distributed Keras batch, as `(x, y, sample_weight)` chunks."""
@@ -608,7 +607,7 @@ class Replicated:
         a batch once); with `exact`, once per piece size (they weight a piece by its rows)."""
         if not exact:
             self.prepare(model, cut)
-        key = ("evaluate", exact, self.key, tuple(id(v) for v in model.metrics_variables),
+        key = ("evaluate", exact, id(self.strategy), tuple(id(v) for v in model.metrics_variables),
                bool(getattr(model, "run_eagerly", False)), model.jit_compile)
         return _cache.per_model(model, key, lambda: (
             self._test_step(model, exact), ReplicaGuard(model.metrics_variables)))
@@ -627,7 +626,8 @@ class Replicated:
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
         """`model.predict_step` on a distributed batch: each replica's outputs, cached."""
-        key = ("predict", self.key, bool(getattr(model, "run_eagerly", False)), model.jit_compile)
+        key = ("predict", id(self.strategy), bool(getattr(model, "run_eagerly", False)),
+               model.jit_compile)
         return _cache.per_model(model, key, lambda: self._predict_step(model))
 
     def _predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
