@@ -70,10 +70,15 @@ def _modules(top: str) -> Dict[str, str]:
     return found
 
 
+def _tree(path: str) -> ast.Module:
+    """The syntax tree of the source file `path`."""
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
 def _imports(name: str, path: str, known: Set[str]) -> Set[str]:
     """Every module `path` imports (absolute names; `from a import b` is a.b if b is a module)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=path)
+    tree = _tree(path)
     is_package = path.endswith("__init__.py")
     package = name if is_package else name.rpartition(".")[0]
     names = set()
@@ -318,10 +323,7 @@ def _private_reads(paths: List[str]) -> List[str]:
     through `_internal/keras_compat.py` and the backends, are not defined by
     keras_memfit's classes and so not counted.)
     """
-    trees = {}
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            trees[path] = ast.parse(f.read(), filename=path)
+    trees = {path: _tree(path) for path in paths}
     private: Set[str] = set()
     for tree in trees.values():
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
@@ -361,9 +363,7 @@ def _stubs(paths: List[str]) -> List[str]:
     """Top-level functions whose body does nothing or only raises `NotImplementedError`."""
     found = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in tree.body:
+        for node in _tree(path).body:
             if not isinstance(node, ast.FunctionDef):
                 continue
             body = [b for b in node.body
@@ -403,9 +403,7 @@ def _strategy_names(paths: List[str]) -> List[str]:
     """Names in code (not strings) that reach a `tf.distribute` strategy or its replica layout."""
     found = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path)):
             names = []
             if isinstance(node, ast.Name):
                 names = [node.id]
