@@ -105,6 +105,23 @@ def test_a_failed_estimate_means_strict(monkeypatch):
     assert list(_step(model)._steps) == [True]
 
 
+@pytest.mark.parametrize("row_share", [2.0, 0.5])
+def test_one_row_runs_strict_where_its_activations_outweigh_the_gradients(monkeypatch, row_share):
+    """An OOM at one row is met by recomputing layers, which frees at most one row's activations:
+    strict (an OOM retriable) where they weigh more than what strict holds, else free."""
+    model = _mlp()
+    extra = (16 * 64 + 64 + 64 + 64 * 4 + 4) * 4  # the gradients beyond the 64 x 64 kernel's
+    row = int(row_share * extra)  # estimated: one row's activations, nothing else
+    monkeypatch.setattr(_training, "training_peak", lambda model: (lambda rows: rows * row))
+    x, y = _data(n=16)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[MemFit()])
+    step = _step(model)
+    assert step.strict_extra_bytes == extra
+    assert list(step._steps) == [False]  # 8 rows: the 2% rule
+    model.fit(x[:2], y[:2], batch_size=1, verbose=0, callbacks=[MemFit()])
+    assert list(step._steps) == ([False, True] if row_share > 1 else [False])
+
+
 # ------------------------------------------------------- compiled graphs
 def _ancestors(op):
     seen, todo = set(), [op]

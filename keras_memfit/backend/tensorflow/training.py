@@ -42,9 +42,11 @@ class TrainStep:
     generation before the optimizer update may begin (`flagged_train_step`): in the strict order
     once every gradient exists (any OOM before it is retriable, for `strict_extra_bytes` more at
     the peak), in the free order once the first one does, as Keras's own step. It runs strict
-    where that costs at most `STRICT_SHARE` of the estimated peak at its rows, without an estimate,
-    and always after an OOM that left the weights untouched. Under XLA it runs `split` instead: an
-    OOM of the update call is `UPDATE_BEGAN` (its donated weights and slots may be freed).
+    where that costs at most `STRICT_SHARE` of the estimated peak at its rows; at one row also
+    where it costs less than one row's activations (estimated), all that recomputing layers could
+    free after an OOM; without an estimate; and always after an OOM that left the weights
+    untouched. Under XLA it runs `split` instead: an OOM of the update call is `UPDATE_BEGAN`
+    (its donated weights and slots may be freed).
 
     After a call raises `Exception`, the counters are read on the host, the small state is
     restored if the snapshot ran, and `last_outcome` is `UNTOUCHED` (nothing ran), `RESTORED` or
@@ -92,13 +94,18 @@ class TrainStep:
             return True
         try:
             peak = self._peak_at(rows)
+            two = self._peak_at(2) if rows == 1 else None
         except Exception as exc:  # the estimate is advisory: strict is today's order
             logger.debug("MemFit: no peak estimate (%s); the train step runs strict", exc)
             peak = None
         if peak is None:
             self._peak_at = None
             return True
-        return self.strict_extra_bytes <= STRICT_SHARE * peak
+        if self.strict_extra_bytes <= STRICT_SHARE * peak:
+            return True
+        # One sample that does not fit is met by recomputation (the weights must be intact), which
+        # frees at most what one row holds: worth the gradients' bytes only below that.
+        return two is not None and self.strict_extra_bytes < two - peak
 
     def __call__(self, data: Any) -> Dict[str, Any]:
         if self.split:
