@@ -179,6 +179,38 @@ def test_every_write_to_a_weight_or_slot_waits_for_the_flag(monkeypatch, strict,
         assert waited < feeding
 
 
+def test_an_oom_while_the_sums_are_made_is_retried_as_plain_fit_trains(inject_oom, monkeypatch):
+    """The first micro-batch makes the sums; an OOM after some of them leaves those (ResNet50
+    at 160 x 160, batch 4 under 250 MiB); the retry makes the rest and trains as plain fit."""
+    import tensorflow as tf
+
+    from keras_memfit.backend.tensorflow import accumulation
+    from support import oom_error
+
+    x, y = _data()
+    expected = _mlp()
+    expected.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    made = []
+
+    class TensorFlow:  # the module's `tf`, whose Variable raises once, at the third sum
+        def __getattr__(self, name):
+            return getattr(tf, name)
+
+        def Variable(self, *args, **kwargs):
+            made.append(1)
+            if len(made) == 3:
+                raise oom_error()
+            return tf.Variable(*args, **kwargs)
+
+    monkeypatch.setattr(accumulation, "tf", TensorFlow())
+    inject_oom(16)
+    model = _mlp()
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[MemFit()])
+    assert len(made) > 3  # the sums' making ran out of memory once, then went on
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 # A wide MLP at one row: its weights dominate (Keras's order) and every gradient
 # beyond the largest is 80 MiB. Measured at the peak (TensorFlow's allocator
 # stats, no cap): plain `fit` 144 MiB, MemFit's free order 144 MiB; 192 MiB

@@ -170,20 +170,21 @@ class AccumulationSteps:
         )
 
     def fill(self, model: keras.Model, data: Any) -> None:
-        """Zero the dense sums (made the first time, before any trace)."""
+        """Zero the dense sums, making those not made yet (before any trace; an OOM while making
+        them leaves some made, and the next fill makes the rest)."""
         if self.sparse is None:
             self.sparse = sparse_gradients(model, data)
-            for w, sparse in zip(self.weights, self.sparse):
-                if sparse:
-                    self.sums.append(None)
-                    continue
-                with tf.device(w.value.device):
-                    self.sums.append(tf.Variable(
-                        tf.zeros_like(w.value), shape=tf.TensorShape(None), trainable=False))
-            return
         for w, total in zip(self.weights, self.sums):
             if total is not None:
                 total.assign(tf.zeros_like(w.value))
+        made = len(self.sums)
+        for w, sparse in zip(self.weights[made:], self.sparse[made:]):
+            if sparse:
+                self.sums.append(None)
+                continue
+            with tf.device(w.value.device):
+                self.sums.append(tf.Variable(
+                    tf.zeros_like(w.value), shape=tf.TensorShape(None), trainable=False))
 
     def sparse_sum(self, i: int) -> tf.Variable:
         """Weight `i`'s dense sum of sparse gradients, zeroed (made the first time)."""
