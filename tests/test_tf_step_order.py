@@ -16,9 +16,6 @@ in Keras's own step. Checked here against independent references:
 - real OOMs (capped allocator): one before the update teaches the step the
   strict order and is retried (same weights as plain fit); one in the
   backward pass after a free update began is `UPDATE_BEGAN`, not retried;
-- real OOMs: a wide MLP at one row under a cap between Keras's step's peak
-  and what every gradient at once would hold trains under MemFit as plain
-  `fit` does (the free order frees each gradient once applied);
 - the accumulator's sums are released when the fit ends.
 """
 
@@ -209,48 +206,6 @@ def test_an_oom_while_the_sums_are_made_is_retried_as_plain_fit_trains(inject_oo
     assert len(made) > 3  # the sums' making ran out of memory once, then went on
     for got, want in zip(model.get_weights(), expected.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-# A wide MLP at one row: its weights dominate (Keras's order) and every gradient
-# beyond the largest is 80 MiB. Measured at the peak (TensorFlow's allocator
-# stats, no cap): plain `fit` 144 MiB, MemFit's free order 144 MiB; 192 MiB
-# when an update cannot start before every gradient exists, as it could not
-# while the optimizer's ops were made under the flag's dependency.
-_WIDE = """
-import sys, numpy as np, keras
-from keras_memfit import MemFit
-keras.utils.set_random_seed(0)
-inputs = keras.Input((2048,))
-h = inputs
-for _ in range(6):
-    h = keras.layers.Dense(2048, activation="relu")(h)
-model = keras.Model(inputs, keras.layers.Dense(4)(h))
-model.compile(optimizer="sgd", loss="mse")
-rng = np.random.default_rng(1)
-x, y = rng.standard_normal((4, 2048)), rng.standard_normal((4, 4))
-callbacks = [MemFit()] if sys.argv[1] == "memfit" else []
-model.fit(x.astype("float32"), y.astype("float32"), batch_size=1, shuffle=False, verbose=0,
-          callbacks=callbacks)
-np.savez(sys.argv[2], *model.get_weights())
-"""
-
-
-def test_the_free_order_fits_where_keras_step_fits(tmp_path):
-    import os
-
-    from keras_memfit.app.env import capped_cpu_env
-    from tests.child import run_child
-
-    env = {**os.environ, **capped_cpu_env(168), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    weights = {}
-    for mode in ("plain", "memfit"):
-        out = str(tmp_path / f"{mode}.npz")
-        proc = run_child(["-c", _WIDE, mode, out], env=env, timeout=600)
-        assert proc.returncode == 0, (mode, proc.stderr[-3000:])
-        with np.load(out) as arrays:
-            weights[mode] = [arrays[name] for name in arrays.files]
-    for got, want in zip(weights["memfit"], weights["plain"]):
-        np.testing.assert_allclose(got, want, **TOL)
 
 
 # ---------------------------------------- same training as plain fit
