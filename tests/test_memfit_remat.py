@@ -185,24 +185,15 @@ def unet(size: int, channels: int = 8, per_level: int = 2, optimizer: str = "ada
     return _compiled(inputs, level(x, channels, "up1_"), optimizer)
 
 
-def mobilenet(size: int, optimizer: str = "adam") -> keras.Model:
-    """keras.applications' MobileNetV2 (alpha 0.35, no weights) for 10 classes."""
-    keras.utils.set_random_seed(1)
-    model = keras.applications.MobileNetV2(input_shape=(size, size, 3), alpha=0.35,
-                                           weights=None, classes=10, classifier_activation=None)
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
-def application(name: str, size: int) -> keras.Model:
-    """A keras.applications model (no weights) for 10 classes, trained by SGD."""
+def application(name: str, size: int, metrics=None, **options) -> keras.Model:
+    """A keras.applications model (no weights; `options` to its constructor) for 10 classes,
+    trained by SGD."""
     keras.utils.set_random_seed(1)
     model = getattr(keras.applications, name)(input_shape=(size, size, 3), weights=None,
-                                              classes=10, classifier_activation=None)
+                                              classes=10, classifier_activation=None, **options)
     model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=metrics)
     return model
 
 
@@ -703,7 +694,8 @@ def _model_and_data(kind: str, backend: str, rows: int):
     if kind == "unet":
         return unet(256, per_level=6, optimizer="sgd"), _images(rows, 256)
     if kind == "mobilenet":
-        return mobilenet(384, optimizer="sgd"), _images(rows, 384)
+        model = application("MobileNetV2", 384, metrics=["accuracy"], alpha=0.35)
+        return model, _images(rows, 384)
     if kind in ("efficientnet", "resnet"):
         name, size = ("EfficientNetB0", 224) if kind == "efficientnet" else ("ResNet50", 320)
         return application(name, size), _images(rows, size)
