@@ -149,20 +149,8 @@ class MemFit(keras.callbacks.Callback):
             self._run.release()  # a fit that raised kept its accumulator
         self._built = {}
         self._kept_events = []
-        self._run = Run(self.model, mode or self.mode, self._keras_function, fallback,
+        self._run = Run(self.model, mode or self.mode, self._originals, fallback,
                         self.remat if self._in_fit else False)
-
-    def _keras_function(self, kind: str, batches: List[Any]) -> Any:
-        """Keras's own `model.<kind>_function` on `batches` (see `Run.keras_function`).
-
-        Reads the model through the run: on JAX `Callback.model` syncs Keras's state into
-        the variables, which Keras's own function (donating the state) would leave stale.
-        """
-        model = self._run.model
-        function = self._originals.get(f"{kind}_function")
-        if function is None:  # not made yet: Keras makes it as its loop would
-            function = getattr(model, f"make_{kind}_function")(force=True)
-        return _backend.get().call_keras_function(model, kind, function, batches)
 
     # Keras looks the step functions up right after the `on_*_batch_begin`
     # calls, so MemFit installs its own there and removes them as soon as they
@@ -304,11 +292,13 @@ class MemFit(keras.callbacks.Callback):
     ) -> Callable[..., Any]:
         """MemFit's `model.<kind>_function`, which removes itself when it returns or raises."""
         backend = _backend.get()
-        function = backend.step_function(model, kind, run_batches)
+        model_ref = weakref.ref(model)  # the model holds the function
 
-        def installed(*args, **kwargs):
+        def installed(*args):
             try:
-                return function(*args, **kwargs)
+                with backend.keras_call(model_ref(), kind, *args) as call:
+                    result = run_batches(call.batches)
+                return call.returned(result)
             except BaseException as exc:
                 if not backend.is_end_of_data(exc):  # the end of an epoch is no error
                     self._in_fit = False

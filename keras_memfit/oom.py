@@ -22,6 +22,7 @@ __all__ = [
     "UPDATE",
     "UPDATE_BEGAN",
     "can_place",
+    "can_shrink",
     "is_cuda_alloc_failure",
     "is_host_oom",
     "is_oom_error",
@@ -134,6 +135,15 @@ def can_place(model: Any) -> bool:
     """
     backend = _backend.get()
     return backend.placement is not None and backend.distribution_of(model) is None
+
+
+def can_shrink(model: Any) -> bool:
+    """Whether `MemFit(mode="shrink")` could train `model` here."""
+    try:
+        _backend.get().check_training_mode(model, "shrink")
+    except NotImplementedError:
+        return False
+    return True
 
 
 class _OutOfMemoryErrorBody:

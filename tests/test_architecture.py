@@ -396,7 +396,7 @@ def test_stub_check_finds_one(tmp_path):
         "evaluation", "materialize", "place"]
 
 
-_STRATEGY_WORDS = re.compile(r"strateg|^Replicas$|^Replicated$|^Slots$|distribute_values")
+_STRATEGY_WORDS = re.compile(r"strateg|^Replicas$|^Replicated$|^Slots$|^Lanes$|distribute_values")
 
 
 def _strategy_names(paths: List[str]) -> List[str]:
@@ -435,3 +435,58 @@ def test_strategy_check_finds_one(tmp_path):
         "        return 'a strategy in a string is fine'\n"
     )
     assert [line.split(": ")[1] for line in _strategy_names([str(source)])] == ["strategy"]
+
+
+# Values cached per model that are not compiled steps: their keys need no variant.
+_NOT_STEPS = {"couples_rows"}  # whether a model couples the rows of a batch
+
+
+def _keys_without_variant(paths: List[str]) -> List[str]:
+    """`per_model` calls whose key (a tuple, or a name bound to one in the same function)
+    holds no `step_variant(...)` call: a step cached for one variant served to another."""
+    found = []
+    for path in paths:
+        for function in ast.walk(_tree(path)):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            bound = {
+                target.id: node.value
+                for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)
+            }
+            for call in ast.walk(function):
+                if not (isinstance(call, ast.Call) and len(call.args) >= 2
+                        and getattr(call.func, "id", getattr(call.func, "attr", None))
+                        == "per_model"):
+                    continue
+                key = call.args[1]
+                if isinstance(key, ast.Name):
+                    key = bound.get(key.id, key)
+                if isinstance(key, ast.Constant) and key.value in _NOT_STEPS:
+                    continue
+                if not any(isinstance(node, ast.Call)
+                           and getattr(node.func, "id", getattr(node.func, "attr", None))
+                           == "step_variant" for node in ast.walk(key)):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{call.lineno}")
+    return sorted(set(found))
+
+
+def test_every_step_cache_key_holds_the_variant():
+    paths = list(_modules(PACKAGE).values())
+    calls = [path for path in paths if "per_model(" in open(path, encoding="utf-8").read()]
+    assert len(calls) >= 5  # the check sees the cached steps
+    assert _keys_without_variant(paths) == []
+
+
+def test_variant_check_finds_a_key_without_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def step(model, backend):\n"
+        "    key = ('predict', model.jit_compile)\n"
+        "    return _cache.per_model(model, key, lambda: backend.make_step(model))\n"
+        "\n"
+        "def other(model, backend):\n"
+        "    key = ('predict', backend.step_variant(model))\n"
+        "    return per_model(model, key, lambda: backend.make_step(model))\n"
+    )
+    assert _keys_without_variant([str(source)]) == [f"{os.path.relpath(source, ROOT)}:3"]

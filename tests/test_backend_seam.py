@@ -41,7 +41,9 @@ def _top_level(path: str) -> Dict[str, Optional[List[str]]]:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             args = node.args
-            names[node.name] = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+            names[node.name] = [  # in `inspect.signature`'s order
+                a.arg for a in args.posonlyargs + args.args + [args.vararg] + args.kwonlyargs
+                + [args.kwarg] if a is not None]
         elif isinstance(node, ast.ClassDef):
             names[node.name] = None
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

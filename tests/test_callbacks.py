@@ -459,7 +459,7 @@ def test_train_step_tells_how_far_a_failed_call_got(inject_oom, after, outcome):
 
 
 @requires_tensorflow
-def test_step_function_has_the_tensorflow_calling_convention():
+def test_keras_call_has_the_tensorflow_calling_convention():
     from keras_memfit.backend import tensorflow as tf_backend
 
     model = _classifier(steps_per_execution=2)
@@ -475,7 +475,10 @@ def test_step_function_has_the_tensorflow_calling_convention():
             pulled.append(item)
             yield item
 
-    train = tf_backend.step_function(model, "train", run_batches)
+    def train(iterator):
+        with tf_backend.keras_call(model, "train", iterator) as call:
+            return call.returned(run_batches(call.batches))
+
     iterator = pulling(["a", "b", "c"])
     # Each batch pulled once the one before ran, as Keras's multi-step function pulls them.
     assert train(iterator) == {"batches": 2}
@@ -486,10 +489,11 @@ def test_step_function_has_the_tensorflow_calling_convention():
     assert tf_backend.is_end_of_data(info.value)
     assert tf_backend.is_end_of_data(tf.errors.OutOfRangeError(None, None, "end of data"))
     assert not tf_backend.is_end_of_data(ValueError("not the end"))
-    predict = tf_backend.step_function(model, "predict", run_batches)
-    assert predict(iter([("x",)])) == {"batches": 1} and seen[-1][0][0] == ("x",)
+    with tf_backend.keras_call(model, "predict", iter([("x",)])) as call:
+        assert call.returned(run_batches(call.batches)) == {"batches": 1}
+    assert seen[-1][0][0] == ("x",)
     with pytest.raises(ValueError, match=r"kind must be(.|\n)*received kind='fit'"):
-        tf_backend.step_function(model, "fit", run_batches)
+        tf_backend.keras_call(model, "fit", iter([]))
 
 
 def test_untested_keras_version_warns_once(monkeypatch, caplog):

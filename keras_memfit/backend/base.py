@@ -204,13 +204,14 @@ class Accumulator(Protocol):
 class Cut(Protocol):
     """One Keras batch as a `Layout` cuts it.
 
-    `chunk` is what `run_in_pieces` cuts, its rows the batch's slots (`slots`, what the planner
-    sizes); `rows`: the batch's rows on every device; `signature`: the planner's key; `x`: one
+    `chunk` is what `run_in_pieces` cuts, its rows the batch's lanes (`lanes`, what the planner
+    sizes: its rows on one device, its largest replica's rows under a strategy); `rows`: the
+    batch's rows on every device; `signature`: the planner's key; `x`: one
     device's inputs (for MemFit's warnings).
     """
 
     chunk: tuple
-    slots: int
+    lanes: int
     rows: int
     signature: Hashable
     x: Any
@@ -392,21 +393,11 @@ class Training(Protocol):
 class KerasFunctions(Protocol):
     """Keras's step functions in the backend's calling convention (module `keras_functions`)."""
 
-    def step_function(
-        self, model: Any, kind: str, run_batches: Callable[[Iterable[Any]], Any]
-    ) -> Callable:
-        """A replacement for `model.<kind>_function` that runs `run_batches`.
-
-        Args:
-            model: The model whose function is replaced.
-            kind: "train", "test" or "predict" (`STEP_KINDS`).
-            run_batches: Runs Keras batches (train and test batches are
-                pulled one at a time as it asks for them); returns what
-                Keras expects of the function (the logs; for "predict",
-                the batches' outputs).
+    def keras_call(self, model: Any, kind: str, *args: Any) -> "KerasCall":
+        """One call of MemFit's `model.<kind>_function` by Keras, on Keras's arguments `args`.
 
         Raises:
-            ValueError: If `kind` is not one of the three (`check_step_kind`).
+            ValueError: If `kind` is not one of `STEP_KINDS`.
         """
 
     def is_end_of_data(self, exc: BaseException) -> bool:
@@ -574,7 +565,28 @@ def model_of(model_ref: Callable[[], Any]) -> Any:
     return model
 
 
-# What `KerasFunctions.step_function` accepts as its `kind`.
+class KerasCall:
+    """One call of MemFit's `model.<kind>_function` by Keras, as the backend's trainer makes it.
+
+    Entered around `run_batches(call.batches)`: `batches` are the Keras batches of the call
+    (train and test batches pulled one at a time as they are asked for); `returned(result)` is
+    what the function gives back to Keras. This default hands the result back as it is.
+    """
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.batches = batches
+
+    def __enter__(self) -> "KerasCall":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+    def returned(self, result: Any) -> Any:
+        return result
+
+
+# What `KerasFunctions.keras_call` accepts as its `kind`.
 STEP_KINDS = ("train", "test", "predict")
 
 

@@ -264,12 +264,8 @@ class BatchPlanner:
         ceiling = self.ceiling()
         if ceiling > self._size:
             new = self._grown(ceiling)
-            self._record(
-                "grow", int(self._size), int(new),
-                f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}",
-                level=logging.INFO,
-            )
-            self._size = new
+            self._resize("grow", int(self._size), new, (
+                f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}"))
             self._growing = True
 
     def _grown(self, ceiling: float) -> float:
@@ -305,13 +301,9 @@ class BatchPlanner:
             new = math.ceil(new / self._multiple) * self._multiple
         if new > ceiling:
             return  # one piece fewer is already above what may fit
-        self._record(
-            "grow", size, new,
+        self._resize("grow", size, new, (
             f"{GROW_AFTER} batches in a row fitted as {old_split} pieces of up to "
-            f"{size} samples; trying {new_split} pieces of up to {new}",
-            level=logging.INFO,
-        )
-        self._size = new
+            f"{size} samples; trying {new_split} pieces of up to {new}"))
         self._growing = True
         self._even = False  # already even over the batch
 
@@ -361,13 +353,9 @@ class BatchPlanner:
             if k.largest_ok and k.growth_frozen:
                 new = min(new, k.largest_ok)
         new = self._granular(max(1, new))
-        self._record(
-            "oom", size, new,
+        self._resize("oom", size, new, (
             f"out of memory at batch_size={size}; retrying the same samples at "
-            f"batch_size={new}",
-            level=logging.WARNING,
-        )
-        self._size = new
+            f"batch_size={new}"), level=logging.WARNING)
         return True
 
     # ----------------------------------------------------------------- probes
@@ -434,6 +422,12 @@ class BatchPlanner:
         stats = self._memory.stats()
         if stats is not None:
             self._k.limit_floor = max(self._k.limit_floor, stats[1])
+
+    def _resize(self, kind: str, old: int, new: float, reason: str,
+                level: int = logging.INFO) -> None:
+        """Record why the size changes from `old` to `new`, and change it."""
+        self._record(kind, old, int(new), reason, level=level)
+        self._size = new
 
     def _record(self, kind: str, old: Optional[int], new: int, reason: str,
                 level: int = logging.INFO) -> None:

@@ -5,7 +5,9 @@ planner's size; after an OOM the guard restores what the step touched and the sa
 again smaller, so every sample is in exactly one successful piece, in input order. Errors that
 are not OOMs propagate untouched. `run_in_pieces` is a generator: leaving its loop early undoes
 the pieces started ahead (`start`, JAX). `Accumulation` is its all-or-nothing mode;
-`run_whole` its first try of one chunk without the loop (MemFit's batches).
+`run_whole` its first try of one chunk without the loop (MemFit's batches). Given the batch's
+`Cut`, a piece runs as `step(cut.batch(piece))`, and an OOM once the step's update began is
+final (`UPDATE_BEGAN`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import gc
 from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from keras_memfit._internal import batches as _batches
-from keras_memfit.backend.base import Guard, StartedPiece
+from keras_memfit.backend.base import Cut, Guard, StartedPiece, StepOutcome
 from keras_memfit.oom import (
-    CANNOT_SPLIT, ONE_SAMPLE, OutOfMemoryError, can_place, is_retryable_oom,
+    CANNOT_SPLIT, ONE_SAMPLE, UPDATE_BEGAN, OutOfMemoryError, can_place, can_shrink,
+    is_retryable_oom,
 )
 from keras_memfit.planning.planner import BatchPlanner, Event
 
@@ -73,6 +76,7 @@ def run_in_pieces(
     accumulation: Optional[Accumulation] = None,
     detail: str = "",
     start: Optional[Callable[[Any], StartedPiece]] = None,
+    cut: Optional[Cut] = None,
 ) -> Iterator[Piece]:
     """Run `step` over every chunk in adaptive pieces, yielding each successful one.
 
@@ -87,15 +91,17 @@ def run_in_pieces(
         start: Starts `step` without waiting (`StartableStep.start`; its `StartedPiece` puts a
             failed step's state back itself): up to `AHEAD` pieces run ahead, still yielded in
             order; after the first OOM, or while the planner measures, one at a time with `step`.
+        cut: The Keras batch the one chunk is (MemFit's): `step` runs on `cut.batch(piece)`.
 
     Yields:
         Each successful `Piece`, in input order. To stop early, leave the loop.
 
     Raises:
         OutOfMemoryError: If a single sample runs out of memory, or any piece of a model with
-            stateful layers (cause "cannot_split").
+            stateful layers (cause "cannot_split"), or once the step's update began (cause
+            "update_began").
     """
-    run = _PieceLoop(model, phase, step, guard, detail, start)
+    run = _PieceLoop(model, phase, step, guard, detail, start, cut)
     planners: Dict[Hashable, BatchPlanner] = {}
     try:
         for chunk in chunks:
@@ -124,7 +130,7 @@ def run_whole(
     *,
     guard: Optional[Guard] = None,
     detail: str = "",
-    rows: Optional[int] = None,
+    cut: Optional[Cut] = None,
 ) -> Any:
     """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
 
@@ -134,28 +140,32 @@ def run_whole(
         planner carries on as it would have after that try.
 
     Raises:
-        OutOfMemoryError: If the chunk is a single sample and ran out of memory.
+        OutOfMemoryError: If the chunk is a single sample and ran out of memory, or the step's
+            update began.
     """
-    n = _batches.num_rows(chunk) if rows is None else rows
+    n = _batches.num_rows(chunk) if cut is None else cut.lanes
     if not n:
         return SPLIT  # no rows: no step, as in `run_in_pieces`
     planned = planner.next_size(n)
     if planned < n:
         return SPLIT
-    return _attempt(model, phase, step, chunk, n, planned, planner, guard, detail)
+    return _attempt(model, phase, step, chunk, n, planned, planner, guard, detail, cut)
 
 
 def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, size: int,
-             planned: float, planner: BatchPlanner, guard: Optional[Guard], detail: str) -> Any:
+             planned: float, planner: BatchPlanner, guard: Optional[Guard], detail: str,
+             cut: Optional[Cut]) -> Any:
     """One try of `step` on `piece`: its result, or `SPLIT` after a retryable OOM."""
     planner.started(size)
     if guard is not None:
         guard.snapshot()
     try:
-        result = step(piece)
+        result = step(piece if cut is None else cut.batch(piece))
     except Exception as exc:
         if not is_retryable_oom(exc):
             raise  # not an OOM, or one already judged final
+        if getattr(step, "last_outcome", None) is StepOutcome.UPDATE_BEGAN:
+            raise _update_began_error(model, piece, planner, cut) from exc
         if guard is not None:
             guard.restore()
         if not planner.failed(size):
@@ -188,9 +198,9 @@ class _PieceLoop:
 
     def __init__(self, model: Any, phase: str, step: Callable[[Any], Any],
                  guard: Optional[Guard], detail: str,
-                 start: Optional[Callable[[Any], StartedPiece]]) -> None:
+                 start: Optional[Callable[[Any], StartedPiece]], cut: Optional[Cut]) -> None:
         self.model, self.phase, self.detail = model, phase, detail
-        self.step, self.guard, self.start = step, guard, start
+        self.step, self.guard, self.start, self.cut = step, guard, start, cut
         self.ahead: List[_Ahead] = []  # started, not waited for yet, oldest first
 
     def failed(self, planner: BatchPlanner, piece: Any, size: int, exc: BaseException) -> None:
@@ -221,7 +231,7 @@ class _PieceLoop:
                 continue
             yield from self.wait_all()
             result = _attempt(self.model, self.phase, self.step, piece, size, planned, planner,
-                              self.guard, self.detail)
+                              self.guard, self.detail, self.cut)
             if result is SPLIT:
                 continue  # it ran out of memory: the planner chose a smaller size
             offset += size
@@ -329,6 +339,17 @@ def drop_frames(exc: BaseException) -> None:
         exc.__traceback__ = None
         exc = exc.__cause__ or exc.__context__
     gc.collect()
+
+
+def _update_began_error(
+    model: Any, piece: Any, planner: BatchPlanner, cut: Optional[Cut]
+) -> OutOfMemoryError:
+    """The error for an OOM in a train step on `piece` once its optimizer update had begun."""
+    return OutOfMemoryError(
+        model.name, "train", _batches.shapes(_batches.rows(piece[0], 0, 1)), planner.device,
+        cause=UPDATE_BEGAN, rows=_batches.num_rows(piece) if cut is None else cut.rows_in(piece),
+        can_place=can_place(model), can_shrink=can_shrink(model),
+    )
 
 
 def _final_error(

@@ -24,12 +24,12 @@ from keras_memfit.inference.steps import predict_step, test_step_and_guard
 class Rows:
     """A batch on one device: its rows; a piece is a run of them (see `Cut`)."""
 
-    __slots__ = ("chunk", "form", "slots", "rows", "signature", "x")
+    __slots__ = ("chunk", "form", "lanes", "rows", "signature", "x")
 
     def __init__(self, chunk: tuple, form: int, rows: int) -> None:
         self.chunk = chunk
         self.form = form  # how Keras packed the batch: every piece alike
-        self.slots = self.rows = rows
+        self.lanes = self.rows = rows
         self.x = chunk[0]
         self.signature = _batches.signature(chunk[0])
 

@@ -5,14 +5,14 @@ through `runner.run_in_pieces`: training as one train step per piece (`mode="shr
 micro-batches summed and applied once (`mode="accumulate"`, all or nothing), validation and
 `evaluate` on the guarded test step, `predict` with outputs joined in input order. The
 batch's layout (`training.layout`) makes the steps. Batches MemFit cannot split, and every
-batch of a model with stateful layers, go to Keras's own step function (`Run.keras_call`).
+batch of a model with stateful layers, go to Keras's own step function (`Run.pass_on`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
 
 import keras
 
@@ -23,7 +23,7 @@ from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import concatenate
 from keras_memfit.backend.base import (
-    Accumulator, Cut, Guard, StepOutcome, TrainStep,
+    Accumulator, Cut, Guard, TrainStep,
 )
 from keras_memfit.inference.output_losses import CountedOnce, SplitBatches
 from keras_memfit.oom import (
@@ -32,9 +32,9 @@ from keras_memfit.oom import (
     ONE_LAYER,
     ONE_SAMPLE,
     UPDATE,
-    UPDATE_BEGAN,
     OutOfMemoryError,
     can_place,
+    can_shrink,
     is_oom_error,
 )
 from keras_memfit.planning.planner import BatchPlanner, Event
@@ -74,8 +74,8 @@ class Run:
 
     Args:
         mode: "accumulate" or "shrink" (see `MemFit`).
-        keras_function: `keras_function(kind, batches)` runs Keras's own
-            `model.<kind>_function` on batches already pulled (those MemFit cannot split).
+        keras_functions: Keras's own `model.<kind>_function`s by name, kept while MemFit's
+            are installed (by `MemFit`): they run the batches MemFit cannot split.
         fallback: Why "shrink" is used where "accumulate" was asked for, logged at the first
             OOM in training; None when the mode is the one asked for.
         remat: "auto", False or layer names (`training.remat`).
@@ -92,7 +92,7 @@ class Run:
         self,
         model: keras.Model,
         mode: str,
-        keras_function: Callable[[str, List[Any]], Any],
+        keras_functions: Mapping[str, Callable[..., Any]],
         fallback: Optional[str] = None,
         remat: Setting = False,
     ) -> None:
@@ -101,7 +101,7 @@ class Run:
         self.remat = Rematerialization(model, remat)
         self._remat_names: Tuple[str, ...] = ()  # the layers recomputed for the batch
         self._pieces_run = 0  # pieces of the batch applied (mode "shrink")
-        self.keras_function = keras_function
+        self.keras_functions = keras_functions
         self.fallback = fallback
         self.layout = layout_of(model)
         self.stateful = _model_state.stateful_layers(model)  # its batches go to Keras's steps
@@ -143,21 +143,31 @@ class Run:
         logs = None
         for batch in batches:
             cut = self._cut(batch)
-            logs = self.keras_call("train", [batch]) if cut is None else self._train_batch(cut)
+            logs = self.pass_on("train", [batch]) if cut is None else self._train_batch(cut)
             del batch, cut  # not held while the next batch is pulled
         return logs
 
     def _train_batch(self, cut: Cut) -> Any:
-        """Train on one Keras batch; where one sample does not fit, recompute more layers and
-        run it again, while none of it was applied ("shrink": until a piece ran)."""
+        """Train on one Keras batch: whole while it fits, else in pieces; where one sample
+        does not fit, recompute more layers and run it again, while none of it was applied
+        ("shrink": until a piece ran)."""
         while True:
             names = self.remat.apply(cut.signature)
             if names != self._remat_names:  # steps traced again, memory planned afresh
                 self._remat_names, self._train_parts = names, None
             self.epoch_remat = max(self.epoch_remat, len(names))
             self._pieces_run = 0
+            parts = self._train_parts_for(cut)
+            planner = self._planner("train", cut)
+            guard = None if parts.step.snapshots_itself else parts.guard
             try:
-                return self._train_batch_once(cut)
+                # The whole batch first, without the loop's bookkeeping (once per Keras step).
+                logs = run_whole(self.model, "train", cut.chunk, parts.step, planner,
+                                 guard=guard, cut=cut)
+                if logs is SPLIT:
+                    logs = self._train_pieces(parts, cut, planner, guard)
+                planner.finish_batch()
+                return logs
             except OutOfMemoryError as exc:
                 if exc.cause != ONE_SAMPLE or self._pieces_run:
                     raise
@@ -167,6 +177,9 @@ class Run:
                     raise beyond
                 if not self.remat.escalate(cut.signature, cut.x):
                     raise self._remat_error(exc, cut)
+            finally:
+                if self._unlocated:
+                    self._note_events(cut.lanes)
             self._remat_event(cut)
 
     def _remat_event(self, cut: Cut) -> None:
@@ -181,7 +194,7 @@ class Run:
             layers=names, step_time=ratio,
         ))
         logger.warning("MemFit: %s", self._unlocated[-1].reason)
-        self._note_events(cut.slots)
+        self._note_events(cut.lanes)
 
     def _remat_error(self, exc: OutOfMemoryError, cut: Cut) -> OutOfMemoryError:
         """`exc`, saying which layers were recomputed when one sample still did not fit."""
@@ -223,34 +236,16 @@ class Run:
         error.__cause__ = exc.__cause__
         return error
 
-    def _train_batch_once(self, cut: Cut) -> Any:
-        """Train on one Keras batch: whole while it fits, else in pieces."""
-        parts = self._train_parts_for(cut)
-        planner = self._planner("train", cut)
-        run = self._step_runner(parts.step, cut, planner)
-        guard = None if parts.step.snapshots_itself else parts.guard
-        try:
-            # The whole batch first, without the loop's bookkeeping (once per Keras step).
-            logs = run_whole(self.model, "train", cut.chunk, run, planner, guard=guard,
-                             rows=cut.slots)
-            if logs is SPLIT:
-                logs = self._train_pieces(parts, cut, planner, run, guard)
-            planner.finish_batch()
-        finally:
-            if self._unlocated:
-                self._note_events(cut.slots)
-        return logs
-
     def _train_pieces(self, parts: TrainParts, cut: Cut, planner: BatchPlanner,
-                      run: Callable[[tuple], Any], guard: Optional[Guard]) -> Any:
+                      guard: Optional[Guard]) -> Any:
         """The batch as pieces (train steps, or accumulated micro-batches); the last logs."""
         accumulation = None
         if self.mode == "accumulate":
             accumulation = self._accumulation(parts, cut, planner)
         logs, count = None, 0
         for piece in run_in_pieces(
-            self.model, "train", [cut.chunk], run, requested=None, planner=planner,
-            guard=guard, accumulation=accumulation,
+            self.model, "train", [cut.chunk], parts.step, requested=None, planner=planner,
+            guard=guard, accumulation=accumulation, cut=cut,
         ):
             logs = piece.result
             count += piece.parts
@@ -260,22 +255,6 @@ class Run:
         if count > 1:
             self._split_warnings.split(cut.x)
         return logs
-
-    def _step_runner(
-        self, step: TrainStep, cut: Cut, planner: BatchPlanner
-    ) -> Callable[[tuple], Any]:
-        """`step` on a piece of `cut`; an OOM after its update began is final."""
-
-        def run(piece: tuple) -> Any:
-            try:
-                return step(cut.batch(piece))
-            except Exception as exc:
-                if is_oom_error(exc) and step.last_outcome is StepOutcome.UPDATE_BEGAN:
-                    raise self._oom_error(
-                        cut, planner, UPDATE_BEGAN, cut.rows_in(piece)) from exc
-                raise
-
-        return run
 
     def _accumulation(self, parts: TrainParts, cut: Cut, planner: BatchPlanner) -> Accumulation:
         """`cut`'s batch as micro-batches whose summed gradients make one update."""
@@ -355,16 +334,8 @@ class Run:
         return OutOfMemoryError(
             self.model.name, "train", _batches.shapes(_batches.rows(cut.chunk[0], 0, 1)),
             planner.device, cause=cause, rows=rows, held=held, can_place=can_place(self.model),
-            can_shrink=self._can_shrink(),
+            can_shrink=can_shrink(self.model),
         )
-
-    def _can_shrink(self) -> bool:
-        """Whether MemFit(mode="shrink") could train this model here."""
-        try:
-            _backend.get().check_training_mode(self.model, "shrink")
-        except NotImplementedError:
-            return False
-        return True
 
     # ------------------------------------------------------------- evaluate
     def test(self, batches: Iterable[Any]) -> Any:
@@ -372,7 +343,7 @@ class Run:
         logs: Any = {}
         for batch in batches:
             cut = self._cut(batch)
-            logs = self.keras_call("test", [batch]) if cut is None else self._test_batch(cut, logs)
+            logs = self.pass_on("test", [batch]) if cut is None else self._test_batch(cut, logs)
             del batch, cut  # not held while the next batch is pulled
         return logs
 
@@ -398,7 +369,7 @@ class Run:
             if count > 1:
                 self._split_warnings.split(cut.x)
         finally:
-            self._note_events(cut.slots)
+            self._note_events(cut.lanes)
         return logs
 
     def _test_runner(
@@ -410,7 +381,7 @@ class Run:
         def run(piece: tuple) -> Any:
             return step(cut.batch(piece))
 
-        split.begin_batch(cut.slots)
+        split.begin_batch(cut.lanes)
 
         def make_exact(first: tuple) -> Callable[[tuple], Any]:  # at the first split
             exact = self.layout.test_step(self.model, cut, exact=True)[0]
@@ -425,7 +396,7 @@ class Run:
         batches = list(batches)
         cuts = self._cuts(batches)
         if cuts is None:
-            return self.keras_call("predict", batches)
+            return self.pass_on("predict", batches)
         if self._predict_step is None:
             self._predict_step = self.layout.predict_step(self.model)
         step = self._predict_step
@@ -445,16 +416,19 @@ class Run:
                 if len(results) > 1:
                     self._split_warnings.split(cut.x)
             finally:
-                self._note_events(cut.slots)
+                self._note_events(cut.lanes)
             outputs.append(cut.join(results))
         return concatenate(outputs)
 
     # ------------------------------------------------- batches MemFit passes on
-    def keras_call(self, kind: str, batches: List[Any]) -> Any:
+    def pass_on(self, kind: str, batches: List[Any]) -> Any:
         """Keras's own `<kind>_function` on the pulled `batches`, which MemFit cannot split;
         its OOM raises `cannot_split`, naming what in them cannot be split."""
+        function = self.keras_functions.get(f"{kind}_function")
+        if function is None:  # not made yet: Keras makes it as its loop would
+            function = getattr(self.model, f"make_{kind}_function")(force=True)
         try:
-            return self.keras_function(kind, batches)
+            return _backend.get().call_keras_function(self.model, kind, function, batches)
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
@@ -463,7 +437,7 @@ class Run:
 
     # --------------------------------------------------------------- shared
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
-        """The planner of `phase` at `cut`'s signature, told that a batch of its slots begins
+        """The planner of `phase` at `cut`'s signature, told that a batch of its lanes begins
         (`probe="after_oom"`: a batch that fits runs whole, as in Keras)."""
         key = self._planner_key(phase, cut)
         planner = self._planners.get(key)
@@ -471,7 +445,7 @@ class Run:
             planner = self._planners[key] = BatchPlanner(
                 self.model, phase, key[1], None, self._unlocated, probe="after_oom"
             )
-        planner.start_batch(cut.slots)
+        planner.start_batch(cut.lanes)
         return planner
 
     def _planner_key(self, phase: str, cut: Cut) -> Tuple[str, Hashable]:

@@ -38,7 +38,7 @@ from keras_memfit.backend.jax.training import (
     make_train_step,
 )
 from keras_memfit.backend.jax.keras_functions import (
-    adapter_batches, call_keras_function, is_end_of_data, materialize, step_function,
+    adapter_batches, call_keras_function, is_end_of_data, materialize, keras_call,
 )
 from keras_memfit.backend.jax.devices import (
     canonical_device, device_exists, host_device, list_accelerators, variable_device,

@@ -4,23 +4,22 @@ Keras's JAX trainer calls `model.train_function(state, iterator)` (and `test_fun
 `predict_function` likewise), `state` being the tuple of variable-value lists it detached from
 the variables at the start of the epoch (`_purge_model_variables`) and threads from step to
 step; it expects `(result, state)` back and writes the last state into the variables at the
-end (`jax_state_sync`). `step_function` runs keras_memfit's steps on that tuple itself
+end (`jax_state_sync`). MemFit's function runs keras_memfit's steps on that tuple itself
 (`state.threaded`); what can run out of memory in them donates nothing of it, so whatever
 they raise, the state Keras holds is whole.
 
-Under several JAX processes the function hands `run_batches` this process's own rows, and a
+Under several JAX processes the call hands over this process's own rows, and a
 process whose function raises tells the others (`processes.post_failure`) first.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Iterable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import keras
 
 from keras_memfit._internal import batches as _batches
-from keras_memfit.backend.base import check_step_kind
+from keras_memfit.backend.base import KerasCall, check_step_kind
 from keras_memfit.backend.jax import processes as _processes
 from keras_memfit.backend.jax import state as _state
 
@@ -44,42 +43,53 @@ def _publish(model: keras.Model, kind: str, state: tuple) -> None:
     object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
 
 
-def step_function(
-    model: keras.Model,
-    kind: str,
-    run_batches: Callable[[Iterable[Any]], Any],
-) -> Callable[[Any, Any], Any]:
-    """`function(state, iterator) -> (result, state)`, pulling up to `model.steps_per_execution`
-    batches, one at a time (StopIteration when none is left)."""
-    check_step_kind(kind)
-    model_ref = weakref.ref(model)
-    groups = _state.GROUPS[kind]
-    several = _processes.multi_process()
+class _StateCall(KerasCall):
+    """`function(state, iterator) -> (result, state)`: while entered, MemFit's steps run on
+    Keras's state tuple (`state.threaded`); batches are pulled one at a time."""
 
-    def function(state, iterator):
-        model = model_ref()
+    def __init__(self, model: keras.Model, kind: str, state: tuple, iterator: Any) -> None:
+        check_step_kind(kind)
+        groups = _state.GROUPS[kind]
         if len(state) != len(groups):
             raise ValueError(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
-        with _state.threaded(model, kind, state) as call:
-            try:
-                batches = _batches.pull_batches(
-                    iterator, model.steps_per_execution, is_end_of_data)
-                if several:  # each process runs its own rows (see `processes`)
-                    batches = (_processes.local_rows(batch) for batch in batches)
-                result = run_batches(batches)
-            except Exception as exc:
-                if several and not is_end_of_data(exc):
-                    _processes.post_failure(exc)  # the other processes stop at once
-                raise
-            finally:
-                state = call.finish()
-                _publish(model, kind, state)
-        return result, state
+        self._model, self._kind, self._iterator = model, kind, iterator
+        self._threaded = _state.threaded(model, kind, state)
+        self._several = _processes.multi_process()
+        self.state: Optional[tuple] = None
 
-    return function
+    def __enter__(self) -> "_StateCall":
+        self._threaded.__enter__()
+        try:
+            batches = _batches.pull_batches(
+                self._iterator, self._model.steps_per_execution, is_end_of_data)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if self._several:  # each process runs its own rows (see `processes`)
+            batches = (_processes.local_rows(batch) for batch in batches)
+        self.batches = batches
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], traceback: Any) -> None:
+        try:
+            if self._several and isinstance(exc, Exception) and not is_end_of_data(exc):
+                _processes.post_failure(exc)  # the other processes stop at once
+        finally:
+            self.state = self._threaded.finish()
+            _publish(self._model, self._kind, self.state)
+            self._threaded.__exit__(exc_type, exc, traceback)
+
+    def returned(self, result: Any) -> Tuple[Any, tuple]:
+        return result, self.state
+
+
+def keras_call(model: keras.Model, kind: str, *args: Any) -> _StateCall:
+    """`args`: `(state, iterator)`, Keras's state tuple and the call's batches."""
+    state, iterator = args
+    return _StateCall(model, kind, state, iterator)
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:

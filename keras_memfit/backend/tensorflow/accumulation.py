@@ -8,7 +8,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import keras
 import tensorflow as tf
 
-from keras_memfit._internal.cache import per_model
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.backend.tensorflow.compiling import compile_step, needs_static_batch
@@ -40,6 +39,13 @@ def add_gradients(
     track_loss(model, loss * tf.cast(loss_factor, loss.dtype), x)
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return tuple(g is None for g in gradients)
+
+
+def zero(sums: Sequence[Any]) -> None:
+    """Set each sum made so far (not None) to zero."""
+    for total in sums:
+        if total is not None:
+            total.assign(tf.zeros_like(total))
 
 
 def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
@@ -156,14 +162,9 @@ class AccumulationSteps:
                     self.sparse_sums[i].read_value(), weights[i].shape)
             apply_gradients(model_ref(), gradients)
 
-        def reset_step():
-            for total in sums:
-                if total is not None:
-                    total.assign(tf.zeros_like(total))
-
         self.add = compile_step(model, add_step, static_shapes=needs_static_batch(model))
         self.apply = compile_step(model, apply_step)
-        self.reset = tf.function(reset_step)
+        self.reset = tf.function(lambda: zero(sums))
         self.holds = XlaHolds(
             model, small=lambda: train_state_variables(model_ref()),
             large=lambda: [t for t in sums if t is not None],
@@ -207,22 +208,6 @@ class AccumulationSteps:
         self.in_use = False
 
 
-def _accumulation_steps(model: keras.Model) -> AccumulationSteps:
-    """The model's `AccumulationSteps`, cached per model (new weights or optimizer: new ones)."""
-    key = (
-        "accumulation steps",
-        id(model.optimizer),
-        tuple(id(v) for v in model.trainable_weights),
-        bool(getattr(model, "run_eagerly", False)),
-        model.jit_compile,
-    )
-    steps = per_model(model, key, lambda: AccumulationSteps(model))
-    if steps.in_use:  # another accumulator of this model is alive: its own steps
-        steps = AccumulationSteps(model)
-    steps.in_use = True
-    return steps
-
-
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
@@ -234,9 +219,9 @@ class GradientAccumulator:
     (`XlaHolds`), so an OOM inside XLA leaves it intact.
     """
 
-    def __init__(self, model: keras.Model) -> None:
+    def __init__(self, model: keras.Model, steps: AccumulationSteps) -> None:
         self._model = weakref.ref(model)
-        self.steps = _accumulation_steps(model)
+        self.steps = steps
         self._filled = False
         self._kept: List[List[tf.IndexedSlices]] = []  # per sparse gradient, each piece's slices
         self._summed: Set[int] = set()  # the sparse gradients summed densely in this batch

@@ -4,8 +4,8 @@ Inference (`safe_predict`, `safe_evaluate`) under a `MirroredStrategy` splits ea
 the compiled step into one contiguous share per replica (`distributed_step`). MemFit's layout
 under a strategy (`Replicated`) cuts each Keras batch so that every replica runs the same number
 of pieces (one replica's OOM aborts the whole step, and the optimizer's all-reduce must line
-up): a batch whose largest replica holds `m` rows is `m` slots, and slots `a:b` are, on a replica
-of `n` rows, its rows `a*n//m : b*n//m` (`Slots`); the planner sizes the largest replica's rows.
+up): a batch whose largest replica holds `m` rows is `m` lanes, and lanes `a:b` are, on a replica
+of `n` rows, its rows `a*n//m : b*n//m` (`Lanes`); the planner sizes the largest replica's rows.
 Multi-worker, TPU and parameter-server strategies are refused (`check_strategy`).
 """
 
@@ -28,7 +28,7 @@ from keras_memfit._internal.batches import as_batch, concatenate, first_unsplitt
 from keras_memfit._internal.batches import splittable_rows
 from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.tensorflow.accumulation import (
-    add_gradients, apply_gradients, kept_rows_text, sparse_gradients, sums_sparse_exactly,
+    add_gradients, apply_gradients, kept_rows_text, sparse_gradients, sums_sparse_exactly, zero,
 )
 from keras_memfit.backend.tensorflow.compiling import (
     compile_step, needs_static_batch, traced_as_keras,
@@ -410,15 +410,9 @@ class ReplicaAccumulator:
         def apply(mask, kept):
             strategy.run(replica_apply, args=(mask, kept))
 
-        @tf.function
-        def reset():
-            for total in sums:
-                if total is not None:
-                    total.assign(tf.zeros_like(total))
-
         self._add = compile_step(model, add, static_shapes=needs_static_batch(model))
         self._apply = compile_step(model, apply)
-        self._reset = reset
+        self._reset = tf.function(lambda: zero(sums))
 
     def reset(self) -> None:
         """Start a new batch: zero the sums on every replica, drop the kept rows."""
@@ -469,8 +463,8 @@ class ReplicaAccumulator:
         self._apply(self._traced["mask"], rows)
 
 
-class Slots:
-    """A distributed Keras batch as slots: each replica's rows split alike (a `base.Cut`)."""
+class Lanes:
+    """A distributed Keras batch as lanes: each replica's rows split alike (a `base.Cut`)."""
 
     def __init__(self, layout: "Replicated", batch: Any, local: List[tuple],
                  counts: List[int]) -> None:
@@ -479,31 +473,31 @@ class Slots:
         self.form = form_of(batch)  # how Keras packed it: each replica's pieces alike
         self.local = local
         self.counts = counts
-        self.slots = max(counts)
+        self.lanes = max(counts)
         self.rows = sum(counts)
-        largest = local[counts.index(self.slots)]
+        largest = local[counts.index(self.lanes)]
         self.x = largest[0]
         # The chunk run_in_pieces splits: x with the largest replica's shapes
-        # (stride-0 views, for the OutOfMemoryError's message), y the slots.
+        # (stride-0 views, for the OutOfMemoryError's message), y the lanes.
         shapes = keras.tree.map_structure(
             lambda leaf: None if leaf is None
-            else np.broadcast_to(np.zeros((), np.bool_), (self.slots,) + tuple(leaf.shape[1:])),
+            else np.broadcast_to(np.zeros((), np.bool_), (self.lanes,) + tuple(leaf.shape[1:])),
             largest[0],
         )
-        self.chunk = (shapes, np.arange(self.slots), None)
+        self.chunk = (shapes, np.arange(self.lanes), None)
         self.signature = (_batches.signature(largest[0]), "replicas", layout.count)
 
     def _parts(self, piece: tuple) -> List[tuple]:
-        """Each replica's rows for the slots of `piece`."""
-        slots = piece[1]
-        a, b = (int(slots[0]), int(slots[-1]) + 1) if len(slots) else (0, 0)
+        """Each replica's rows for the lanes of `piece`."""
+        lanes = piece[1]
+        a, b = (int(lanes[0]), int(lanes[-1]) + 1) if len(lanes) else (0, 0)
         return [
-            _batches.rows(chunk, a * n // self.slots, b * n // self.slots)
+            _batches.rows(chunk, a * n // self.lanes, b * n // self.lanes)
             for chunk, n in zip(self.local, self.counts)
         ]
 
     def batch(self, piece: tuple) -> Any:
-        if len(piece[1]) == self.slots:
+        if len(piece[1]) == self.lanes:
             return self.distributed  # the whole batch, as Keras distributed it
         return self.layout.distribute([as_batch(c, self.form) for c in self._parts(piece)])
 
@@ -572,23 +566,23 @@ class Replicated:
         """Each replica's copy of `variable` (a `tf.Variable` each)."""
         return variable_copies(variable)
 
-    def cut(self, batch: Any) -> Optional[Slots]:
-        """`batch` as `Slots`, or None when some replica's rows cannot be split."""
+    def cut(self, batch: Any) -> Optional[Lanes]:
+        """`batch` as `Lanes`, or None when some replica's rows cannot be split."""
         local = self.local(batch)
         counts = [splittable_rows(chunk) for chunk in local]
-        return None if None in counts else Slots(self, batch, local, counts)
+        return None if None in counts else Lanes(self, batch, local, counts)
 
     def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
         """What cannot be split in some replica's rows of `batches`, in words."""
         return first_unsplittable(chunk for batch in batches for chunk in self.local(batch))
 
-    def prepare(self, model: keras.Model, cut: Slots) -> None:
+    def prepare(self, model: keras.Model, cut: Lanes) -> None:
         """Build the model, its metrics and loss, under the strategy's scope."""
         x, y, sample_weight = _batches.rows(cut.local[0], 0, 1)
         with self.strategy.scope():
             _keras_compat.symbolic_build(model, (x, y, sample_weight))
 
-    def train_step(self, model: keras.Model, custom: bool, cut: Slots) -> "ReplicaTrainStep":
+    def train_step(self, model: keras.Model, custom: bool, cut: Lanes) -> "ReplicaTrainStep":
         """The train step on a distributed batch (`model.train_step` when `custom`)."""
         return ReplicaTrainStep(model, self.strategy, custom)
 
@@ -600,14 +594,14 @@ class Replicated:
         """A gradient accumulator over the replicas (one all-reduce when applied)."""
         return ReplicaAccumulator(model, self.strategy)
 
-    def test_step(self, model: keras.Model, cut: Slots,
+    def test_step(self, model: keras.Model, cut: Lanes,
                   exact: bool) -> Tuple[Callable[[Any], Any], ReplicaGuard]:
         """Keras's `model.test_step` on a distributed batch (the reduced logs) and a guard over
         the metric state, cached. Traced as Keras traces its own (per-output loss trackers count
         a batch once); with `exact`, once per piece size (they weight a piece by its rows)."""
         if not exact:
             self.prepare(model, cut)
-        key = ("evaluate", exact, id(self.strategy), tuple(id(v) for v in model.metrics_variables),
+        key = ("evaluate", exact, step_variant(model), tuple(id(v) for v in model.metrics_variables),
                bool(getattr(model, "run_eagerly", False)), model.jit_compile)
         return _cache.per_model(model, key, lambda: (
             self._test_step(model, exact), ReplicaGuard(model.metrics_variables)))
@@ -626,7 +620,7 @@ class Replicated:
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
         """`model.predict_step` on a distributed batch: each replica's outputs, cached."""
-        key = ("predict", id(self.strategy), bool(getattr(model, "run_eagerly", False)),
+        key = ("predict", step_variant(model), bool(getattr(model, "run_eagerly", False)),
                model.jit_compile)
         return _cache.per_model(model, key, lambda: self._predict_step(model))
 

@@ -7,39 +7,26 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import keras
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_memfit._internal import batches as _batches
-from keras_memfit.backend.base import check_step_kind
+from keras_memfit.backend.base import KerasCall, check_step_kind
 
 
-def step_function(
-    model: keras.Model,
-    kind: str,
-    run_batches: Callable[[Iterable[Any]], Any],
-) -> Callable[[Any], Any]:
-    """`function(iterator)` ("train", "test": it pulls the batches), or `function(batches)`."""
+def keras_call(model: keras.Model, kind: str, *args: Any) -> KerasCall:
+    """`args`: `(iterator,)`, whose batches are pulled one at a time ("train", "test"), or
+    `(batches,)`, those Keras pulled ("predict")."""
     check_step_kind(kind)
+    (batches,) = args
     if kind == "predict":
-
-        def predict_function(batches):
-            return run_batches(list(batches))
-
-        return predict_function
-    model_ref = weakref.ref(model)
-
-    def function(iterator):
-        model = model_ref()
-        if kind == "train":
-            _KERAS_SPECS[model] = getattr(iterator, "element_spec", None)
-        return run_batches(
-            _batches.pull_batches(iterator, model.steps_per_execution, is_end_of_data))
-
-    return function
+        return KerasCall(list(batches))
+    if kind == "train":
+        _KERAS_SPECS[model] = getattr(batches, "element_spec", None)
+    return KerasCall(_batches.pull_batches(batches, model.steps_per_execution, is_end_of_data))
 
 
 # model -> the element spec of the data iterator Keras last handed its train function.

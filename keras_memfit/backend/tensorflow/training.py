@@ -14,9 +14,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_memfit._internal.cache import per_model
 from keras_memfit._internal.model_state import train_state_variables
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.tensorflow.accumulation import GradientAccumulator
+from keras_memfit.backend.tensorflow.accumulation import AccumulationSteps, GradientAccumulator
 from keras_memfit.backend.tensorflow.default_step import (
     flagged_train_step,
     loss_and_gradients,
@@ -24,6 +25,7 @@ from keras_memfit.backend.tensorflow.default_step import (
 )
 from keras_memfit.backend.tensorflow.xla_holds import XlaHolds
 from keras_memfit.backend.tensorflow.compiling import compile_step, trace_as_keras
+from keras_memfit.backend.tensorflow.distribution import step_variant
 from keras_memfit.backend.tensorflow.keras_functions import keras_batch_spec
 
 logger = logging.getLogger("keras_memfit")
@@ -321,4 +323,18 @@ def _updated_by_a_step(model: keras.Model) -> List[Any]:
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
-    return GradientAccumulator(model)
+    """A `GradientAccumulator` on the model's cached `AccumulationSteps` (new weights or
+    optimizer: new ones; another accumulator of the model alive: its own)."""
+    key = (
+        "accumulation steps",
+        step_variant(model),
+        id(model.optimizer),
+        tuple(id(v) for v in model.trainable_weights),
+        bool(getattr(model, "run_eagerly", False)),
+        model.jit_compile,
+    )
+    steps = per_model(model, key, lambda: AccumulationSteps(model))
+    if steps.in_use:
+        steps = AccumulationSteps(model)
+    steps.in_use = True
+    return GradientAccumulator(model, steps)

@@ -32,7 +32,7 @@ from keras_memfit.backend.torch.training import (
     make_train_step,
 )
 from keras_memfit.backend.torch.keras_functions import (
-    adapter_batches, call_keras_function, is_end_of_data, step_function,
+    adapter_batches, call_keras_function, is_end_of_data, keras_call,
 )
 from keras_memfit.backend.torch.devices import (
     canonical_device, device_exists, host_device, list_accelerators, variable_device,

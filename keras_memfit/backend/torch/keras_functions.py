@@ -7,25 +7,18 @@ torch). `fit` reads `model.train_function` at every step, so MemFit swaps it as 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import keras
 
-from keras_memfit.backend.base import check_step_kind
+from keras_memfit.backend.base import KerasCall, check_step_kind
 
 
-def step_function(
-    model: keras.Model,
-    kind: str,
-    run_batches: Callable[[Iterable[Any]], Any],
-) -> Callable[[Any], Any]:
-    """`function(data)`, `data` the list of batches Keras pulled."""
+def keras_call(model: keras.Model, kind: str, *args: Any) -> KerasCall:
+    """`args`: `(data,)`, the list of batches Keras pulled."""
     check_step_kind(kind)
-
-    def function(data):
-        return run_batches(list(data))
-
-    return function
+    (data,) = args
+    return KerasCall(list(data))
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
