@@ -85,29 +85,6 @@ def test_quick_run_on_jax_writes_a_checked_section(tmp_path):
     _check_quick_run(tmp_path, "jax")
 
 
-@requires_tensorflow
-def test_the_rung_at_batch_one_trains_a_sequence_far_beyond_plain_keras():
-    """The benchmark's transformer at 1,064 tokens, one sample a batch, under 128 MiB: plain
-    Keras runs out of memory (its longest is 576), MemFit trains it by recomputing blocks.
-
-    Measured: a recomputed step traced on Keras's static batch spec (one row) did not train it
-    (TensorFlow kept more of the forward pass); traced for any batch size it trains 1,264.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    env = footprint.child_env("tensorflow", 128)
-
-    def fit(memfit):
-        return footprint.run_child(env, 0.0, dict(
-            part="try", call="seq", width=1064, batch=1, memfit=memfit, jit_compile="auto"))
-
-    with ThreadPoolExecutor(2) as pool:
-        plain, mine = pool.map(fit, (False, True))
-    assert plain["oom"] and not plain["ok"], plain
-    assert mine["ok"], mine
-    assert mine["remat_layers"], mine
-
-
 def _known(threshold, oom=True):
     """A try that trains up to `threshold`, recording each width asked for."""
     asked = []

@@ -251,9 +251,8 @@ class Layout(Protocol):
     def prepare(self, model: Any, cut: Cut) -> None:
         """Build the model, its metrics and loss (and optimizer) before a train step is made."""
 
-    def train_step(self, model: Any, custom: bool, cut: Cut, recomputes: bool) -> TrainStep:
-        """The train step (the model's own `train_step` when `custom`; `recomputes`: layers of
-        `model` are recomputed)."""
+    def train_step(self, model: Any, custom: bool, cut: Cut) -> TrainStep:
+        """The train step (the model's own `train_step` when `custom`)."""
 
     def guard(self, variables: Sequence[Any]) -> Guard:
         """A `Guard` over (every copy of) `variables`."""
@@ -369,15 +368,12 @@ class Training(Protocol):
         """
 
     def make_train_step(
-        self, model: Any, peak_at: Optional[Callable[[int], Optional[int]]] = None,
-        recomputes: bool = False,
+        self, model: Any, peak_at: Optional[Callable[[int], Optional[int]]] = None
     ) -> TrainStep:
         """A `TrainStep` running Keras's default `train_step` on `model`.
 
         `peak_at(rows)`: the estimated training peak in bytes (None: unknown), for a backend
-        whose step chooses by it when its update may begin (TensorFlow). `recomputes`: layers
-        of `model` are recomputed, so the step is not the graph Keras runs (TensorFlow then
-        traces it with an unknown batch size, not on Keras's batch spec).
+        whose step chooses by it when its update may begin (TensorFlow).
         """
 
     def make_custom_train_step(self, model: Any, data: Any) -> TrainStep:

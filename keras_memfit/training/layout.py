@@ -65,14 +65,12 @@ class OneDevice:
         """Build the model, its metrics and loss (and optimizer) before a train step is made."""
         _backend.get().prepare_test(model, _batches.rows(cut.chunk, 0, 1))
 
-    def train_step(self, model: keras.Model, custom: bool, cut: Rows,
-                   recomputes: bool) -> TrainStep:
-        """The train step (the model's own `train_step` when `custom`, built on `cut`'s batch;
-        `recomputes`: layers of `model` are recomputed)."""
+    def train_step(self, model: keras.Model, custom: bool, cut: Rows) -> TrainStep:
+        """The train step (the model's own `train_step` when `custom`, built on `cut`'s batch)."""
         backend = _backend.get()
         if custom:  # built as Keras builds it: by the step itself, on Keras's batch
             return backend.make_custom_train_step(model, cut.batch(cut.chunk))
-        return backend.make_train_step(model, training_peak(model), recomputes)
+        return backend.make_train_step(model, training_peak(model))
 
     def guard(self, variables: List[Any]) -> Guard:
         return _backend.get().guard_variables(variables)

@@ -319,7 +319,7 @@ class Run:
 
             def build() -> TrainParts:
                 return TrainParts(
-                    step=layout.train_step(model, custom, cut, bool(self._remat_names)),
+                    step=layout.train_step(model, custom, cut),
                     guard=layout.guard(_model_state.train_state_variables(model)),
                     counted=CountedOnce(model, copies=layout.copies),
                 )

@@ -346,11 +346,9 @@ def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
 
 
 def make_train_step(
-    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None,
-    recomputes: bool = False,
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
 ) -> Any:
-    """The variant's train step (`peak_at` unused: XLA's buffer analysis chooses, `_choose`;
-    `recomputes` unused: each step is traced at its batch's own shapes)."""
+    """The variant's train step (`peak_at` unused: XLA's buffer analysis chooses, `_choose`)."""
     return _as_variant(model, TrainStep, distribution.ShardedTrainStep,
                        process_training.ProcessTrainStep)
 

@@ -582,8 +582,7 @@ class Replicated:
         with self.strategy.scope():
             _keras_compat.symbolic_build(model, (x, y, sample_weight))
 
-    def train_step(self, model: keras.Model, custom: bool, cut: Lanes,
-                   recomputes: bool) -> "ReplicaTrainStep":
+    def train_step(self, model: keras.Model, custom: bool, cut: Lanes) -> "ReplicaTrainStep":
         """The train step on a distributed batch (`model.train_step` when `custom`)."""
         return ReplicaTrainStep(model, self.strategy, custom)
 

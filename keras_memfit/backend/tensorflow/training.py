@@ -63,8 +63,7 @@ class TrainStep:
     snapshots_itself = True
 
     def __init__(self, model: keras.Model, guarded: Sequence[Any],
-                 peak_at: Optional[Callable[[int], Optional[int]]] = None,
-                 recomputes: bool = False) -> None:
+                 peak_at: Optional[Callable[[int], Optional[int]]] = None) -> None:
         self.update_began = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.generation = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._completed = 0  # generations the host knows have run
@@ -73,7 +72,6 @@ class TrainStep:
         sizes = [_nbytes(w) for w in model.trainable_weights]
         self.strict_extra_bytes = sum(sizes) - max(sizes, default=0)
         self._peak_at = peak_at
-        self._recomputes = recomputes  # not Keras's graph: traced for any batch size
         self._guarded = list(guarded)
         self._shadows = []
         for v in self._guarded:
@@ -164,10 +162,8 @@ class TrainStep:
         return logs
 
     def _trace(self, step: Callable, data: Any) -> None:
-        """`trace_as_keras` on Keras's current batch spec, once per step and spec (none where
-        layers are recomputed: a static batch size let TensorFlow keep more of their forward
-        pass)."""
-        spec = None if self._recomputes else keras_batch_spec(self._model())
+        """`trace_as_keras` on Keras's current batch spec, once per step and spec."""
+        spec = keras_batch_spec(self._model())
         if id(step) not in self._traced or self._traced[id(step)] is not spec:
             trace_as_keras(step, data, spec)
             self._traced[id(step)] = spec
@@ -200,11 +196,10 @@ def _host_rows(data: Any) -> Optional[int]:
 
 
 def make_train_step(
-    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None,
-    recomputes: bool = False,
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
 ) -> TrainStep:
     """A `TrainStep` guarding `train_state_variables(model)`, its order chosen by `peak_at`."""
-    return TrainStep(model, train_state_variables(model), peak_at, recomputes)
+    return TrainStep(model, train_state_variables(model), peak_at)
 
 
 def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]) -> Any:

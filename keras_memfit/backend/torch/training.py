@@ -111,11 +111,9 @@ class TrainStep:
 
 
 def make_train_step(
-    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None,
-    recomputes: bool = False,
+    model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
 ) -> TrainStep:
-    """A `TrainStep` guarding `train_state_variables(model)` (`peak_at` and `recomputes` unused:
-    eager steps)."""
+    """A `TrainStep` guarding `train_state_variables(model)` (`peak_at` unused: eager steps)."""
     return TrainStep(model, train_state_variables(model))
 
 
