@@ -165,7 +165,8 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
         if not is_retryable_oom(exc):
             raise  # not an OOM, or one already judged final
         if getattr(step, "last_outcome", None) is StepOutcome.UPDATE_BEGAN:
-            raise _update_began_error(model, piece, planner, cut) from exc
+            rows = _batches.num_rows(piece) if cut is None else cut.rows_in(piece)
+            raise update_error(model, piece, planner.device, UPDATE_BEGAN, rows) from exc
         if guard is not None:
             guard.restore()
         if not planner.failed(size):
@@ -341,14 +342,14 @@ def drop_frames(exc: BaseException) -> None:
     gc.collect()
 
 
-def _update_began_error(
-    model: Any, piece: Any, planner: BatchPlanner, cut: Optional[Cut]
-) -> OutOfMemoryError:
-    """The error for an OOM in a train step on `piece` once its optimizer update had begun."""
+def update_error(model: Any, chunk: Any, device: Optional[str], cause: str, rows: int,
+                 held: Optional[str] = None) -> OutOfMemoryError:
+    """The error for an OOM in an optimizer update on `rows` of `chunk`'s batch (or in its
+    gradient sums), `cause` saying which."""
     return OutOfMemoryError(
-        model.name, "train", _batches.shapes(_batches.rows(piece[0], 0, 1)), planner.device,
-        cause=UPDATE_BEGAN, rows=_batches.num_rows(piece) if cut is None else cut.rows_in(piece),
-        can_place=can_place(model), can_shrink=can_shrink(model),
+        model.name, "train", _batches.shapes(_batches.rows(chunk[0], 0, 1)), device,
+        cause=cause, rows=rows, held=held, can_place=can_place(model),
+        can_shrink=can_shrink(model),
     )
 
 

@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optio
 import keras
 
 from keras_memfit import backend as _backend
-from keras_memfit._internal import batches as _batches
 from keras_memfit._internal import cache as _cache
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
@@ -33,8 +32,6 @@ from keras_memfit.oom import (
     ONE_SAMPLE,
     UPDATE,
     OutOfMemoryError,
-    can_place,
-    can_shrink,
     is_oom_error,
 )
 from keras_memfit.planning.planner import BatchPlanner, Event
@@ -44,6 +41,7 @@ from keras_memfit.planning.runner import (
     drop_frames,
     run_in_pieces,
     run_whole,
+    update_error,
 )
 from keras_memfit.training.batch_dependence import SplitWarnings
 from keras_memfit.training.layout import layout_of
@@ -272,7 +270,7 @@ class Run:
                 if not is_oom_error(exc):
                     raise
                 parts.accumulator = None  # frees the sums made before the OOM
-                raise self._oom_error(cut, planner, ACCUMULATE, cut.rows) from exc
+                raise update_error(model, cut.chunk, planner.device, ACCUMULATE, cut.rows) from exc
             self._split_warnings.accumulated()
             parts.counted.begin()
 
@@ -285,8 +283,8 @@ class Run:
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                raise self._oom_error(
-                    cut, planner, UPDATE, cut.rows, held=parts.accumulator.held()) from exc
+                raise update_error(model, cut.chunk, planner.device, UPDATE, cut.rows,
+                                   held=parts.accumulator.held()) from exc
             parts.counted.settle()
             return model.get_metrics_result()
 
@@ -326,16 +324,6 @@ class Run:
 
             self._train_parts = _cache.per_model(model, key, build)
         return self._train_parts
-
-    def _oom_error(
-        self, cut: Cut, planner: BatchPlanner, cause: str, rows: int, held: Optional[str] = None
-    ) -> OutOfMemoryError:
-        """The error for an OOM in the update of `rows` of `cut`'s batch, or in its sums."""
-        return OutOfMemoryError(
-            self.model.name, "train", _batches.shapes(_batches.rows(cut.chunk[0], 0, 1)),
-            planner.device, cause=cause, rows=rows, held=held, can_place=can_place(self.model),
-            can_shrink=can_shrink(self.model),
-        )
 
     # ------------------------------------------------------------- evaluate
     def test(self, batches: Iterable[Any]) -> Any:
