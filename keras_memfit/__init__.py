@@ -1,18 +1,8 @@
 """keras_memfit: Keras without GPU out-of-memory errors.
 
-Public API:
-    safe_predict: `model.predict` that adapts its batch instead of dying of OOM.
-    safe_evaluate: `model.evaluate` that adapts its batch, counting each sample once.
-    safe_generate: KerasHub's `causal_lm.generate` in batches that fit.
-    MemFit: Callback that keeps `fit` running when a batch does not fit.
-    is_oom_error: Whether an exception reports running out of memory.
-    OutOfMemoryError: Raised when running smaller cannot avoid an OOM (its `cause` says why).
-    ProcessFailed: Raised in every process of a multi-process JAX run when one failed or timed out.
-    memory_report: Per-layer memory, FLOPs and devices of a model, before it runs.
-    place: Pin oversized embedding/input layers to `/CPU:0`, the rest on the accelerator.
-
-The names load on first use, so that `python -m keras_memfit` and `--help` do not
-import TensorFlow (the demo must set memory limits before TensorFlow starts).
+`safe_predict`, `safe_evaluate`, `safe_generate` and the `MemFit` callback adapt their batch
+instead of dying of OOM; `memory_report` and `place` size and place a model before it runs;
+`is_oom_error`, `OutOfMemoryError` and `ProcessFailed` report failures.
 """
 
 import importlib
@@ -45,6 +35,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, see __getattr__
     from keras_memfit.report import memory_report
 
 
+# Names load on first use: the CLI must set memory limits before TensorFlow starts.
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -1,9 +1,7 @@
 """`MemFit`: `model.fit(..., callbacks=[MemFit()])` survives out-of-memory mid-training.
 
-For the length of each step MemFit installs its own `model.train_function` (and
-`test_function`, `predict_function`) in the backend's calling convention, which hands
-the batch to `keras_memfit.training.run.Run`, and puts Keras's back when the step returns
-or raises (ARCHITECTURE.md, "How a call flows"; docs/training.md).
+For each step MemFit installs its own `model.<kind>_function`, which hands the batch to
+`training.run.Run` (ARCHITECTURE.md, "How a call flows").
 """
 
 from __future__ import annotations
@@ -30,50 +28,22 @@ logger = logging.getLogger("keras_memfit")
 
 
 class MemFit(keras.callbacks.Callback):
-    """Keeps `fit`, `evaluate` and `predict` running when a batch does not fit.
-
-    Add it to `callbacks=[...]`; while nothing runs out of memory, nothing changes. A
-    training batch that runs out of memory runs again as accumulated micro-batches
-    (one optimizer update, as for the whole batch) or, with `mode="shrink"`, as
-    smaller batches; validation, `evaluate` and `predict` batches are split as in
-    `safe_evaluate` and `safe_predict`. A custom `train_step`, or losses whose
-    reductions cannot share one weight per micro-batch, train as "shrink" (one
-    warning). See docs/training.md.
+    """Keeps `fit`, `evaluate` and `predict` running when a batch does not fit (docs/training.md).
 
     Args:
-        mode: "accumulate" (default): one optimizer update per batch from the
-            summed micro-batch gradients. "shrink": each piece is its own optimizer
-            step, like a smaller `batch_size`.
-        place: None or False (default): do not place. True: `keras_memfit.place(model)`
-            once per model when `fit` starts; a dict: its keyword arguments
-            (`budget`, `cpu_layers`, `accelerator`).
-        remat: When even one sample does not fit in training, recompute layers in
-            the backward pass and train the same batch again, exactly. "auto"
-            (default): the blocks holding the most memory, as few as needed; False:
-            raise `OutOfMemoryError`; a list of top-level layer names: recompute
-            those from the first batch.
+        mode: "accumulate" (one update from summed micro-batch gradients) or "shrink".
+        place: True or a dict of `keras_memfit.place` arguments: place the model as `fit` starts.
+        remat: Where one sample does not fit: "auto" (recompute layers), False, or layer names.
 
     Attributes:
-        events: One dict per adaptation during the last call (the fields of
-            `keras_memfit.planning.knowledge.Event`: `epoch`, `step`, `phase`, `kind`,
-            the sizes and split, `reason`, ...; sizes are rows per replica under a
-            strategy); empty when nothing was adapted.
-        plan: The `PlacementPlan` of the last placement made for `place=`, or None.
-
-    From the first epoch in which something was adapted, the epoch logs hold
-    `memfit_ooms`, `memfit_split` and `memfit_remat` (MemFit runs its hooks first).
+        events: One dict per adaptation during the last call (`planning.knowledge.Event`).
+        plan: The `PlacementPlan` of the last `place=` placement, or None.
 
     Raises:
-        ValueError: If `mode`, `place` or `remat` is invalid (a `remat` name the
-            model lacks: when `fit` starts).
-        TypeError: When used with a tf_keras (Keras 2) model.
-        NotImplementedError: When `fit`, `evaluate` or `predict` starts, for an
-            unsupported backend, distribution, or mode under several JAX processes
-            (the message says which).
-        keras_memfit.OutOfMemoryError: From `fit`, when even one sample does not
-            fit (the training state is as before that step), when an optimizer
-            update ran out of memory (the weights may be partly updated), or when a
-            batch MemFit cannot split ran out of memory.
+        ValueError: If `mode`, `place` or `remat` is invalid.
+        TypeError: With a tf_keras (Keras 2) model.
+        NotImplementedError: For an unsupported backend, distribution or mode.
+        keras_memfit.OutOfMemoryError: From `fit`, where running smaller cannot help.
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -110,13 +80,12 @@ class MemFit(keras.callbacks.Callback):
 
     @property
     def events(self) -> List[Dict[str, Any]]:
-        """One dict per adaptation during the last call (see the class docstring)."""
+        """One dict per adaptation during the last call."""
         events = self._kept_events if self._run is None else self._run.events
         return [dataclasses.asdict(event) for event in events]
 
     # -------------------------------------------------- pickling, Keras 2
     def __getstate__(self) -> Dict[str, Any]:
-        """The settings and the last events; a copy starts with no call in progress."""
         state = dict(self.__dict__)
         state["_kept_events"] = list(self._run.events) if self._run else self._kept_events
         state.update(
@@ -152,10 +121,8 @@ class MemFit(keras.callbacks.Callback):
         self._run = Run(self.model, mode or self.mode, self._originals, fallback,
                         self.remat if self._in_fit else False)
 
-    # Keras looks the step functions up right after the `on_*_batch_begin`
-    # calls, so MemFit installs its own there and removes them as soon as they
-    # return or raise: whatever else fails during fit, Keras's own functions
-    # are back in place.
+    # Keras looks the step functions up right after `on_*_batch_begin`: MemFit's are
+    # installed there and remove themselves when they return or raise.
     def on_train_begin(self, logs=None):
         mode, fallback = self._check_supported()
         self._go_first()
@@ -168,7 +135,7 @@ class MemFit(keras.callbacks.Callback):
         self._epochs = 0
 
     def _go_first(self) -> None:
-        """Be the first of `fit`'s callbacks, so that every other one sees MemFit's epoch logs."""
+        """Be first of `fit`'s callbacks, so that the others see MemFit's epoch logs."""
         callbacks = _keras_compat.calling_callback_list(self)
         if callbacks is not None:  # a new list: Keras's loop over the old one goes on
             callbacks.callbacks = [self] + [c for c in callbacks.callbacks if c is not self]
@@ -225,7 +192,6 @@ class MemFit(keras.callbacks.Callback):
         self._start()
 
     def _summarize(self, call: str) -> None:
-        """One INFO line at the end of a call that adapted anything."""
         if self._run is not None and self._run.adapted:
             logger.info(
                 "%s", summary(call, self.model.name, self.events, self._run.most_pieces)
@@ -265,20 +231,16 @@ class MemFit(keras.callbacks.Callback):
         self.plan = place(model, **self._place_options)
         self._placed.add(model)
         logger.info("MemFit(place=...): %s", self.plan.reason)
-        # Keras made the train function before on_train_begin and looks it up
-        # at every step; place() dropped it so that it is traced with the new
-        # devices.
+        # place() dropped the train function Keras made before on_train_begin.
         if getattr(model, "train_function", None) is None:
             model.make_train_function()
 
     # ------------------------------------------------- installing functions
     def _install(self, kind: str, run_batches: Callable[[Iterable[Any]], Any]) -> None:
-        """Put MemFit's `model.<kind>_function` in place, running `run_batches`."""
         name = f"{kind}_function"
         if name in self._originals:
             return
-        # `self._model`, not `self.model`: on JAX, Callback.model syncs Keras's state
-        # into the variables and back at each step; MemFit's functions take Keras's state.
+        # Not `self.model`: on JAX it syncs Keras's state into the variables at each step.
         model = self._model
         installed = self._built.get(name)
         if installed is None:  # once per call and kind: Keras looks it up at every step
@@ -290,7 +252,7 @@ class MemFit(keras.callbacks.Callback):
     def _build(
         self, model: Any, name: str, kind: str, run_batches: Callable[[Iterable[Any]], Any]
     ) -> Callable[..., Any]:
-        """MemFit's `model.<kind>_function`, which removes itself when it returns or raises."""
+        """MemFit's `model.<kind>_function`; it uninstalls itself when it returns or raises."""
         backend = _backend.get()
         model_ref = weakref.ref(model)  # the model holds the function
 

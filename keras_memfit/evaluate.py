@@ -33,41 +33,20 @@ def safe_evaluate(
 ) -> Union[float, List[float], Dict[str, float]]:
     """Drop-in for `model.evaluate` that never dies of out-of-memory.
 
-    Takes `model.evaluate`'s arguments in its order and returns what it returns (values
-    equal up to float rounding, `return_dict` keys in Keras's order). A batch that runs
-    out of memory is retried in smaller pieces from the same offset, after the metric
-    state the failed try touched is rolled back: no sample counts twice, and a split
-    batch counts as the one batch it is. Batch sizes are planned as in `safe_predict`
-    (docs/inference.md).
+    Takes `model.evaluate`'s arguments in its order and returns what it returns. A batch that
+    runs out of memory is retried in smaller pieces from the same offset, its metric state
+    rolled back: no sample counts twice, and a split batch counts as one (docs/inference.md).
 
     Args:
-        model: A compiled Keras model.
-        x: Arrays or tensors (or lists/dicts of them), a `tf.data.Dataset` of
-            `(x, y)` or `(x, y, sample_weight)`, a `keras.utils.PyDataset`, or a
-            generator.
-        y: Targets, for array input.
-        batch_size: Samples per batch for array input (default 32); an upper bound,
-            lowered when it does not fit. Ignored (logged at INFO) for batched input.
-        verbose: "auto" (1), 0, 1 or 2, as in `model.evaluate`.
-        sample_weight: Per-sample weights, for array input.
-        steps: Number of batches to evaluate, as in `model.evaluate`.
-        callbacks: Keras callbacks, called as `model.evaluate` calls them; after an
-            OOM each piece run is one batch.
-        return_dict: Return `{metric name: value}` instead of a list.
-        exact_output_losses: Per-output losses (`"<output>_loss"`) as means over
-            samples instead of Keras's mean of batch means.
-        **kwargs: Anything else raises `ValueError`, as in `model.evaluate`.
-
-    Returns:
-        The scalar loss (no metrics), a list of loss and metric values in
-        `model.metrics_names` order, or a dict when `return_dict=True`.
+        batch_size: Samples per batch for array input (default 32), lowered when it does not
+            fit; ignored for batched input.
+        callbacks: Called as `model.evaluate` calls them; after an OOM each piece is one batch.
+        exact_output_losses: Per-output losses (`"<output>_loss"`) as means over samples
+            instead of Keras's mean of batch means.
 
     Raises:
-        ValueError: If the model is not compiled, or an argument is invalid or
-            unknown.
-        TypeError: If `model` is not a Keras model or `x` of an unsupported type.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch
-            of a model with stateful layers (never split) does not.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch of a
+            model with stateful layers (never split) does not.
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -140,7 +119,6 @@ def _metrics_result(model: keras.Model, logs: Any) -> Any:
 
 
 def _bar_values(logs: Any) -> Optional[List[Tuple[str, Any]]]:
-    """The progress bar's (name, value) pairs: the logs' items when they are a dict."""
     return list(logs.items()) if isinstance(logs, dict) else None
 
 

@@ -39,34 +39,16 @@ def safe_generate(
 ) -> Any:
     """Drop-in for KerasHub's `causal_lm.generate` that feeds prompts in batches that fit.
 
-    Runs `generate` on consecutive pieces of the prompts, as large as memory allows,
-    retrying a piece that runs out of memory smaller; what fits is remembered per model.
-    With a random sampler (KerasHub's default "top_k") the outputs depend on the
-    batching; `sampler="greedy"` gives the same outputs whatever the batches
-    (docs/inference.md).
+    Takes and returns what `generate` does, on pieces of the prompts as large as memory
+    allows. With a random sampler (KerasHub's default "top_k") the outputs depend on the
+    batching; `sampler="greedy"` does not (docs/inference.md).
 
     Args:
-        causal_lm: A `keras_hub.models.CausalLM` (GPT-2, Gemma, Llama...).
-        inputs: What `generate` takes: a prompt string, a list (or array or tensor)
-            of strings, a dict of them, a dict of `token_ids` and `padding_mask`
-            arrays (a model without a preprocessor), or a batched `tf.data.Dataset`.
-        max_length: The generated sequences' length, as in `generate` (default: the
-            preprocessor's `sequence_length`).
-        batch_size: Largest number of prompts per `generate` call; None: all of them
-            at once when they fit.
+        batch_size: Largest number of prompts per `generate` call; None: all that fit.
         **generate_kwargs: Passed to `generate` (`stop_token_ids`, `strip_prompt`).
-
-    Returns:
-        What `causal_lm.generate(inputs, max_length, **generate_kwargs)` returns:
-        strings (one for a single prompt) with a preprocessor, else a dict of numpy
-        arrays.
 
     Raises:
         ImportError: If keras-hub is not installed.
-        TypeError: If `causal_lm` is not a KerasHub `CausalLM`, or `inputs` is of a
-            type `generate` does not take.
-        ValueError: If `max_length` or `batch_size` is not a positive int, a keyword
-            is not one of `generate`'s, or `inputs` is empty.
         keras_memfit.OutOfMemoryError: If even one prompt does not fit.
     """
     causal_lm_class = _causal_lm_class()

@@ -1,9 +1,4 @@
-"""`place`: keep oversized, cheap-to-compute layers on the host, the rest on the accelerator.
-
-The sizes, FLOPs and bytes crossing the cut come from `keras_memfit.analysis` (the automatic
-choice: `keras_memfit.analysis.placement_choice`); this module resolves the arguments, applies the
-placement and describes it.
-"""
+"""`place`: keep oversized, cheap-to-compute layers on the host, the rest on the accelerator."""
 
 from __future__ import annotations
 
@@ -25,14 +20,11 @@ from keras_memfit.analysis.sizes import ByteCounter
 
 logger = logging.getLogger("keras_memfit")
 
-#: Share of the accelerator's budget that weights and optimizer slots may use;
-#: the rest is left to activations (which `MemFit`/`safe_predict` then fit).
+#: Share of the accelerator's budget weights and optimizer slots may use (the rest: activations).
 WEIGHT_SHARE = 0.5
-#: With no budget given and no known device limit, a cheap layer is pinned
-#: only when its weights and slots reach this size.
+#: With no budget known, a cheap layer is pinned only from this many bytes of weights and slots.
 OVERSIZED_BYTES = 1 << 30
-#: When even pinning every cheap layer cannot make the rest fit, only cheap
-#: layers holding at least this share of all weights and slots are pinned.
+#: Where pinning every cheap layer cannot fit, only those holding this share stay pinned.
 DOMINANT_SHARE = 0.1
 _STATE = "_memfit_placement"
 _said_no_accelerator = False
@@ -43,17 +35,11 @@ class PlacementPlan:
     """Where `place` put a model's layers, and why.
 
     Attributes:
-        cpu_layers: Names of the layers pinned to the host.
         accelerator: The device the rest lives on (None when there is none).
-        host: The host device ("/CPU:0").
         device_bytes: Bytes of weights plus optimizer slots on each device.
-        crossing_bytes_per_sample: Bytes per sample crossing between host and
-            accelerator layers on the traced forward pass, between top-level layers
-            (the model's inputs not counted, a returned host output counted; unknown
-            dimensions count as 1); 0 for a model that cannot be traced.
-        applied: Whether some layer is pinned to the host (the model spans two
-            devices); False with no accelerator or nothing to pin.
-        reason: Why this cut (or why nothing).
+        crossing_bytes_per_sample: Bytes per sample crossing between host and accelerator
+            top-level layers (model inputs not counted); 0 for a model that cannot be traced.
+        applied: Whether some layer is pinned to the host.
         layer_bytes: Weights plus slots of each top-level layer with weights.
     """
 
@@ -103,40 +89,21 @@ def place(
 ) -> PlacementPlan:
     """Pin a model's oversized, cheap-to-compute layers to `/CPU:0`, the rest to the accelerator.
 
-    The pinned layers' variables, forward ops, optimizer slots and updates live on the
-    host; the other layers and the model's own ops on the accelerator. Outputs and
-    training are unchanged. Without `cpu_layers`, only top-level layers that use each
-    weight at most once per sample (at most 2 FLOPs per weight, or by class: lookups,
-    hashing, a Dense on flat features) are candidates, pinned by most bytes freed per
-    byte crossing the cut until the accelerator's weights and slots fit in
-    `WEIGHT_SHARE` of `budget`. When anything is pinned, `model.jit_compile` is set to
-    False (an XLA cluster runs on one device), also after a later `compile`. Calling
-    `place` again replaces the placement, which is not saved with the model
-    (docs/memory.md).
+    Without `cpu_layers`, cheap top-level layers are pinned until the accelerator's weights and
+    slots fit in `WEIGHT_SHARE` of `budget`. Outputs and training are unchanged; `jit_compile`
+    is turned off while anything is pinned. The placement is not saved (docs/memory.md).
 
     Args:
-        model: A Keras model, built or not (the automatic choice needs it built;
-            `cpu_layers` works before `build`).
-        budget: Bytes available on the accelerator; None: its known limit (a
-            logical-device limit or NVML), else only layers whose weights and
-            slots reach `OVERSIZED_BYTES` are pinned.
-        cpu_layers: Names or layers to pin instead of the automatic choice (nested
-            layers too); an empty list pins nothing but places the model on the
-            accelerator.
-        accelerator: The device for the rest ("/GPU:0"); default: the first GPU.
-            With none, nothing changes and `place` says so once.
-        verbose: Print the plan.
-
-    Returns:
-        The `PlacementPlan`.
+        budget: Bytes available on the accelerator; None: its known limit, else only layers
+            of at least `OVERSIZED_BYTES` are pinned.
+        cpu_layers: Names or layers to pin instead of the automatic choice (nested layers
+            too); an empty list pins nothing but places the model on the accelerator.
+        accelerator: The device for the rest; default: the first GPU (none: nothing changes).
 
     Raises:
-        TypeError: If `model` is not a Keras model.
-        ValueError: For a non-positive `budget`, an unknown layer name, an
-            accelerator that does not exist or is the host, or an automatic choice
-            on an unbuilt model.
-        NotImplementedError: On a backend that cannot place layers (JAX, torch), or
-            for a model under a distribution strategy.
+        ValueError: For an automatic choice on an unbuilt model, or an unknown layer or device.
+        NotImplementedError: On a backend that cannot place layers (JAX, torch), or under a
+            distribution strategy.
     """
     _validate.model(model)
     budget = _validate.positive_int("budget", budget)
@@ -207,10 +174,7 @@ def _refuse_distribution(be: Any, model: keras.Model) -> None:
 
 
 def _analyse(model: keras.Model) -> ModelAnalysis:
-    """The model's analysis; untraced (sizes only) when it cannot be traced.
-
-    Its cheapness is then judged by layer class, and nothing is counted as crossing.
-    """
+    """The model's analysis; untraced (sizes only, nothing crossing) when it cannot be traced."""
     if model.built:
         try:
             return analyse(model)
@@ -342,9 +306,8 @@ def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
         wrapped.append((layer, "call", layer.__dict__.get("call")))
         object.__setattr__(layer, "call", functools.wraps(layer.call)(
             placer.call_on_device(host, layer.call)))
-    # Variables not created yet: each layer creates its own where it belongs
-    # (Keras may create them while tracing, where a scope around `call` or
-    # `build` is lost when the creation is lifted out of the graph).
+    # Variables not created yet, where they belong: a scope around `call` or `build` is lost
+    # when Keras lifts a creation out of the traced graph.
     pinned_layers = {id(sub) for layer in pinned
                      for sub in _keras_compat.all_layers(layer)}
     for layer in _keras_compat.all_layers(model):

@@ -31,44 +31,23 @@ def safe_predict(
 ) -> Any:
     """Drop-in for `model.predict` that never dies of out-of-memory.
 
-    Takes `model.predict`'s arguments in the same positions and returns what it returns
-    (values equal up to float rounding). On an OOM it splits the batch it holds and
-    carries on from the failed offset: no sample is lost, duplicated or reordered. Each
-    batch's outputs go to host memory at once. Batch sizes are planned from memory
-    statistics and remembered per model and input signature (docs/inference.md).
+    Takes `model.predict`'s arguments in the same positions and returns what it returns. On
+    an OOM it splits the batch and carries on from the failed offset: no sample is lost,
+    duplicated or reordered (docs/inference.md).
 
     Args:
-        model: A Keras model (compiled or not).
-        x: Arrays or tensors (or lists/dicts of them), a batched `tf.data.Dataset`,
-            a `keras.utils.PyDataset`, or a generator of batches.
-        batch_size: Samples per batch for array input (default 32); an upper bound,
-            lowered when it does not fit. Ignored (logged at INFO) for batched
-            input, as `model.predict` ignores it.
-        verbose: "auto" (1), 0, 1 or 2, as in `model.predict`.
-        steps: Number of batches to predict, as in `model.predict`.
-        callbacks: Keras callbacks, called as `model.predict` calls them; after an
-            OOM each piece run is one batch.
-        postprocess: Function applied to the outputs inside the compiled step, on
-            the device (e.g. `lambda y: keras.ops.argmax(y, axis=-1)`), so only its
-            result crosses to the host; it must return tensors with the batch
-            dimension.
-        out: Preallocated numpy array or `np.memmap` (or a structure of them) to
-            write into, for results larger than host RAM; its dtype and trailing
-            shape must match the outputs, its length the samples of array input.
+        batch_size: Samples per batch for array input (default 32), lowered when it does not
+            fit; ignored for batched input, as in `model.predict`.
+        callbacks: Called as `model.predict` calls them; after an OOM each piece is one batch.
+        postprocess: Applied to the outputs inside the compiled step, on the device (e.g.
+            `lambda y: keras.ops.argmax(y, axis=-1)`); it must keep the batch dimension.
+        out: Numpy array or `np.memmap` (or a structure of them) to write into, for results
+            larger than host RAM; returned.
         max_batch_size: Upper bound on any piece run, dataset batches included.
 
-    Returns:
-        What `model.predict` returns (ragged outputs as `tf.RaggedTensor`), or
-        `out` when it was given.
-
     Raises:
-        ValueError: If an argument is invalid, or `postprocess` drops the batch
-            dimension.
-        TypeError: If `model` is not a Keras model, `x` or `out` is of an
-            unsupported type, `postprocess` returns something other than tensors,
-            or a sparse batch (never split) runs out of memory.
-        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch
-            of a model with stateful layers (never split) does not.
+        keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch of a
+            model with stateful layers (never split) does not.
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -1,8 +1,6 @@
-"""Keras's batches as MemFit receives them: chunks of rows, what cannot be split.
+"""Keras batches as `(x, y, sample_weight)` chunks of rows, and what cannot split by rows.
 
-A batch (`x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`) is split as an `(x, y,
-sample_weight)` chunk and each piece handed back in Keras's form. Only numpy arrays, dense
-tensors and None split by rows: sparse, ragged or `tf.experimental.Optional` inputs do not.
+Only numpy arrays, dense tensors and None split (not sparse, ragged, `tf.experimental.Optional`).
 """
 
 from __future__ import annotations
@@ -14,17 +12,13 @@ import numpy as np
 
 from keras_memfit._internal.kinds import is_sparse
 
-# Attributes that mark a tensor as not dense: sparse (TensorFlow, JAX BCOO,
-# scipy) and ragged (TensorFlow) tensors.
+# Attributes of sparse (TensorFlow, JAX BCOO, scipy) and ragged (TensorFlow) tensors.
 _NOT_DENSE = ("indices", "row_splits", "nnz")
 
-# Classes every instance of which is a dense array and a leaf for `keras.tree`
-# (numpy's, and each dense tensor class met so far; never torch.Tensor, whose sparse
-# tensors share its class), so the per-batch checks skip `keras.tree` (see `leaves`).
+# Classes met whose every instance is a dense leaf, so per-batch checks skip `keras.tree`
+# (never torch.Tensor: its sparse tensors share its class).
 _DENSE_CLASSES: Set[type] = {np.ndarray}
-# Classes whose instances are dense leaves exactly when their `layout` is the
-# one recorded here (torch.Tensor: `torch.strided`), met so far: one attribute
-# read instead of `keras.tree` per batch.
+# Classes dense exactly when `layout` is the one recorded (torch.Tensor: `torch.strided`).
 _DENSE_LAYOUTS: Dict[type, Any] = {}
 
 
@@ -47,10 +41,7 @@ def _known_dense(leaf: Any) -> bool:
 
 
 def leaves(structure: Any) -> List[Any]:
-    """`keras.tree.flatten(structure)`, without `keras.tree` for a Keras batch of arrays.
-
-    A tuple of known dense arrays and None, or one such array, is its own list of leaves.
-    """
+    """`keras.tree.flatten(structure)`, skipping `keras.tree` for known dense arrays and None."""
     if type(structure) is tuple:
         for part in structure:
             if part is not None and not _known_dense(part):
@@ -67,10 +58,7 @@ def as_chunk(batch: Any) -> tuple:
 
 
 def form_of(batch: Any) -> int:
-    """How Keras packed `batch`: 0 for a bare `x`, else the tuple's length (1 to 3).
-
-    A model's own `train_step` may read its `data` as that bare `x`.
-    """
+    """How Keras packed `batch`: 0 for a bare `x` (as `train_step` may read it), else its length."""
     return len(batch) if isinstance(batch, (tuple, list)) else 0
 
 
@@ -129,10 +117,7 @@ def _name(path: tuple) -> str:
 
 
 def unsplittable(chunk: tuple) -> Optional[str]:
-    """What in `chunk` cannot be split by rows, in words, or None if all of it can.
-
-    For example `"x['tokens']=SparseTensor(shape=(32, 100), dtype=float32)"`.
-    """
+    """What in `chunk` cannot split by rows, e.g. "x['t']=SparseTensor(...)", or None."""
     for path, leaf in keras.tree.flatten_with_path(chunk):
         if not _splittable(leaf):
             return f"{_name(tuple(path))}={_describe(leaf)}"
@@ -149,10 +134,7 @@ def first_unsplittable(chunks: Iterable[tuple]) -> Optional[str]:
 
 
 def splittable_rows(chunk: tuple) -> Optional[int]:
-    """The rows of `chunk` if every leaf can be split by rows, else None.
-
-    `unsplittable` and `data.num_rows` in one pass, for the checks made on every batch.
-    """
+    """The rows of `chunk` if every leaf splits by rows, else None (one pass, for every batch)."""
     rows = None
     for leaf in leaves(chunk):
         if not _splittable(leaf):
@@ -163,10 +145,7 @@ def splittable_rows(chunk: tuple) -> Optional[int]:
 
 
 def concatenate(parts: List[Any]) -> Any:
-    """The outputs of consecutive pieces as one structure, in the step's own form.
-
-    One part is returned as it is; several are joined on the host and converted back to tensors.
-    """
+    """The outputs of consecutive pieces joined on the host, as tensors in the step's form."""
     if len(parts) == 1:
         return parts[0]
     leaves = [keras.tree.flatten(p) for p in parts]
@@ -182,11 +161,7 @@ def concatenate(parts: List[Any]) -> Any:
 def pull_batches(
     iterator: Iterator[Any], count: int, is_end_of_data: Callable[[BaseException], bool]
 ) -> Iterator[Any]:
-    """Up to `count` batches from a Keras epoch iterator, each pulled when the one before is done.
-
-    As Keras's multi-step functions pull them: a batch is held only while it runs. Fewer than
-    `count` at the end of the epoch; the end-of-data error itself where no batch was left.
-    """
+    """Up to `count` batches of an epoch iterator, each pulled once the one before has run."""
     return _pulled(next(iterator), iterator, count, is_end_of_data)
 
 
@@ -220,11 +195,7 @@ def num_rows(chunk: Any) -> int:
 
 
 def rows(chunk: Any, start: int, stop: int) -> Any:
-    """Rows `start:stop` of every leaf of `chunk` (numpy views); all its rows are `chunk` itself.
-
-    Raises:
-        TypeError: If `start:stop` is a proper part of a chunk holding a sparse leaf.
-    """
+    """Rows `start:stop` of `chunk`'s leaves (`chunk` itself for all); TypeError for sparse."""
     n = num_rows(chunk)
     if start <= 0 and stop >= n:
         return chunk
@@ -277,5 +248,4 @@ def signature(x: Any) -> Tuple:
 
 
 def shapes(x: Any) -> Tuple[Tuple[int, ...], ...]:
-    """Shapes of the non-None leaves of `x`."""
     return tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(x) if leaf is not None)

@@ -1,7 +1,4 @@
-"""Compiled steps and state guards kept per model (weakly), so repeated calls do not retrace.
-
-What is cached must not hold the model strongly, so that a deleted model is freed.
-"""
+"""Compiled steps and guards cached per model, held weakly so that a deleted model is freed."""
 
 from __future__ import annotations
 

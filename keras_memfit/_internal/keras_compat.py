@@ -1,8 +1,4 @@
-"""Every use of Keras's private API shared by the backends, with the range it was tested on.
-
-A Keras release that moves something then breaks one module; `TESTED_KERAS` says which
-releases CI checks.
-"""
+"""Every use of Keras's private API shared by the backends; `TESTED_KERAS`: the range CI tests."""
 
 from __future__ import annotations
 
@@ -14,9 +10,7 @@ import keras
 
 from keras_memfit._internal import sequence_lengths as _lengths
 
-# MemFit reaches into Keras's training loop. CI (.ci/run) tests Keras 3.8 with
-# TensorFlow 2.18 (the floor, Kaggle and Colab through 2025), 3.13 with
-# TensorFlow 2.20 (Kaggle and Colab now) and the newest release (3.15).
+# The oldest and newest Keras that CI (.ci/run) tests.
 TESTED_KERAS = ((3, 8), (3, 15))
 
 
@@ -34,10 +28,7 @@ def all_layers(model: keras.Model) -> Iterable[Any]:
 
 
 def calling_callback_list(callback: Any) -> Optional[Any]:
-    """The `keras.callbacks.CallbackList` whose hook is calling `callback`'s, or None.
-
-    Keras's `fit` keeps its `CallbackList` out of the callbacks' reach: it is a few frames up.
-    """
+    """The `CallbackList` calling `callback`'s hook (`fit` hides it a few frames up), or None."""
     frame = sys._getframe(1)
     for _ in range(4):
         frame = frame.f_back
@@ -62,10 +53,7 @@ def has_per_output_loss_trackers(model: keras.Model) -> bool:
 
 
 def per_output_loss_trackers(model: keras.Model) -> list:
-    """The compiled loss's per-output loss trackers (`keras.metrics.Mean`s), or [].
-
-    Keras weights each batch's loss by the output's *static* batch size (1 when it is unknown).
-    """
+    """Per-output loss `Mean`s, or []; each weights by the *static* batch size (1 if unknown)."""
     compile_loss = getattr(model, "_compile_loss", None)
     return [m for m in (getattr(compile_loss, "metrics", None) or []) if m is not None]
 
@@ -79,15 +67,7 @@ def layer_and_operation_classes() -> Tuple[Type[Any], Type[Any]]:
 
 
 def input_structure(model: keras.Model) -> Tuple[Any, bool]:
-    """The inputs `model` is called with, as `keras.KerasTensor`s: (structure, positional).
-
-    Functional and Sequential models give their `Input`s, others the shapes they were built with.
-    Call `model(inputs)` when `positional`, else `model(**inputs)`. Unknown dimensions after the
-    batch's get `lengths.sequence_length` where there is one.
-
-    Raises:
-        ValueError: If the model has not been built.
-    """
+    """`(inputs, positional)`, KerasTensors: call `model(inputs)` if positional, else `**inputs`."""
     struct = None
     functional = getattr(model, "_functional", None)  # Sequential
     for source in (model, functional):
@@ -186,10 +166,7 @@ class FunctionalGraph(NamedTuple):
 
 
 def functional_graph(model: Any) -> Optional[FunctionalGraph]:
-    """The graph `model.call` runs, or None (not functional, or a class with its own `call`).
-
-    In `Functional._run_through_graph`'s order: by depth, deepest first.
-    """
+    """The graph `model.call` runs, deepest first; None unless Functional/Sequential `call`."""
     from keras.src.models.functional import Functional
 
     sequential = isinstance(model, keras.Sequential)
@@ -257,13 +234,7 @@ def loss_tracker(model: keras.Model) -> Any:
 
 
 def assert_same_structure(a: Any, b: Any) -> None:
-    """Raise unless `a` and `b` are nested alike (`keras.tree.assert_same_structure`).
-
-    Before Keras 3.8 the leaves' types were compared too, so that is turned off there.
-
-    Raises:
-        ValueError: If the nesting differs (TypeError on some Keras releases).
-    """
+    """Raise ValueError (TypeError on some Keras) unless `a`, `b` nest alike; leaf types ignored."""
     version = keras_version()
     if version and version < (3, 8):
         keras.tree.assert_same_structure(a, b, check_types=False)
@@ -275,11 +246,7 @@ _UNTRACKED_SETATTR: dict = {}  # class -> whether Keras's __setattr__ only track
 
 
 def set_function(obj: Any, name: str, function: Any) -> None:
-    """`setattr(obj, name, function)` for a function attribute, at `object.__setattr__`'s cost.
-
-    Where Keras's `Layer.__setattr__` would only track and then call `object`'s (JAX layers
-    without NNX), it is skipped: MemFit installs and removes its step function every step.
-    """
+    """`setattr`, skipping Keras's `__setattr__` where it only tracks (MemFit sets one per step)."""
     cls = type(obj)
     plain = _UNTRACKED_SETATTR.get(cls)
     if plain is None:

@@ -1,7 +1,4 @@
-"""What kind of tensor a value is, across frameworks, recognised by class.
-
-Importing TensorFlow or JAX to ask `isinstance` would load a framework the user does not run.
-"""
+"""What kind of tensor a value is, by class name: `isinstance` would import the framework."""
 
 from __future__ import annotations
 
@@ -11,10 +8,7 @@ import keras
 
 
 def is_foreign_tf_tensor(value: Any) -> bool:
-    """Whether `value` is a dense TensorFlow tensor while Keras runs on another backend.
-
-    Keras's `predict`/`evaluate` on JAX read such tensors as numpy arrays; keras_memfit does too.
-    """
+    """Whether `value` is a dense TF tensor on another backend (read as numpy, as Keras does)."""
     cls = type(value)
     return (
         cls.__name__ == "EagerTensor"
@@ -24,10 +18,7 @@ def is_foreign_tf_tensor(value: Any) -> bool:
 
 
 def is_sparse(value: Any) -> bool:
-    """Whether `value` is a sparse tensor or matrix (`tf.SparseTensor`, scipy, JAX BCOO).
-
-    keras_memfit cannot take rows of these: they go through Keras's own batching, run whole.
-    """
+    """Whether `value` is a sparse tensor or matrix (TF, scipy, JAX BCOO): never split."""
     if type(value).__name__ in ("SparseTensor", "BCOO"):
         return True
     return hasattr(value, "tocsr") and hasattr(value, "nnz")  # scipy.sparse

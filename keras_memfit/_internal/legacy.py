@@ -1,15 +1,10 @@
-"""Recognising Keras 2 (`tf_keras`) objects, which keras_memfit does not support.
-
-Only the modules of the object's classes are read: it imports neither `tf_keras` nor
-TensorFlow.
-"""
+"""Recognising Keras 2 (`tf_keras`) objects by their classes' modules, importing neither."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-# Where Keras 2's classes live: the tf_keras package (TF 2.16+), the keras 2.x
-# package (`keras.engine`, `keras.src.engine`), and TensorFlow's own copy.
+# Keras 2's homes: tf_keras, keras 2.x (`keras.engine`, `keras.src.engine`), TensorFlow's copy.
 _LEGACY_MODULES = (
     "tf_keras.",
     "keras.engine.",

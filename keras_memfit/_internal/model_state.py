@@ -1,8 +1,4 @@
-"""What a compiled Keras model holds, read through Keras's public API alone.
-
-The small state a failed train step may touch, an optimizer's slots for one weight, and the
-stateful layers (whose batches keras_memfit never splits).
-"""
+"""What a compiled Keras model holds, read through Keras's public API alone."""
 
 from __future__ import annotations
 
@@ -15,11 +11,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 
 
 def stateful_layers(model: keras.Model) -> Tuple[str, ...]:
-    """The names of the layers of `model` built with `stateful=True` (stateful RNNs).
-
-    Their state carries over between batches of the size they were built for, so the model runs
-    only Keras's own batches. Anything but a Keras layer or model has none.
-    """
+    """The names of `model`'s layers built with `stateful=True`; () for a non-Keras object."""
     if not isinstance(model, keras.layers.Layer):
         return ()
     return tuple(
@@ -34,11 +26,9 @@ def has_default_train_step(model: keras.Model) -> bool:
 
 
 def train_state_variables(model: keras.Model) -> List[Any]:
-    """The small state a failed train step may have updated, each variable once, to snapshot.
+    """Metric, optimizer-scalar and trainable layers' non-trainable variables, to snapshot.
 
-    Metric and loss-tracker variables, the non-trainable variables of trainable layers (moving
-    statistics, seed states) and the optimizer's scalars. Not the weights and slots: the steps
-    keras_memfit compiles update them only after every gradient exists.
+    Not weights or slots: keras_memfit's steps update them only after every gradient exists.
     """
     frozen = set()
     for layer in _keras_compat.all_layers(model):

@@ -1,10 +1,4 @@
-"""How a part of a batch weighs in the batch's loss, by the model's loss reductions.
-
-Micro-batch gradients, each times its weight, add up to the whole batch's: `ROWS` for
-"sum_over_batch_size" and "mean", `ONE` for "sum" (and None on TensorFlow), `SAMPLE_WEIGHTS`
-for "mean_with_sample_weight". Regularizers count once per batch, which `ONE` breaks;
-`weighting` says how, or why no one weight per part is exact (MemFit then shrinks instead).
-"""
+"""How a micro-batch weighs in its batch's loss, by the model's loss reductions."""
 
 from __future__ import annotations
 
@@ -53,12 +47,7 @@ def _regularized(model: keras.Model) -> bool:
 
 
 def weighting(model: keras.Model) -> Tuple[Optional[str], Optional[str]]:
-    """How a part of `model`'s batch is weighted, or why no one weight per part is exact.
-
-    Returns:
-        `(how, None)`, `how` one of `ROWS`, `ONE`, `SAMPLE_WEIGHTS`; or `(None, why)`, `why` a
-        sentence naming the losses.
-    """
+    """`(how, None)`, `how` one of `ROWS`, `ONE`, `SAMPLE_WEIGHTS`; `(None, why)` if none fits."""
     reductions = loss_reductions(model)
     kinds = {_HOW[r] for r in reductions} or {ROWS}
     if len(kinds) > 1:
@@ -101,12 +90,9 @@ def sample_weight_sum(chunk: tuple) -> Optional[float]:
 
 
 def weights(how: str, part: tuple, whole: tuple) -> Tuple[float, float]:
-    """`part`'s weight in `whole`'s loss, and the factor its loss is tracked with.
+    """`(weight, loss_factor)`: `part`'s gradient weight in `whole`, its row-weighted loss factor.
 
-    Returns:
-        `(weight, loss_factor)`: the weight of `part`'s gradient in the batch's, and
-        `weight x whole's rows / part's rows`, so the loss tracker (weighting by rows) records
-        the batch's loss as Keras's step would. A part of a part has the product of both pairs.
+    `loss_factor` is `weight x whole's rows / part's rows`, so the tracker logs Keras's loss.
     """
     rows, total = _rows(part), _rows(whole)
     if not rows:

@@ -1,8 +1,4 @@
-"""The length given to an input dimension a model leaves unknown (a text model's tokens).
-
-For a symbolic trace: the one asked for (`given`), else the model's (or its backbone's)
-`max_sequence_length`, else unknown (the trace counts it as one).
-"""
+"""The length a trace gives input dimensions a model leaves unknown (a text model's tokens)."""
 
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ def given(length: Optional[int]) -> Iterator[None]:
 
 
 def sequence_length(model: Any) -> Optional[int]:
-    """The length for `model`'s unknown input dimensions, or None to leave them unknown."""
+    """`given`'s length, else the model's (or backbone's) `max_sequence_length`, else None."""
     explicit = _GIVEN.get()
     if explicit is not None:
         return explicit

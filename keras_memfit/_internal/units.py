@@ -45,11 +45,7 @@ def format_table(
     line_length: Optional[int] = None,
     left: Sequence[int] = (0, 1),
 ) -> List[str]:
-    """A ruled text table's lines: title, header, body rows and a total row.
-
-    Columns in `left` are left-aligned, the others right-aligned. With `line_length`, the first
-    two (free-text) columns give or take the difference, and cells too long end in "…".
-    """
+    """A ruled text table's lines; the first two columns stretch or shrink to `line_length`."""
     widths = [max(len(row[i]) for row in [header, total, *body]) for i in range(len(header))]
     natural = sum(widths) + 2 * (len(widths) - 1)
     if line_length is not None and line_length != natural:

@@ -39,11 +39,7 @@ def model(value: Any) -> None:
 
 
 def unknown_kwargs(function: str, kwargs: dict) -> None:
-    """Raise Keras's error for keyword arguments a function does not take.
-
-    Raises:
-        ValueError: `Arguments not recognized: {...}`, as `model.evaluate` raises.
-    """
+    """Raise the ValueError `model.evaluate` raises for `kwargs` it does not take, if any."""
     if kwargs:
         raise ValueError(
             f"Arguments not recognized: {kwargs}. {function} takes the arguments of "

@@ -1,8 +1,4 @@
-"""One layer's own backward pass: what it needs at once, whatever else is recomputed.
-
-Its inputs, outputs and a gradient of each; where the backend's `conv_columns` says, a
-convolution's column matrix too (the kernel's size times the input).
-"""
+"""One layer's own backward pass: what it needs at once, whatever else is recomputed."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from keras_memfit.analysis.graph import LayerGraph
 
 
 class LayerNeed(NamedTuple):
-    """Bytes per sample one layer call's backward pass needs at once (`total`), of which
-    `columns` its convolution's column matrix (0 for other layers)."""
+    """Bytes per sample a layer call's backward pass needs at once; `columns`: its column matrix."""
 
     layer: Any
     total: int
@@ -25,8 +20,7 @@ class LayerNeed(NamedTuple):
 
 
 def heaviest(graph: LayerGraph, columns: bool) -> Optional[LayerNeed]:
-    """The layer call (of no sublayer) whose backward pass needs the most, or None
-    (`columns`: whether convolutions build their input's column matrix)."""
+    """The leaf layer call whose backward pass needs the most, or None."""
     classes = _keras_compat.convolution_layer_classes()
     convolutions = (classes["conv"], classes["depthwise_conv"], classes["separable_conv"])
     found = None

@@ -1,8 +1,4 @@
-"""Forward FLOPs per sample of the traced calls, where they can be derived.
-
-A multiply-add counts 2; biases and activations inside a layer count 0. An unknown kind of
-layer is None unless its sublayers' FLOPs are all known.
-"""
+"""Forward FLOPs per sample of traced calls (a multiply-add counts 2; bias and activation 0)."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ _NORMALIZATION_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNorma
 
 
 def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
-    """Forward FLOPs per sample of call `index` (its sublayers' if its own kind is unknown), or
-    None where some part cannot be derived."""
+    """Forward FLOPs per sample of call `index` (else its sublayers'), or None where unknown."""
     own = layer_flops(graph.calls[index])
     if own is not None:
         return own
@@ -86,8 +81,7 @@ def layer_flops(call: Call) -> Optional[int]:
     if isinstance(layer, BaseConvTranspose):
         if kernel is None:
             return None
-        # kernel: (*kernel_size, filters, in_channels); every input position
-        # spreads into kernel_size x filters outputs.
+        # kernel: (*kernel_size, filters, in_channels); each input feeds kernel_size x filters.
         in_channels, filters = int(kernel.shape[-1]), int(kernel.shape[-2])
         stride = size(layer.strides)
         in_positions = size(spatial) // max(1, stride)

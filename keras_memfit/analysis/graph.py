@@ -1,7 +1,4 @@
-"""The traced layer graph of a model: its calls, its cuts, the bytes crossing them.
-
-Built from one symbolic forward pass (the backend's `trace_layer_calls`).
-"""
+"""The traced layer graph of a model (one symbolic forward pass): its calls, cuts and crossings."""
 
 from __future__ import annotations
 
@@ -17,11 +14,9 @@ Call = TracedCall
 
 
 class LayerGraph:
-    """The calls of one traced forward pass, with tensor sizes per sample.
+    """The calls of one traced forward pass in order, with tensor sizes per sample by key.
 
-    `tensor_bytes(shape, dtype)`: bytes per sample of a tensor (batch dimension first).
-    `calls`: every call, in call order; `top`: the indices of the model's own calls;
-    `children`: call indices by parent (None: the model); `sizes`, `shapes`: by tensor key.
+    `top`: the model's own calls; `children`: call indices by parent (None: the model).
     """
 
     def __init__(self, trace: Trace, tensor_bytes: Callable[[Sequence[Optional[int]], Any], int]):
@@ -56,8 +51,7 @@ class LayerGraph:
         return self._produced[index]
 
     def consumed(self, index: int) -> List[str]:
-        """Keys of the tensors a call takes from outside itself (no repeats): its arguments, plus
-        what its sublayers take that another call produced (not a non-layer op inside it)."""
+        """Keys of the tensors a call and its sublayers take from other calls (no repeats)."""
         if index not in self._consumed:
             keys = dict.fromkeys(t.key for t in self.calls[index].inputs)
             inner = set(self.produced(index))
@@ -82,11 +76,9 @@ class LayerGraph:
         sizes: Optional[Dict[str, int]] = None,
         entering: Optional[Sequence[str]] = None,
     ) -> List[int]:
-        """Bytes per sample alive across the cut after each call of `sequence` (call indices).
+        """Bytes per sample alive after each call of `sequence`: produced by then, consumed later.
 
-        A tensor counts when produced at or before the call and consumed after it. `entering`
-        (default: the model's inputs) are produced before the first call; a tensor no call
-        produced, right before its first consumer. `sizes` defaults to `self.sizes`.
+        `entering` (default: the model's inputs) count as produced before the first call.
         """
         sizes = self.sizes if sizes is None else sizes
         entering = self.input_keys if entering is None else entering
@@ -106,11 +98,7 @@ class LayerGraph:
         ]
 
     def working(self, index: int, sizes: Optional[Dict[str, int]] = None) -> int:
-        """Bytes per sample a call holds at its busiest, beyond the tensors it was given.
-
-        A leaf: its outputs; else the largest, over its sublayers in order, of what crosses into
-        one from before plus that sublayer's own working bytes.
-        """
+        """Bytes per sample a call holds at its busiest, beyond the tensors it was given."""
         sizes = self.sizes if sizes is None else sizes
         inner = self.children.get(index, [])
         own = sum(sizes.get(t.key, 0) for t in self.calls[index].outputs)
@@ -127,9 +115,7 @@ class LayerGraph:
     def crossing(self, layers: Iterable[Any]) -> int:
         """Bytes per sample crossing between the top-level `layers` and the rest, each tensor once.
 
-        Over every top-level layer call; the model's inputs, what non-layer ops produce and
-        nested layers in `layers` do not count. A pinned call's output is a new tensor (it runs
-        on its own device): a pinned layer returning its input sends it back across.
+        A pinned call's output is a new tensor: a pinned layer returning its input sends it back.
         """
         pinned = {id(layer) for layer in layers}
         sizes = dict(self.sizes)

@@ -1,8 +1,4 @@
-"""`ModelAnalysis`: one analysis of a model, shared by `memory_report` and `place`.
-
-One trace, one byte and slot counter, a row per top-level call, peak estimates per device;
-`training_peak`, the training estimate as a function of the rows, made lazily.
-"""
+"""`ModelAnalysis`: one analysis of a model (a row per top-level call, peaks per device)."""
 
 from __future__ import annotations
 
@@ -28,11 +24,8 @@ logger = logging.getLogger("keras_memfit")
 class Row:
     """One top-level call of the forward pass (or, `op` None, the weights no call owns).
 
-    Bytes that grow with the batch are per sample. `name`: "name (call 2)" for a later call of
-    a shared layer; `weights`: the variables first met at this call (counted here only);
-    `produced`: bytes it and its sublayers make, `inside` those not its outputs (what
-    recomputing it frees); `working`: held at its busiest beyond its inputs; `cut`: alive after
-    it; `flops`: None where unknown; `devices`: its weights', sorted, in short form.
+    Per sample: `produced` by it and its sublayers (`inside`: not its outputs, what recomputing
+    it frees), `working` at its busiest, `cut` alive after it. `weights`: first met here.
     """
 
     op: Any
@@ -75,11 +68,7 @@ def check_built(model: keras.Model) -> None:
 
 
 def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
-    """Trace a built `model` once and analyse it (`policy`: a `keras.DTypePolicy`, or None).
-
-    Raises:
-        ValueError: If the model (or one of its layers) has not been built.
-    """
+    """Trace a built `model` once and analyse it (`policy`: a `keras.DTypePolicy`, or None)."""
     check_built(model)
     counter = ByteCounter(policy)
     graph = LayerGraph(_backend.get().trace_layer_calls(model), counter.tensor)
@@ -87,11 +76,7 @@ def analyse(model: keras.Model, policy: Any = None) -> "ModelAnalysis":
 
 
 def training_peak(model: keras.Model) -> Callable[[int], Optional[int]]:
-    """`peak_at(rows)`: the estimated training peak of `model` in bytes at `rows` rows.
-
-    Analysed at the first call only; None on every call where that fails or the model (held
-    weakly) is gone.
-    """
+    """`peak_at(rows)`: the training peak estimate in bytes, analysed at its first call, or None."""
     model_ref = weakref.ref(model)
     memo: Dict[str, Any] = {}
 
@@ -111,11 +96,7 @@ def training_peak(model: keras.Model) -> Callable[[int], Optional[int]]:
 
 
 class ModelAnalysis:
-    """Sizes, traced graph, rows and peak estimates of one model.
-
-    `rows`: one `Row` per top-level call, then one for the weights no call owns, if any. Without
-    a `graph` (a model not traced) only weights and slots are counted.
-    """
+    """Sizes, traced graph, rows and peak estimates of one model (untraced: weights and slots)."""
 
     def __init__(self, model: keras.Model, counter: ByteCounter,
                  graph: Optional[LayerGraph] = None) -> None:
@@ -204,16 +185,8 @@ class ModelAnalysis:
     ) -> Tuple[Optional[str], DeviceMemory, Dict[str, DeviceMemory]]:
         """The peak estimate of one step, for the model or for one of its devices.
 
-        Over several devices, a weight and what it brings count on its device; a top-level call
-        runs on its weights' device (else on the default: the non-host device holding the most
-        weight bytes); a tensor counts where it is made and where it is used. `device`: any
-        spelling `short_device` reads, or None for the default.
-
-        Returns:
-            (the device estimated for, None without variables; its estimate; every device's).
-
-        Raises:
-            ValueError: If `device` is not one the variables live on.
+        `device` None: the non-host device holding the most weight bytes. Returns (the device,
+        None without variables; its estimate; every device's).
         """
         devices = self.devices()
         wanted = None if device is None else short_device(device)

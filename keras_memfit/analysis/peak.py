@@ -1,12 +1,8 @@
 """The one estimate of a step's peak memory: `fixed + batch_size * per_sample`.
 
-- Inference: fixed = weights (+ slots once the optimizer is built); per sample = the inputs
-  plus the largest live set along the forward pass (a call's working bytes plus the cut before).
-- Training: fixed = weights + slots + gradients + `UPDATE_WORKING_COPIES` of the largest
-  trainable weight; per sample = the inputs, every activation, and `BACKWARD_WORKING_COPIES`
-  more of the largest one.
-
-`device_steps`: one device's share of a model whose variables span several (`place`).
+- Inference: weights (+ slots once built); per sample, the inputs and the largest live set.
+- Training: weights, slots, gradients and `UPDATE_WORKING_COPIES` of the largest trainable
+  weight; per sample, the inputs, every activation and `BACKWARD_WORKING_COPIES` of the largest.
 """
 
 from __future__ import annotations
@@ -16,12 +12,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from keras_memfit.analysis.graph import LayerGraph
 
-# Training keeps the layers' outputs for the backward pass; the backward pass
-# itself holds about two more activations of the largest layer at a time (the
-# gradient flowing in and the one flowing out).
+# The backward pass holds the gradients flowing into and out of a layer.
 BACKWARD_WORKING_COPIES = 2
-# The optimizer's update computes a few weight-sized temporaries per variable
-# (and densifies sparse gradients such as an Embedding's), one variable at a time.
+# The update's weight-sized temporaries (sparse gradients densified), one variable at a time.
 UPDATE_WORKING_COPIES = 2
 
 
@@ -44,8 +37,7 @@ class VariableBytes(NamedTuple):
 
 @dataclasses.dataclass
 class DeviceMemory:
-    """The peak estimate of a model, or of one device of a model whose variables span several:
-    `fixed_bytes + batch_size * bytes_per_sample` (`param_bytes`, `slot_bytes`: held there)."""
+    """The peak estimate of a model, or of one of the devices its variables span."""
 
     device: str
     param_bytes: int
@@ -54,7 +46,6 @@ class DeviceMemory:
     bytes_per_sample: int
 
     def peak_bytes_at(self, batch_size: int) -> int:
-        """`fixed_bytes + batch_size * bytes_per_sample`."""
         return self.fixed_bytes + batch_size * self.bytes_per_sample
 
     def to_dict(self) -> Dict[str, Any]:
@@ -71,8 +62,7 @@ def estimate(
     slots_resident: bool,
     device: Optional[str] = None,
 ) -> DeviceMemory:
-    """The peak estimate of one step (the module's formula) over `variables` (all, or one
-    device's); `slots_resident`: the optimizer is built, so slots count for inference too."""
+    """The module's estimate over `variables` (all, or one device's)."""
     params = sum(v.nbytes for v in variables)
     slots = sum(v.slot_bytes for v in variables)
     trainable = [v.nbytes for v in variables if v.trainable]
@@ -94,11 +84,7 @@ def estimate(
 def device_steps(
     graph: LayerGraph, sides: Sequence[str], default: str, device: str
 ) -> Tuple[List[Step], int]:
-    """(steps, input bytes per sample) of `graph` as they land on `device`.
-
-    `sides[i]`: the device `graph.top[i]` runs on. A tensor lives where it is made and where a
-    top-level call uses it (else on `default`); a call elsewhere holds only what it makes here.
-    """
+    """(steps, input bytes per sample) of `graph` on `device`; `sides[i]`: where `top[i]` runs."""
     residence: Dict[str, set] = {}
     for position, index in enumerate(graph.top):
         for key in graph.produced(index):

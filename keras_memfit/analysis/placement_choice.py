@@ -1,8 +1,4 @@
-"""Which top-level layers `place` keeps on the host so that the rest fits the accelerator.
-
-Cheap layers (each weight used at most once per sample), those freeing the most bytes of
-weights and slots per byte crossing the cut first.
-"""
+"""Which cheap top-level layers `place` keeps on the host so that the rest fits the accelerator."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal.units import format_bytes
 from keras_memfit.analysis.model import ModelAnalysis, Row
 
-# Recognised by class name too, for lookups of other libraries that do not
-# subclass Keras's (keras-rs's DistributedEmbedding, say).
+# By class name too: other libraries' lookups (keras-rs's DistributedEmbedding, say).
 _CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
 _LOOKUP_LAYERS = ("Embedding", "Hashing", "IntegerLookup", "StringLookup", "CategoryEncoding",
                   "Discretization", "HashedCrossing")
@@ -35,11 +30,7 @@ def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
 
 
 def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
-    """Whether `layer` uses each of its weights at most once per sample.
-
-    Lookups (subclasses too) always; else from the analysis's FLOPs where known (at most one
-    multiply-add per weight), else by class: lookups by name, a Dense/EinsumDense on flat inputs.
-    """
+    """Whether `layer` uses each weight at most once per sample: a lookup, by FLOPs, or by class."""
     if isinstance(layer, lookup_layer_classes()):
         return True
     if row is not None and row.flops is not None and row.params:
@@ -70,16 +61,7 @@ def choose(
     oversized_bytes: int,
     dominant_share: float,
 ) -> Tuple[List[Any], str]:
-    """The cheap layers to pin to the host (in model order), and why, in words.
-
-    Args:
-        sizes: Weights plus slots of each layer with weights, by name.
-        budget: Bytes of the accelerator, or None when unknown.
-        weight_share: Share of `budget` weights and slots may use.
-        oversized_bytes: With no budget, the size from which a cheap layer is pinned.
-        dominant_share: Where pinning every cheap layer still does not fit, only those holding
-            at least this share of the total stay pinned.
-    """
+    """The cheap layers to pin to the host (in model order), and why (placement.py's constants)."""
     candidates = [layer for layer in layers
                   if layer.name in sizes and is_cheap(layer, analysis.first_row(layer))]
     total = sum(sizes.values())

@@ -1,7 +1,6 @@
 """Cutting a sequence of calls into segments to recompute in the backward pass.
 
-With every segment recomputed, segment `s`'s backward pass holds what the segments up to `s`
-keep plus what `s` makes inside; `cut` makes the largest of these the smallest.
+Segment `s`'s backward pass holds what segments up to `s` keep plus what `s` makes inside.
 """
 
 from __future__ import annotations
@@ -13,16 +12,10 @@ import numpy as np
 
 def cut(tensors: Sequence[Sequence[Tuple[int, int]]],
         alone: Collection[int] = ()) -> List[Tuple[int, int, int]]:
-    """Segments of positions 0..n-1 with the lowest peak once every one is recomputed.
+    """Segments `(start, stop, frees)` of positions 0..n-1, the lowest peak once all recomputed.
 
-    Args:
-        tensors: Per position, (bytes, last use) of each tensor made there (last use: its last
-            consumer's position, n or more for a tensor alive to the end).
-        alone: Positions that must be a segment of their own.
-
-    Returns:
-        (start, stop, frees) per segment in order: `frees`, bytes made inside that nothing after
-        it uses.
+    `tensors[p]`: (bytes, last use; n or more: alive to the end) of each tensor made at `p`;
+    `alone`: positions that are a segment each; `frees`: bytes made inside, unused after it.
     """
     n = len(tensors)
     if not n:
@@ -59,8 +52,7 @@ def cut(tensors: Sequence[Sequence[Tuple[int, int]]],
 
 def _feasible(inside: np.ndarray, kept: np.ndarray, allowed: np.ndarray,
               peak: float) -> Optional[List[int]]:
-    """Where each segment starts (by its stop) keeping the fewest bytes with no
-    backward pass above `peak`, or None when none stays within it."""
+    """Each segment's start (by its stop) keeping the fewest bytes within `peak`, or None."""
     n = len(inside)
     held = np.full(n + 1, np.inf)  # held[i]: fewest bytes kept by segments covering 0..i-1
     held[0] = 0.0

@@ -51,8 +51,7 @@ def dtype_policy(value: Any) -> Any:
 
 
 class ByteCounter:
-    """Bytes of tensors and variables; under a `policy`, floating tensors at its compute dtype
-    and floating variables (slots too) at its variable dtype."""
+    """Bytes of tensors and variables; floating ones at a `policy`'s compute or variable dtype."""
 
     def __init__(self, policy: Any = None) -> None:
         self.policy = policy
@@ -83,13 +82,7 @@ class _SlotStandIn:
 
 
 def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
-    """Bytes of the optimizer slots of each trainable variable of `model`, by `id`.
-
-    Counted without building the optimizer: a copy from its config builds while recording the
-    slots it asks for, allocating none (a `LossScaleOptimizer` looked through). Slots not tied
-    to one variable are shared in proportion to size. An optimizer that cannot be copied is
-    counted from its own variables once built (0 before, with a warning).
-    """
+    """Optimizer slot bytes per trainable variable `id`, counted on a copy that allocates none."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return {}

@@ -1,12 +1,6 @@
-"""The Digit Recognizer demo: plain Keras dies of OOM where keras_memfit does not.
+"""The Digit Recognizer demo: plain Keras dies of OOM where keras_memfit does not (docs/cli.md).
 
-On generated Kaggle-shaped digits (`digits`), under a memory limit, `run_demo`
-(`keras-memfit demo`) shows plain `model.fit` at a batch of 768 dying and
-`fit(..., callbacks=[MemFit()])` training at it, compared with plain `fit`
-without the limit (`reference`); then plain `model.predict` of 28,000 images
-dying and `safe_predict(..., postprocess=argmax)` writing `submission.csv`.
-The limit must be set before TensorFlow is imported (`import keras_memfit`
-imports it), so the work runs in a `worker` child started with it (`env`).
+The limit must be set before TensorFlow is imported, so the work runs in a `worker` child.
 """
 
 from __future__ import annotations
@@ -37,19 +31,11 @@ __all__ = [
     "run_demo",
 ]
 
-# Measured on 2 CPU cores (TensorFlow 2.21, Keras 3.15): the CNN needs about
-# 0.32 MiB per sample at predict time, so ~750 samples fit under 400 MiB, and
-# the plain call's first activation alone ([28000, 26, 26, 32] float32) is
-# 2.3 GiB; a training step of 768 rows needs ~460 MiB (256 rows peak at 183 MiB).
-# The cap must still hold the test set that plain `model.predict` converts to
-# one 88 MiB tensor: below about 300 MiB that conversion fails, and TensorFlow
-# then crashes (SIGSEGV) instead of raising.
+# Too small for the plain calls; on the CPU large enough for the test set plain `predict`
+# converts to one tensor: below the minimum, TensorFlow crashes (SIGSEGV) instead of raising.
 DEFAULT_CPU_MEMORY_LIMIT_MB = 400
-MIN_CPU_MEMORY_LIMIT_MB = 300  # 300 measured to work, 200 to crash
-# On a GPU the conv activations for 28,000 images need ~7 GiB, a training step
-# of 512 rows ~300 MiB; 256 MiB holds neither (not run on a GPU yet).
+MIN_CPU_MEMORY_LIMIT_MB = 300
 DEFAULT_GPU_MEMORY_LIMIT_MB = 256
-# 6,000 digits, one epoch of 8 batches of 768: about 0.9 accuracy.
 DEFAULT_TRAIN_SAMPLES = 6000
 DEFAULT_EPOCHS = 1
 FIT_BATCH_SIZE = 768
@@ -63,25 +49,14 @@ class DemoError(WorkerError):
 
 @dataclasses.dataclass
 class DemoResult:
-    """What the demo did, as reported by its worker process (times in seconds).
+    """What the demo did, as its worker reported it (times in seconds).
 
     Attributes:
-        plain_fit_error: One line for plain `model.fit`'s OOM, or None if it
-            did not run out of memory.
-        fit_ooms: Out-of-memory errors MemFit caught.
-        fit_events: `MemFit.events` after that fit.
-        weight_difference: Largest absolute difference between MemFit's
-            weights and those of plain `fit` without the limit.
-        relative_difference: The norm of that difference over the norm of
-            the change plain `fit` without the limit made.
-        plain_error: One line for plain `model.predict`'s OOM, or None if it
-            did not run out of memory.
-        cleanup_seconds: Time `gc.collect()` took to release what the failed
-            predict held.
-        batch_sizes: Size of every batch `safe_predict` ran, in order.
-        ooms_paid: Out-of-memory errors `safe_predict` caught and recovered from.
-        adaptations: The `keras_memfit` logger's messages during `safe_predict`.
-        accuracy: Share of submitted labels equal to the generated test labels.
+        plain_fit_error: Plain `model.fit`'s OOM in one line, or None if it fitted.
+        weight_difference: Largest absolute difference from plain `fit` without the limit.
+        relative_difference: That difference's norm over that of the change plain `fit` made.
+        plain_error: Plain `model.predict`'s OOM in one line, or None if it fitted.
+        cleanup_seconds: What `gc.collect()` took to free the failed predict's memory.
     """
 
     output: str
@@ -126,24 +101,14 @@ def run_demo(
     """Run the Digit Recognizer OOM demo in a memory-limited child process.
 
     Args:
-        output: Where to write the Kaggle submission (`ImageId,Label`).
-        memory_limit_mb: Memory the worker's device may use, in MiB; default
-            `DEFAULT_CPU_MEMORY_LIMIT_MB` on CPU, `DEFAULT_GPU_MEMORY_LIMIT_MB`
-            on GPU. Small enough that 28,000 images at once do not fit, and
-            (on CPU) large enough to hold the test set.
-        train_samples: Generated training images.
-        epochs: Training epochs.
-        verbose: Report each step as it happens; if False, only the summary.
-        device: "auto" (a GPU if TensorFlow sees one, else the CPU), "cpu" or "gpu".
-        seed: Seed for the generated digits and the model's initialisation.
+        output: Where to write the Kaggle submission.
+        memory_limit_mb: MiB for the worker's device; default `DEFAULT_CPU_MEMORY_LIMIT_MB`
+            or `DEFAULT_GPU_MEMORY_LIMIT_MB`.
+        device: "auto" (a GPU if TensorFlow sees one), "cpu" or "gpu".
         report: Called with each line of the worker's report; default: stdout.
 
-    Returns:
-        A `DemoResult`.
-
     Raises:
-        ValueError: If an argument is out of range (on the CPU,
-            `memory_limit_mb` below `MIN_CPU_MEMORY_LIMIT_MB`).
+        ValueError: If an argument is out of range (on the CPU, below `MIN_CPU_MEMORY_LIMIT_MB`).
         DemoError: If the output cannot be written or the worker fails.
     """
     for name, value, low in (("train_samples", train_samples, 100), ("epochs", epochs, 1)):
@@ -378,10 +343,8 @@ def _predict(model: Any, x_test: Any, step: Reporter) -> Dict[str, Any]:
     n = len(x_test)
     step(f"[4/5] model.predict(x_test, batch_size={n}) ... (an OOM takes ~10 s to surface)")
     error, seconds = _plain(lambda: model.predict(x_test, batch_size=n, verbose=0))
-    # Release what the failed call held (its input pipeline, the 88 MiB copy
-    # of x_test) before safe_predict runs. This sometimes takes another ~10 s:
-    # destroying the failed call's tf.data iterator waits for its prefetch
-    # thread, which may itself be waiting in the capped allocator.
+    # Free what the failed call held first; slow at times: its tf.data iterator waits for a
+    # prefetch thread stuck in the capped allocator.
     t = time.perf_counter()
     gc.collect()
     cleanup_seconds = time.perf_counter() - t

@@ -1,11 +1,4 @@
-"""Generated handwritten-like digits in the layout of Kaggle's Digit Recognizer.
-
-No download: each class is one pen stroke through a few points of a 4x6 grid
-(`_STROKES`), wobbled, mapped by a random rotation, shear, scale and shift into
-MNIST's 20x20 box, inked with a pen of random width, plus pixel noise. Images
-are 28x28 `uint8` (0..255, white ink on black), deterministic for a seed.
-Kaggle's `train.csv`/`test.csv` are read and its `submission.csv` written too.
-"""
+"""Generated Kaggle Digit Recognizer digits (28x28 `uint8`, one pen stroke each), and its CSVs."""
 
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ IMAGE_SIZE = 28
 KAGGLE_TRAIN_SAMPLES = 42000  # rows of Kaggle's train.csv
 KAGGLE_TEST_SAMPLES = 28000  # rows of Kaggle's test.csv
 _PIXELS = IMAGE_SIZE * IMAGE_SIZE
-_CHUNK = 4096  # images drawn at once (bounds the temporaries to ~50 MiB)
+_CHUNK = 4096  # images drawn at once (bounds the temporaries)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -50,11 +43,7 @@ _STEP = 0.25  # grid units between the dots a stroke is inked with (under a pixe
 
 
 def _template(stroke: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A stroke's vertices [V, 2], centred on the grid, and its dots.
-
-    Dot k lies `fraction[k]` of the way along the segment from vertex
-    `segment[k]` to the next: `segment` [K] ints, `fraction` [K, 1].
-    """
+    """A stroke's centred vertices, and its dots: dot k is `fraction[k]` along `segment[k]`."""
     vertices = np.array([point.split(",") for point in stroke.split()], np.float64) - (2, 3)
     segments, fractions = [], []
     for i, length in enumerate(np.linalg.norm(np.diff(vertices, axis=0), axis=1)):
@@ -103,15 +92,7 @@ def _render(digit: int, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def generate_digits(n: int, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
-    """Draw `n` labelled handwritten-like digit images; the same seed gives the same ones.
-
-    Returns:
-        `(images, labels)`: `uint8` array [n, 28, 28] and `int64` array [n] of
-        digits 0..9, roughly balanced.
-
-    Raises:
-        ValueError: If `n` is negative or not an int.
-    """
+    """`(images, labels)`: `n` digits, `uint8` [n, 28, 28] and `int64` [n]; the same for a seed."""
     _check_count("n", n)
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n).astype(np.int64)
@@ -132,17 +113,9 @@ def load_digits(
     *,
     return_test_labels: bool = False,
 ) -> Tuple[np.ndarray, ...]:
-    """Generated digits split like Kaggle's Digit Recognizer (by default, as many).
+    """`(x_train, y_train, x_test[, y_test])` generated, by default as many as Kaggle's.
 
-    The test set comes from its own stream of `seed`: it is the same whatever
-    `train_samples` is.
-
-    Returns:
-        `(x_train, y_train, x_test)`, plus `y_test` when `return_test_labels`:
-        images `uint8` [n, 28, 28], labels `int64` [n].
-
-    Raises:
-        ValueError: If a sample count is negative or not an int.
+    The test set has its own stream of `seed`: the same whatever `train_samples` is.
     """
     _check_count("train_samples", train_samples)
     _check_count("test_samples", test_samples)
@@ -160,15 +133,10 @@ def _check_count(name: str, value: object) -> None:
 
 
 def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """Read Kaggle's Digit Recognizer `train.csv` (`label,pixel0,...`) or `test.csv`.
-
-    Returns:
-        `(images, labels)`: `uint8` array [n, 28, 28] and `int64` array [n],
-        or None for labels when the file has no `label` column.
+    """Kaggle's `train.csv` or `test.csv` as `(images, labels)`, labels None without a `label`.
 
     Raises:
         ValueError: If the header or a row is not in Kaggle's format.
-        OSError: If the file cannot be read.
     """
     with open(path, "r") as f:
         header = f.readline().strip().split(",")
@@ -188,7 +156,7 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     text = body.replace("\r", "").replace("\n", ",").strip(",")
     values = (
         np.fromstring(text, dtype=np.int64, sep=",") if text else np.empty(0, np.int64)
-    )  # fast C parser; np.loadtxt takes ~10x longer on 42,000 rows
+    )  # fast C parser; np.loadtxt is much slower
     if values.size != lines * columns or values.size % columns:
         raise ValueError(
             f"{os.fspath(path)}: expected {columns} integer columns on each of "
@@ -205,14 +173,7 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
 
 
 def write_submission(path: PathLike, labels: Sequence[int], start_id: int = 1) -> None:
-    """Write predicted digits as Kaggle's `submission.csv` (`ImageId,Label`), overwriting it.
-
-    `labels` in test.csv's order; `start_id` is the first ImageId (Kaggle counts from 1).
-
-    Raises:
-        ValueError: If `labels` is not one-dimensional or holds values outside 0..9.
-        OSError: If the file cannot be written.
-    """
+    """Write `labels` (test.csv's order) as Kaggle's `submission.csv`, ImageIds from `start_id`."""
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise ValueError(

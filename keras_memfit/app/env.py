@@ -1,12 +1,7 @@
 """The environment a memory-limited worker process starts TensorFlow in.
 
-A memory limit must be in place before TensorFlow is imported, so the
-applications, the benchmarks and the tests start their TensorFlow work in child
-processes whose environment carries it. This is the one place that recipe is
-written: `capped_cpu_env` on the CPU, `configure_gpu` (in the child) on a GPU;
-`host_tensor` keeps inputs outside the CPU cap. It is the one module outside
-`keras_memfit.backend` that imports TensorFlow (only when called): setting up a
-device before the backend starts is the environment's job, not the seam's.
+A memory limit must be set before TensorFlow is imported, so the work runs in a child process.
+The one module outside `keras_memfit.backend` that imports TensorFlow (only when called).
 """
 
 from __future__ import annotations
@@ -37,16 +32,9 @@ CAP_VARIABLES = ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB")
 
 
 def capped_cpu_env(mb: int) -> Dict[str, str]:
-    """The environment variables that cap TensorFlow's CPU memory at `mb` MiB.
+    """The environment variables that cap TensorFlow's CPU memory at `mb` MiB, before it starts.
 
-    Merge them into a child process's environment before it imports
-    TensorFlow; they have no effect on a TensorFlow already running.
-
-    Returns:
-        A new dict: `TF_CPU_ALLOCATOR_USE_BFC="true"`,
-        `TF_CPU_BFC_MEM_LIMIT_IN_MB=str(mb)`, `TF_ENABLE_ONEDNN_OPTS="0"`
-        (oneDNN's kernels crash instead of raising under the cap) and
-        `CUDA_VISIBLE_DEVICES="-1"` (the work must run on the capped CPU).
+    They also turn oneDNN off (its kernels crash under the cap) and hide the GPUs.
 
     Raises:
         ValueError: If `mb` is not a positive int.
@@ -64,21 +52,12 @@ def capped_cpu_env(mb: int) -> Dict[str, str]:
 def worker_environment(
     device: str, memory_limit_mb: Optional[int], base: Optional[Dict[str, str]] = None
 ) -> Dict[str, str]:
-    """The environment a worker process runs with.
+    """A worker's environment: this `keras_memfit` first on `PYTHONPATH`, TensorFlow's logs off.
 
     Args:
-        memory_limit_mb: The limit in MiB (on CPU through `capped_cpu_env`;
-            on GPU the child applies it, `configure_gpu`), or None for no
-            limit: then the allocator settings of `base` are left as they are.
-        base: Environment to start from; default `os.environ`. Not modified.
-
-    Returns:
-        A new environment mapping, finding this `keras_memfit` first on
-        `PYTHONPATH`, with TensorFlow's INFO and WARNING logs off; with a limit
-        on GPU, without CPU caps.
-
-    Raises:
-        ValueError: If `device` is not "cpu" or "gpu".
+        memory_limit_mb: MiB (on GPU the child's `configure_gpu` applies it), or None to keep
+            `base`'s allocator settings.
+        base: Environment to start from (not modified); default `os.environ`.
     """
     if device not in _DEVICES:
         raise ValueError(f'device must be "cpu" or "gpu"; received device={device!r}')
@@ -100,11 +79,7 @@ def worker_environment(
 
 
 def gpu_visible() -> bool:
-    """Whether TensorFlow would see a GPU, without importing it just to ask.
-
-    False when `CUDA_VISIBLE_DEVICES` hides every GPU; TensorFlow's answer when
-    it is imported already; else whether `/dev/nvidia0` exists.
-    """
+    """Whether TensorFlow would see a GPU, without importing it just to ask."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return False
     tf = sys.modules.get("tensorflow")
@@ -117,14 +92,10 @@ def gpu_visible() -> bool:
 
 
 def configure_gpu(memory_limit_mb: int) -> None:
-    """Limit the first GPU to `memory_limit_mb` MiB and hide the others.
-
-    Must run in the worker before any TensorFlow op touches the GPU
-    (`keras_memfit.app.worker.worker_main` calls it first).
+    """Limit the first GPU to `memory_limit_mb` MiB and hide the others, before any op runs.
 
     Raises:
-        WorkerError: If TensorFlow sees no GPU, or its devices were
-            initialised already.
+        WorkerError: If TensorFlow sees no GPU, or its devices were initialised already.
     """
     import tensorflow as tf
 
@@ -143,25 +114,12 @@ def configure_gpu(memory_limit_mb: int) -> None:
 
 
 def host_tensor(array: Any) -> Any:
-    """A TensorFlow CPU tensor holding `array` in host memory, outside TensorFlow's allocator.
+    """A CPU `tf.Tensor` copy of `array` in aligned host memory (DLPack), outside the CPU cap.
 
-    For inputs under the capped CPU allocator (`capped_cpu_env`): `model.fit`,
-    `model.predict` and `tf.convert_to_tensor` copy a numpy array into that
-    allocator unchecked, so a cap that cannot hold it kills the process (a
-    segfault, no `ResourceExhaustedError`). This tensor shares an aligned host
-    buffer instead (DLPack), so the cap counts only what a GPU would hold: the
-    batches gathered from it, the weights, the activations. Slices along the
-    first axis share it too. Uncapped or on a GPU it is an ordinary CPU tensor.
-
-    Args:
-        array: A numeric or bool array-like; copied once into the new buffer,
-            so later changes to `array` do not show.
-
-    Returns:
-        A `tf.Tensor` on the CPU with `array`'s shape, dtype and values.
+    A numpy array TensorFlow copies into the cap is unchecked (docs/development.md).
 
     Raises:
-        ValueError: If `array` is not numeric or bool (strings, objects).
+        ValueError: If `array` is not numeric or bool.
     """
     values = np.asarray(array)
     if values.dtype.kind not in "biuf":

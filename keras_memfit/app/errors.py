@@ -6,12 +6,7 @@ __all__ = ["PredictError", "WorkerError", "one_line"]
 
 
 class WorkerError(RuntimeError):
-    """Work in the child process failed; the message is one line for the user.
-
-    Attributes:
-        stderr: What the child process wrote to stderr ("" when the error was
-            raised in this process).
-    """
+    """Work in the child process failed, in one line; `stderr`: the child's ("" if raised here)."""
 
     def __init__(self, message: str, stderr: str = "") -> None:
         super().__init__(message)

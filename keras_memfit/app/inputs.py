@@ -1,9 +1,6 @@
 """Reading `keras-memfit predict`'s INPUT and fitting it to the model's inputs.
 
-`open_input` reads a `.npy` (memory-mapped), `.npz` or Kaggle CSV with numpy
-only, so the parent can check a file before TensorFlow starts; `arrange_inputs`,
-in the child, maps and reshapes its arrays onto the model's inputs. Failures
-raise `PredictError`.
+`open_input` uses numpy only, so the parent checks a file before TensorFlow starts.
 """
 
 from __future__ import annotations
@@ -21,15 +18,7 @@ _PIXELS = 784  # pixel0..pixel783 in Kaggle's Digit Recognizer CSVs
 
 
 class InputFile:
-    """An input file's arrays, opened without reading what need not be read.
-
-    Attributes:
-        kind: ".npy", ".npz" or ".csv".
-        arrays: Name -> array ("" for the single array of a .npy or .csv: a
-            read-only memmap, or uint8 [n, 784]; a .npz's arrays are read when
-            first asked for); empty when opened with `header_only`.
-        names: Array names in file order.
-    """
+    """An input file's arrays by name ("" for a .npy's or .csv's one), each read when needed."""
 
     def __init__(self, path: str, kind: str, arrays: Any, names: List[str]) -> None:
         self.path = path
@@ -39,18 +28,7 @@ class InputFile:
 
 
 def open_input(path: str, header_only: bool = False) -> InputFile:
-    """Open INPUT (numpy only, no TensorFlow).
-
-    Args:
-        path: A .npy, .npz or .csv file.
-        header_only: Only check that the file is readable and well formed as
-            far as that is cheap (the .npy header, the .npz directory, the
-            CSV header); `arrays` is then empty.
-
-    Raises:
-        PredictError: If the file cannot be read or is not in the format
-            its extension says.
-    """
+    """Open a .npy, .npz or .csv INPUT, or raise `PredictError`; with `header_only`, no arrays."""
     import zipfile
 
     import numpy as np
@@ -157,13 +135,7 @@ def _model_inputs(model: Any) -> Any:
 
 
 def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
-    """Map the file's arrays onto the model's inputs, or raise `PredictError`.
-
-    Returns:
-        `(x, specs, n)`: arrays in the structure of the model's inputs
-        (reshaped to its input shapes), the matching KerasTensors (None when
-        the model declares no inputs), and the number of samples.
-    """
+    """`(x, specs, n)`: the arrays reshaped onto the model's inputs (`specs` None if undeclared)."""
     import keras
 
     name = os.path.basename(source.path)
@@ -248,9 +220,7 @@ def _fit_shape(array: Any, spec: Any, label: str, name: str) -> Any:
         return array
     if None not in want and math.prod(have) == math.prod(want):
         squeezed = lambda dims: tuple(d for d in dims if d != 1)  # noqa: E731
-        # Rows of flat values (Kaggle's pixel0..pixel783), or the same dims
-        # up to axes of size one ((28, 28) for (28, 28, 1)); never a
-        # transposition such as (3, 28, 28) for (28, 28, 3).
+        # Flat rows (Kaggle's pixels) or the same dims up to size-one axes; never a transposition.
         if len(have) == 1 or squeezed(have) == squeezed(want):
             return array.reshape((array.shape[0],) + want)
     raise PredictError(

@@ -11,12 +11,7 @@ __all__ = ["check_model_file", "load_model"]
 
 
 def check_model_file(path: str, shown: str) -> None:
-    """Check, before TensorFlow starts, that `path` (absolute) can be a saved model.
-
-    Raises:
-        PredictError: Naming it `shown` (as the user typed it), if it is a
-            folder, missing, or a `.keras` file that is not a zip archive.
-    """
+    """Raise `PredictError` (naming `shown`) unless `path` can be a saved model; no TensorFlow."""
     import zipfile
 
     if os.path.isdir(path):
@@ -31,17 +26,7 @@ def check_model_file(path: str, shown: str) -> None:
 
 
 def load_model(path: str, memory_limit_mb: Optional[int], *, compile: bool = False) -> Any:
-    """Load a saved Keras model (in the child), or say in one line why it cannot be loaded.
-
-    Args:
-        memory_limit_mb: The simulated device's limit in MiB, or None (named
-            in the message when loading runs out of memory).
-        compile: Whether to restore the optimizer and loss too (predicting
-            needs neither).
-
-    Raises:
-        PredictError: If the file does not load, or holds no Keras model.
-    """
+    """Load a saved Keras model (in the child), or raise a one-line `PredictError`."""
     import keras
 
     from keras_memfit import is_oom_error

@@ -1,8 +1,4 @@
-"""Writing `keras-memfit predict`'s output: atomically, as `.npy` or `.csv`.
-
-The outputs go to a path next to `--out` (`temporary_path`), then are renamed
-into place.
-"""
+"""Writing `keras-memfit predict`'s output as `.npy` or `.csv`, atomically (renamed into place)."""
 
 from __future__ import annotations
 
@@ -43,12 +39,7 @@ def temporary_path(out_path: str) -> str:
 
 
 def write_csv(path: str, values: Any, argmax: bool) -> None:
-    """Write `ImageId,Label` or `ImageId,p0..pK` rows, a chunk at a time.
-
-    Args:
-        values: Labels [n] (`argmax`) or outputs [n, ...] (flattened per row
-            into p0..pK); a memmap is read a chunk at a time.
-    """
+    """Write labels (`argmax`) as `ImageId,Label` or outputs as `ImageId,p0..pK`, chunk by chunk."""
     import numpy as np
 
     n = int(values.shape[0])

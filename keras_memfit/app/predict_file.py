@@ -1,8 +1,4 @@
-"""`keras-memfit predict`'s work in the child process: safe_predict over a file.
-
-The outputs stream into a memory-mapped `.npy`, which becomes `--out` or is
-written out as a CSV. Keras and keras_memfit are imported when the work runs.
-"""
+"""`keras-memfit predict`'s work in the child process: safe_predict over a file."""
 
 from __future__ import annotations
 
@@ -19,10 +15,7 @@ __all__ = ["predict_work"]
 
 
 def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
-    """The child process's work for `keras-memfit predict` (imports TensorFlow).
-
-    Returns:
-        What the summary `keras_memfit.app.cli` prints needs.
+    """`keras-memfit predict`'s work (imports TensorFlow): what the CLI's summary needs.
 
     Raises:
         PredictError: For anything wrong with the model, the input or the output.
@@ -58,8 +51,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
     with writing(out_path):
         temporary = temporary_path(out_path)
     try:
-        # The outputs go straight into a memory-mapped .npy: for --out .npy it
-        # becomes the output; for .csv it is read back a chunk at a time.
+        # A memory-mapped .npy: it becomes --out .npy, or is read back a chunk at a time.
         with writing(out_path):
             target = np.lib.format.open_memmap(
                 temporary + ".npy", mode="w+", dtype=row.dtype, shape=shape
@@ -114,11 +106,7 @@ def _argmax_labels(outputs: Any) -> Any:
 def _one_output_row(
     model: Any, x: Any, prepare: Optional[Callable], postprocess: Optional[Callable]
 ) -> Any:
-    """The (post-processed) outputs for the first sample, as numpy: their shape and dtype.
-
-    Found with `model.predict_on_batch`, not `safe_predict`, so that the
-    planner's memory of this model and input signature starts clean.
-    """
+    """The first sample's outputs, as numpy; `predict_on_batch` keeps the planner's memory clean."""
     import keras
     import numpy as np
 

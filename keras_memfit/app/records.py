@@ -1,8 +1,4 @@
-"""What a worker's work reports: the batch sizes it ran and what keras_memfit logged.
-
-Shared by the demo, `keras-memfit predict` and the benchmarks. Standard library
-only, but `batch_sizes` imports Keras.
-"""
+"""What a worker's work reports: the batch sizes it ran and what keras_memfit logged."""
 
 from __future__ import annotations
 
@@ -35,12 +31,7 @@ def describe_sizes(sizes: Sequence[int]) -> str:
 
 
 class LogRecords(logging.Handler):
-    """Keeps the `keras_memfit` logger's messages, and shows them as they come.
-
-    Attach it with `capture()` around the work; `messages` then holds every
-    INFO-or-above message and `warnings` counts the WARNINGs (an OOM caught).
-    `show`, if not None, is called with "      [LEVEL] message" for each record.
-    """
+    """Keeps (and `show`s) the `keras_memfit` logger's messages in `capture()`; counts WARNINGs."""
 
     def __init__(self, show: Optional[Reporter] = None) -> None:
         super().__init__(logging.INFO)
@@ -76,8 +67,7 @@ def batch_sizes(sizes: List[int]) -> Any:
 
     class BatchSizes(keras.callbacks.Callback):
         def on_predict_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-            # Keras flattens nested logs ({"outputs": {"probs": a}} -> {"probs": a})
-            # and turns one-element arrays into floats: a scalar is one row.
+            # Keras flattens nested logs and turns one-element arrays into floats: one row.
             value = next(iter((logs or {}).values()), None)
             sizes.append(int(value.shape[0]) if getattr(value, "ndim", 0) else 1)
 

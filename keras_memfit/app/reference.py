@@ -1,10 +1,4 @@
-"""Plain Keras's `fit` where memory is enough: the reference MemFit is compared with.
-
-Under a memory cap the plain `fit` MemFit must equal dies, so it runs in a child
-process started without the cap, beside the caller (a thread waits for it, so it
-overlaps the caller's own fits and their OOM waits). The demo and the Digit
-Recognizer notebook use it.
-"""
+"""Plain Keras's `fit` without the memory cap, in a child process: what MemFit is compared with."""
 
 from __future__ import annotations
 
@@ -25,14 +19,10 @@ __all__ = ["max_difference", "relative_difference", "start_fit"]
 def start_fit(
     model: Any, x: Any, y: Any, *, seed: int, **fit_kwargs: Any
 ) -> "Future[List[np.ndarray]]":
-    """Start `model.fit(x, y, **fit_kwargs)` on a copy of `model`, without the memory cap.
+    """Start `model.fit(x, y, **fit_kwargs)` uncapped on a copy of `model`: a future of its weights.
 
-    Call it before `model` trains (a compiled model), and seed Keras with
-    `keras.utils.set_random_seed(seed)` right before your own `fit`, as the
-    child does, so both shuffle alike. `fit_kwargs` must be JSON-serialisable.
-
-    Returns:
-        A future of the fitted weights (`model.get_weights()` order).
+    Call it before `model` trains, and `keras.utils.set_random_seed(seed)` right before your own
+    `fit`, as the child does, so both shuffle alike. `fit_kwargs` must be JSON-serialisable.
     """
     folder = tempfile.mkdtemp(prefix="keras_memfit_reference_")
     model.save(os.path.join(folder, "model.keras"))
@@ -67,11 +57,7 @@ def max_difference(weights: List[np.ndarray], reference: List[np.ndarray]) -> fl
 def relative_difference(
     weights: List[np.ndarray], reference: List[np.ndarray], initial: List[np.ndarray]
 ) -> float:
-    """How far `weights` are from `reference`, as a share of how far training moved them.
-
-    The norm of `weights - reference` over that of `reference - initial`, all
-    weights taken as one vector.
-    """
+    """`|weights - reference| / |reference - initial|`, all weights as one vector."""
     def norm(a: List[np.ndarray], b: List[np.ndarray]) -> float:
         return float(np.sqrt(sum(np.sum((x - y).astype("float64") ** 2) for x, y in zip(a, b))))
 

@@ -1,12 +1,7 @@
-"""Running work in a child process, optionally memory-limited: the worker runner.
+"""Running work in a child process, optionally memory-limited, any failure as one line.
 
-The child (`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`)
-calls `TARGET` ("module:function") as `function(config, say)`: `config` is the
-JSON-decoded dict, `say` prints a line to stdout, and the returned dict is the
-parent's result. The parent imports no TensorFlow, relays the child's stdout
-line by line, keeps its stderr (TensorFlow's logs, tracebacks) to itself, and
-turns any failure, even a crash, into one line: a `WorkerError` (the message of
-one the work raised; any other exception's type and first line).
+The child (`python -m keras_memfit.app.worker TARGET CONFIG_JSON RESULT_PATH`) calls
+`TARGET` ("module:function") as `function(config, say)`; its returned dict is the result.
 """
 
 from __future__ import annotations
@@ -62,30 +57,16 @@ def run_worker(
     cwd: Optional[str] = None,
     timeout: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """Run `target(config, say)` in a child process and return its result.
+    """Run `target(config, say)` in a child process; the dict it returns, through JSON.
 
     Args:
-        target: "module:function" to call in the child.
-        config: JSON-serialisable dict for the function. Unless `env` is
-            given, its "device" ("cpu" or "gpu") and "memory_limit_mb" (MiB,
-            or None) choose the child's environment
-            (`keras_memfit.app.env.worker_environment`).
-        report: Called with each line the child prints to stdout; default:
-            print it to stdout.
-        what: How error messages name the child, e.g. "the demo's worker process".
-        segv_hint: Appended to the error message when the child crashes with
-            SIGSEGV (e.g. advice to raise a CPU memory limit).
-        env: The child's whole environment, instead of the one `config` chooses.
-        timeout: Seconds before the child is killed; default: no limit.
-
-    Returns:
-        The dict the function returned (through JSON).
+        config: Without `env`, its "device" and "memory_limit_mb" choose the child's environment.
+        report: Called with each line the child prints; default: stdout.
+        what: How error messages name the child.
+        segv_hint: Added to the message when the child dies of SIGSEGV.
 
     Raises:
-        WorkerError: With one line: the function's error, or how the child
-            crashed, failed or timed out; its `stderr` holds all the child
-            wrote there.
-        ValueError: If `config["device"]` is not "cpu" or "gpu" (without `env`).
+        WorkerError: The work's error, or how the child crashed, failed or timed out, in one line.
     """
     report = report or stdout_reporter
     if env is None:
@@ -134,10 +115,7 @@ def run_worker(
 
 
 def _crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] = None) -> str:
-    """One line for a child that ended without a result (`code` < 0: killed by that signal).
-
-    "WHAT crashed (SIGNAL)[; SEGV_HINT]" or "WHAT failed (exit code N): LAST STDERR LINE".
-    """
+    """One line for a child that ended without a result (`code` < 0: killed by that signal)."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -175,11 +153,7 @@ def check_writable(path: str, error: type = WorkerError) -> None:
 # Child side
 # --------------------------------------------------------------------------
 def worker_main(target: str, config_json: str, result_path: str) -> int:
-    """The child's entry point: run the work, write its result or `{"error": ...}` as JSON.
-
-    With "device" "gpu" and a "memory_limit_mb" in the config, the GPU is
-    limited first. Returns 0, or 1 if the work raised (its traceback on stderr).
-    """
+    """The child: run the work (GPU limited first), write its result or `{"error": ...}`; 0 or 1."""
     try:
         config = json.loads(config_json)
         if config.get("device") == "gpu" and config.get("memory_limit_mb") is not None:
@@ -216,8 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's `main`, not this `__main__` copy, so that the
-    # work raises the same `WorkerError` class that `worker_main` catches.
+    # The imported module's `main`, so the work raises the `WorkerError` `worker_main` catches.
     from keras_memfit.app.worker import main as _main
 
     sys.exit(_main())

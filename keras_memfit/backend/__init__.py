@@ -1,14 +1,9 @@
 """The backend seam: everything that depends on Keras's backend lives behind it.
 
-`get()` returns the active backend's package; it is the only way the rest of
-keras_memfit reaches a backend, and it imports nothing until it is called.
-Each backend package has the same modules (`oom`, `memory`, `steps`,
-`training`, `keras_functions`, `devices`, `tracing`, `distribution`) and imports
-every member of `base.Backend` from them in its `__init__`.
+`get()` returns the active backend's package (the rest of keras_memfit's one way to a backend).
 
 - `base`: the seam's contract, typed: one protocol per concern;
-- `_layer_calls`: recording every layer and operation call of one symbolic
-  forward pass (the backends' `tracing`);
+- `_layer_calls`: recording every layer and operation call of one symbolic forward pass;
 - `tensorflow`: the TensorFlow backend;
 - `jax`: the JAX backend;
 - `torch`: the PyTorch backend.
@@ -39,11 +34,8 @@ def name() -> str:
 def get() -> "Backend":
     """The keras_memfit backend package for Keras's active backend.
 
-    Returns:
-        The package implementing every member of `base.Backend`.
-
     Raises:
-        NotImplementedError: If the active Keras backend is not supported yet.
+        NotImplementedError: If the active Keras backend is not supported.
     """
     active = name()
     if active in SUPPORTED:

@@ -1,7 +1,4 @@
-"""Recording every layer and operation call of one symbolic forward pass.
-
-Each backend's `tracing` says only how it traces the pass and describes its symbolic tensors.
-"""
+"""Recording every layer and operation call of one symbolic forward pass (backends' `tracing`)."""
 
 from __future__ import annotations
 
@@ -16,18 +13,12 @@ from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
 # (key, shape, dtype name) of one symbolic tensor.
 Info = Tuple[str, Tuple[Optional[int], ...], str]
 
-# The two batch sizes a backend traces at where its trace has concrete shapes
-# (JAX, torch): the dimensions that differ between them follow the batch.
+# Batch sizes of traces with concrete shapes (JAX, torch): differing dimensions follow the batch.
 BATCHES = (7, 11)
 
 
 class CallRecorder:
-    """The calls of one forward pass, each with its depth, parent, inputs and outputs.
-
-    Attributes:
-        records: One dict per call, in call order: `op`, `depth`, `parent` (index of the
-            enclosing call, or None), `inputs`, `outputs` (lists of `Info`).
-    """
+    """The calls of one forward pass (`records`: `op`, `depth`, `parent`, `inputs`, `outputs`)."""
 
     def __init__(self, describe: Callable[[Any], Optional[Info]]) -> None:
         self._describe = describe
@@ -89,10 +80,7 @@ def traced_calls(
     records: List[Dict[str, Any]],
     tensors: Callable[[int, str], Tuple[TracedTensor, ...]],
 ) -> Tuple[TracedCall, ...]:
-    """The calls below the model's own (depth 0), one level up, as `TracedCall`s.
-
-    `tensors(index, "inputs" | "outputs")` gives the traced tensors of the call at `index`.
-    """
+    """The calls below the model's own (depth 0), one level up, as `TracedCall`s."""
     calls: List[TracedCall] = []
     remap: Dict[int, int] = {}
     for index, entry in enumerate(records):
@@ -120,20 +108,14 @@ def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
 
 
 def _same_call(a: Any, b: Any) -> bool:
-    """Whether two traced calls are the same call: one layer, or an operation of one type.
-
-    Functional ops (`keras.ops.*` inside a layer's `call`) build a new `Operation` at every call.
-    """
+    """Whether two traced calls are one layer, or operations of one type (`keras.ops` are new)."""
     if a is b:
         return True
     return not isinstance(a, keras.layers.Layer) and type(a) is type(b)
 
 
 def trace_at_two_batches(model: keras.Model, record: Callable[[int], CallRecorder]) -> Trace:
-    """The `Trace` of `model` from two recorded passes, at the batch sizes of `BATCHES`.
-
-    For traces with concrete shapes (JAX, torch): a dimension that differs between the two passes
-    follows the batch and is None. `record(batch)` is the `CallRecorder` of one pass.
+    """The `Trace` of `model` from two recorded passes (`record(batch)`), at `BATCHES`.
 
     Raises:
         ValueError: If the two passes make different calls.

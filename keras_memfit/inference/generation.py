@@ -1,8 +1,4 @@
-"""`safe_generate`'s pieces: prompts as rows, few batch shapes, outputs in order.
-
-KerasHub's `CausalLM.generate` runs all its prompts as one batch and compiles its loop once
-per batch shape; `safe_generate` runs it on pieces of the prompts through `run_in_pieces`.
-"""
+"""`safe_generate`'s pieces: prompts as rows, few batch shapes, outputs in order."""
 
 from __future__ import annotations
 
@@ -58,17 +54,7 @@ def _is_dataset(inputs: Any) -> bool:
 
 
 def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool, Optional[int]]:
-    """The prompts of a `generate` call as chunks of `(x, None, None)` rows.
-
-    Returns:
-        (chunks, scalar, rows): the chunks (one for array-like input, one per batch of a
-        dataset), whether `inputs` was one string (`generate` then returns one string), and
-        the number of prompts (None for a dataset).
-
-    Raises:
-        TypeError: If `inputs` is not something `generate` takes.
-        ValueError: If the leaves of a dict differ in their rows, or there is no prompt.
-    """
+    """(chunks of `(x, None, None)`, whether `inputs` is one string, prompts or None)."""
     if _is_dataset(inputs):
         batches = ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator())
         return batches, False, None
@@ -95,10 +81,7 @@ def _rows_of(inputs: Any) -> Any:
 
 
 def to_generate_input(x: Any) -> Any:
-    """A piece as `generate` takes it: a 1-D object array of strings as a list of `str`.
-
-    A dataset's bytes are decoded as UTF-8: KerasHub's tokenizers refuse bytes.
-    """
+    """A piece as `generate` takes it: object arrays as lists of `str` (bytes decoded)."""
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1:
             return [v.decode("utf-8") if isinstance(v, bytes) else v for v in leaf]
@@ -112,12 +95,7 @@ _SHAPES: "weakref.WeakKeyDictionary[Any, Dict[Hashable, Set[int]]]" = weakref.We
 
 
 class ShapeKeeper:
-    """Pads a piece up to a batch shape already run, so that it compiles nothing new.
-
-    At most `MAX_PADDING_FACTOR` times its rows, with copies of the last prompt (dropped from
-    the outputs); the shapes run are kept per model and `signature` (rows' signature,
-    `max_length`).
-    """
+    """Pads a piece with copies of its last prompt up to a batch shape already run."""
 
     def __init__(self, model: Any, signature: Hashable) -> None:
         try:
@@ -150,15 +128,11 @@ class ShapeKeeper:
         return keras.tree.map_structure(grow, x), rows
 
     def failed(self, rows: int, own: int) -> None:
-        """After a piece run as `rows` rows (`own` of them its own) failed: pad no more.
-
-        A padded piece that ran out of memory could fail again at any smaller size padded up to it.
-        """
+        """After a padded piece failed, pad no more (smaller pieces padded up would fail too)."""
         if rows > own:
             self.padding = False
 
     def ran(self, rows: int) -> None:
-        """Record that a batch of `rows` prompts ran (its shape is compiled)."""
         self.sizes.add(rows)
 
 
@@ -176,7 +150,6 @@ class GeneratedOutputs:
         self._parts: List[Any] = []
 
     def add(self, outputs: Any) -> None:
-        """Append one piece's outputs (a list of strings, an array, or a dict of them)."""
         self._parts.append(outputs)
 
     def result(self, scalar: bool) -> Any:

@@ -1,10 +1,4 @@
-"""The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`.
-
-Callbacks, a progress bar counting samples and the model's stop flag, as `model.predict` and
-`model.evaluate` have them. Each piece run is one batch for the callbacks: `on_*_batch_begin`
-once before its first attempt (not for a retry), `on_*_batch_end` after it succeeded; with
-`steps_per_execution` above 1 they see executions of that many pieces, as in Keras.
-"""
+"""The batch loop of `safe_predict` and `safe_evaluate`: Keras's plumbing around `run_in_pieces`."""
 
 from __future__ import annotations
 
@@ -24,10 +18,7 @@ _HOOKS = {"predict": ("predict", "stop_predicting"), "evaluate": ("test", "stop_
 def requested_size(
     source: _data.Chunks, batch_size: Optional[int], max_batch_size: Optional[int] = None
 ) -> Optional[int]:
-    """The largest piece to run: the batch size asked for (arrays), bounded by `max_batch_size`.
-
-    None for batched input without `max_batch_size`: its own batches bound the pieces.
-    """
+    """The largest piece: the batch size for arrays (None if batched), at most `max_batch_size`."""
     requested = (batch_size or _data.DEFAULT_BATCH_SIZE) if source.from_arrays else None
     if max_batch_size is not None:
         requested = max_batch_size if requested is None else min(requested, max_batch_size)
@@ -37,14 +28,8 @@ def requested_size(
 class BatchLoop:
     """Callbacks, progress bar and stop flag around one `run_in_pieces` run.
 
-    Use: `begin()`; one loop over `pieces(...)`, calling `batch_ended` after each piece and
-    leaving when it returns True; `data_ended(...)`; `end(...)`.
-
-    Attributes:
-        batch: Batches (pieces) finished so far.
-        done: Samples finished so far.
-        shows_logs: Whether anything displays the per-batch logs (else callers skip reading
-            them back from the device, which would serialise the steps).
+    Use: `begin()`; loop over `pieces(...)`, calling `batch_ended` after each piece and leaving
+    when it returns True; `data_ended(...)`; `end(...)`.
     """
 
     def __init__(
@@ -57,12 +42,7 @@ class BatchLoop:
         num_samples: Optional[int],
         merge_logs: Optional[Callable[[list], Any]] = None,
     ) -> None:
-        """Create the callback list and the progress bar (nothing is called yet).
-
-        Args:
-            merge_logs: With `steps_per_execution` > 1, makes one execution's logs from its
-                batches' logs; the last batch's by default.
-        """
+        """`merge_logs`: one execution's logs from its batches' (default: the last batch's)."""
         self.model = model
         self.phase = phase
         prefix, self._stop_flag = _HOOKS[phase]
@@ -75,6 +55,7 @@ class BatchLoop:
             keras.utils.Progbar(num_samples, verbose=verbose, unit_name="sample")
             if verbose else None
         )
+        # Else callers skip reading the logs back, which would serialise the steps.
         self.shows_logs = self.progbar is not None or bool(callbacks)
         self._on_begin = getattr(self.callbacks, f"on_{prefix}_begin")
         self._on_batch_begin = getattr(self.callbacks, f"on_{prefix}_batch_begin")
@@ -101,12 +82,7 @@ class BatchLoop:
         guard: Any = None,
         start: Optional[Callable[[Any], Any]] = None,
     ) -> Iterator[Piece]:
-        """`run_in_pieces` over `chunks`: its successful pieces, one callback batch each.
-
-        Args:
-            start: Starts `step` without waiting; used only where no callback has a batch-level
-                hook for this phase, since a piece then starts before the one before it ended.
-        """
+        """`run_in_pieces` over `chunks`; `start` (ahead) only where no callback has batch hooks."""
 
         def attempt(piece: Any) -> Any:
             self._begin_batch()
@@ -153,12 +129,9 @@ class BatchLoop:
         )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
-        """End the batches (call after the loop over `pieces`): close a last, shorter execution.
-
-        Keras sends `on_*_batch_begin` before fetching a batch, so where the input ends before the
-        batches it expected (always for a generator) it sent one more; that call is sent here too.
-        """
-        if self._execution_logs:  # a last, shorter execution
+        """After the loop: close a last, shorter execution, and send the `on_*_batch_begin` Keras
+        sends before it finds the input ended (always for a generator)."""
+        if self._execution_logs:
             self._end_execution()
         if self._stopped() or source.from_arrays:
             return
@@ -204,10 +177,6 @@ class Then:
 
 
 def prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    """`first`, then the items of `rest`.
-
-    Unlike `itertools.chain`, closing it closes `rest` too, so an unfinished input ends its epoch
-    as soon as the run is over.
-    """
+    """`first`, then `rest`; unlike `itertools.chain`, closing it closes `rest` (ends its epoch)."""
     yield first
     yield from rest

@@ -1,9 +1,6 @@
 """Counting a batch split after an OOM as the one batch it is, for per-output losses.
 
-Keras's per-output loss trackers (`"<output>_loss"`) count each batch's mean once, whatever
-its rows. A split batch's pieces run the exact step (weighting each piece by its rows); after
-its last piece each tracker's contribution is rescaled to `(batch mean, weight 1)`. For "sum"
-and "mean_with_sample_weight" reductions the total `"loss"` is settled too (`SplitLoss`).
+Its pieces run the exact step; after the last, each tracker is rescaled to (batch mean, weight 1).
 """
 
 from __future__ import annotations
@@ -21,20 +18,15 @@ Copies = Callable[[Any], Sequence[Any]]
 
 
 class CountedOnce:
-    """Settles a split batch's per-output loss trackers to the one count Keras gives a batch.
+    """Settles a split batch's per-output loss trackers, on each of `copies`, to one batch's count.
 
-    `begin()` before the batch's first piece (after any failed try was undone), `settle()` after
-    its last, on each of `copies` (a strategy's replicas: Keras counts each replica's batch once).
-    No trackers where Keras weights batches by rows (its backend, or a model run eagerly).
+    `begin()` before its first piece (after any failed try was undone), `settle()` after its last.
     """
 
     def __init__(
         self, model: keras.Model, exact: bool = False, copies: Optional[Copies] = None
     ) -> None:
-        """Args:
-            exact: Per-output losses are wanted as means over samples: nothing to settle.
-            copies: A variable's copies that pieces update separately (default: the variable).
-        """
+        """`exact`: means over samples (nothing to settle); `copies(v)`: what pieces update."""
         counts_once = (
             not exact
             and _backend.get().KERAS_COUNTS_EACH_BATCH_ONCE
@@ -65,11 +57,7 @@ class CountedOnce:
 
 
 class SplitLoss:
-    """Settles a split batch's total loss where its pieces' mean by rows is not it.
-
-    "sum": the pieces' sum; "mean_with_sample_weight": their mean weighted by their sample
-    weights. `begin()` before the first piece, `piece(data)` after each, `settle()` after the last.
-    """
+    """Settles a split batch's total loss for "sum" and "mean_with_sample_weight" reductions."""
 
     def __init__(self, model: keras.Model, how: str, copies: Copies) -> None:
         tracker = _keras_compat.loss_tracker(model)
@@ -111,8 +99,7 @@ class SplitLoss:
 class SplitBatches:
     """Tracks the batch being run, and settles the per-output losses of a split one.
 
-    Use: `begin_batch(rows)` as each of Keras's batches starts (or run the chunks from
-    `tag(chunks)`), run it with `step(...)`, and call `finished(piece)` after each piece.
+    Per Keras batch `begin_batch(rows)` (or `tag(chunks)`) and `step(...)`; `finished(piece)`.
     """
 
     def __init__(self, model: keras.Model, exact: bool, copies: Optional[Copies] = None) -> None:
@@ -128,7 +115,6 @@ class SplitBatches:
 
     @property
     def trackers(self) -> List[Any]:
-        """The per-output loss trackers to settle ([] when there is nothing to settle)."""
         return self.counted.trackers
 
     def begin_batch(self, rows: int) -> None:
@@ -137,11 +123,7 @@ class SplitBatches:
         self.counted.before = None
 
     def tag(self, chunks: Iterable[Any], batch_size: Optional[int]) -> Iterator[Any]:
-        """The batches Keras would run, noting each one's rows as it starts.
-
-        Array input is cut at `batch_size` where there are losses to settle, so that no piece spans
-        two of Keras's batches.
-        """
+        """Keras's batches, each begun (arrays cut at `batch_size` where losses are settled)."""
         for chunk in chunks:
             n = _batches.num_rows(chunk)
             step = batch_size if (self.trackers or self.loss) and batch_size else n
@@ -153,10 +135,7 @@ class SplitBatches:
     def step(
         self, keras_step: Callable[[Any], Any], make_exact: Callable[[Any], Callable]
     ) -> Callable[[Any], Any]:
-        """`keras_step` for whole batches; the exact step for pieces of a split one.
-
-        `make_exact(piece)` gives the exact step (traced per piece size), once, at the first split.
-        """
+        """`keras_step` for whole batches, the exact step (`make_exact`, once) for a split one's."""
         if not self.trackers and self.loss is None:
             return keras_step
         exact_step = None

@@ -1,8 +1,4 @@
-"""Where `safe_predict` puts each piece's outputs: in order, on the host, as `predict` returns them.
-
-Into `out`, into arrays allocated once when the number of samples is known, or as parts
-concatenated at the end; ragged and sparse outputs as they are (`is_native`).
-"""
+"""Where `safe_predict` puts each piece's outputs: in order, on the host."""
 
 from __future__ import annotations
 

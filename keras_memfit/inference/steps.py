@@ -1,7 +1,4 @@
-"""The compiled predict and test steps of a model, built by the backend and cached per model.
-
-`safe_predict`, `safe_evaluate` and MemFit's `predict` and validation share them.
-"""
+"""The compiled predict and test steps of a model, built by the backend and cached per model."""
 
 from __future__ import annotations
 
@@ -27,11 +24,7 @@ def predict_step(model: keras.Model, postprocess: Optional[Callable] = None) -> 
 
 
 def test_step_and_guard(model: keras.Model, batch: Any, exact: bool = True) -> Tuple[Any, Any]:
-    """The compiled test step for `model` and a guard over its metric state, cached per model.
-
-    The metrics are built from `batch`'s first row (all of it for a stateful model or sparse
-    input). `exact`: per-output loss trackers weighted by rows (True), or as Keras's `evaluate`.
-    """
+    """The compiled test step and a metric-state guard, cached (`exact`: losses by rows)."""
     backend = _backend.get()
     whole = _model_state.stateful_layers(model) or not _batches.splittable(batch)
     sample = batch if whole else _batches.rows(batch, 0, 1)

@@ -5,5 +5,5 @@
 - `knowledge`: what the planner keeps per model between calls, and its `Event`s;
 - `shape_plan`: sizes from the analytic estimate where each shape compiles;
 - `replica_memory`: the memory of the devices a piece runs on;
-- `runner`: `run_in_pieces`, the one retry loop, yielding the pieces it ran in input order.
+- `runner`: `run_in_pieces`, the one retry loop.
 """

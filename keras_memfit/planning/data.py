@@ -1,10 +1,7 @@
 """Turning what `model.predict`/`evaluate` accept into chunks of rows.
 
-A *chunk* is a structure (or an `(x, y, sample_weight)` tuple) whose leaves share
-a leading dimension: array-like input is one chunk of every sample, sliced
-without a copy; datasets, PyDatasets and generators yield one chunk per batch.
-Samples come out in input order, each in exactly one piece. Batches keep the form
-`model.predict` gives its step; a batch holding a sparse leaf runs whole.
+Array-like input is one chunk of every sample, sliced without a copy; datasets, PyDatasets
+and generators yield one chunk per batch.
 """
 
 from __future__ import annotations
@@ -25,15 +22,7 @@ DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
 
 class Chunks:
-    """The input as chunks of rows.
-
-    Attributes:
-        num_samples: Total samples when known in advance (arrays), else None.
-        batched_arrays: Array input Keras batched instead (sparse arrays), one chunk
-            per batch of `batch_size`.
-        num_batches: Keras's adapter's batch count (None when unknown), set once
-            iteration began.
-    """
+    """The input as chunks of rows (`batched_arrays`: sparse arrays Keras batched)."""
 
     def __init__(
         self,
@@ -100,11 +89,7 @@ def from_input(
     steps: Optional[int],
     with_targets: bool,
 ) -> Chunks:
-    """Chunks of `(x,)` (predict) or `(x, y, sample_weight)` (evaluate) rows.
-
-    `y` and `sample_weight` are taken with array-like `x` only; `batch_size` (arrays
-    only) times `steps` bounds the samples used, as in Keras.
-    """
+    """Chunks of `(x,)` (predict) or `(x, y, sample_weight)` (evaluate) rows."""
     if is_array_like(x):
         x = keras.tree.map_structure(_to_array, x)
         y = keras.tree.map_structure(_to_array, y) if y is not None else None
@@ -117,8 +102,7 @@ def from_input(
         if steps is not None:
             n = min(n, steps * (batch_size or DEFAULT_BATCH_SIZE))
         if not splittable(chunk):
-            # Rows of sparse input cannot be taken here: Keras batches it, as
-            # model.predict does, and each batch runs whole.
+            # Sparse rows cannot be sliced here: Keras batches it; each batch runs whole.
             adapter = _keras_compat.data_adapter(
                 x, y, sample_weight, batch_size=batch_size or DEFAULT_BATCH_SIZE
             )
@@ -159,8 +143,6 @@ def _unpack(batch: Any, with_targets: bool) -> Tuple:
 
 
 def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
-    # Keras's own data adapters know every input kind predict/evaluate take
-    # (tf.data, PyDataset with its workers, generators, torch DataLoader, ...).
     try:
         adapter = _keras_compat.data_adapter(x)
     except ValueError as err:
@@ -173,7 +155,7 @@ def _iterate_batches(x: Any, source: Chunks) -> Iterable[Any]:
 
 
 def _iterate_adapter(adapter: Any) -> Iterator[Any]:
-    """The adapter's batches as the backend's own loops give them, within one epoch."""
+    """The adapter's batches as the backend's own loops give them, for one epoch."""
     on_begin = getattr(adapter, "on_epoch_begin", None)
     if on_begin:
         on_begin()

@@ -1,16 +1,8 @@
 """Choosing the piece size: estimate first, pay few OOMs, remember, grow back.
 
-1. Estimate: where the limit is known and a piece may come near it (`NEAR`), two probes
-   (`PROBE_SIZES`, real work) give the bytes per sample, and pieces stay within `MARGIN` of
-   the free memory; elsewhere pieces are the requested ones, and the probes follow the first OOM.
-2. Shrink on OOM: to half, or less where the corrected estimate says so; one sample is final.
-   Where the limit is unknown, the first OOM proves a budget the rest stays within.
-3. Remember what fitted and failed per model, phase and signature (`knowledge`).
-4. Grow back after `GROW_AFTER` full pieces (under MemFit: batches, to fewer pieces per batch),
-   never above the ceiling; a growth that fails freezes it.
-
-Steps compiled per shape never probe: the analytic estimate sizes them (`shape_plan`). A
-stateful model runs only the requested size: no probe, no estimate, an OOM is final.
+Probes or the analytic estimate size the pieces within `MARGIN` of free memory; an OOM halves
+(or less), a known size is remembered (`knowledge`), and growth follows `GROW_AFTER` fits
+(ARCHITECTURE.md, "Rules the code follows").
 """
 
 from __future__ import annotations
@@ -32,25 +24,19 @@ __all__ = ["BatchPlanner", "Event", "Knowledge", "forget", "knowledge_for"]
 PROBE_SIZES = (16, 64)
 MIN_PROBE_REQUEST = 128
 GROW_AFTER = 8
-MARGIN = 0.6  # share of free memory a batch may use: allocator fragmentation
-# makes peak memory grow faster than linearly near the limit (measured on the
-# capped BFC allocator: 512 samples fitted in 140 MiB, 560 failed under 200 MiB).
-# A requested piece is near the free memory (and probed first) unless the
-# analytic estimate (`memory_report`'s) of its need is below 1/NEAR of it:
-# that estimate was 0.5-8x the measured peak on TensorFlow's CPU (8x: a
-# Transformer's attention scores), and one it missed by more costs one OOM.
+# Share of free memory a batch may use: fragmentation makes the peak grow faster
+# than linearly near the limit.
+MARGIN = 0.6
+# A piece is near the free memory (probed first) unless the analytic estimate of its
+# need is below 1/NEAR of it: that estimate can be well below the real peak.
 NEAR = 16
 
 
 class BatchPlanner:
     """Plans the piece size for one input signature during one call.
 
-    Args:
-        requested: Largest piece size, or None for no bound (the incoming batches bound it).
-        events: Receives an `Event` per adaptation.
-        probe: "first" to probe before the first large piece where the limit is known and the
-            piece near it (inference), or "after_oom" to try the full batch and probe only
-            after an OOM (training, where a split costs even when it fits).
+    `requested`: the largest piece size (None: unbounded); `events` receives an `Event` per
+    adaptation; `probe`: "first" (inference) or "after_oom" (training: the batch runs whole first).
     """
 
     def __init__(
@@ -70,7 +56,6 @@ class BatchPlanner:
         self.events = events if events is not None else []
         self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
         self.stateful = stateful_layers(model)  # its batches run as Keras runs them, whole
-        # Under a strategy, every replica runs a share of each piece: plan for the worst.
         devices = self._backend.replica_devices(model) or (self._backend.compute_device(),)
         self._memory = ReplicaMemory(self._backend, devices)
         key = signature if len(devices) == 1 else (signature, devices)
@@ -78,8 +63,6 @@ class BatchPlanner:
         self._device = self._memory.name
         self._limit = self._memory.limit
         self._stats_ok = self._memory.stats() is not None
-        # What was in use before each piece, for the budget an OOM proves
-        # (`_learn_budget`): only where statistics exist and the limit is not known.
         self._reads_baseline = self._stats_ok and not self._exact_limit()
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
@@ -96,14 +79,11 @@ class BatchPlanner:
             analytic = analytic_estimate(model, phase)
             if analytic is not None and not k.bytes_per_sample:
                 k.bytes_per_sample, k.fixed_extra = analytic
-        if k.smallest_failed is not None and k.largest_ok:
-            # An earlier call already found the boundary: stay below it.
+        if k.smallest_failed is not None and k.largest_ok:  # an earlier call found the boundary
             k.growth_frozen = True
         fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
-        # Steps compiled per shape (XLA) never probe: each probe size would
-        # compile the step again; the analytic estimate stands in for them.
+        # XLA never probes: each probe size would compile the step again.
         self._probe_after_oom = fresh and self._stats_ok and not self._xla and not self.stateful
-        # Probing first is decided on the first piece's rows (`_near`).
         self._probe_first = self._probe_after_oom and probe == "first" and self._exact_limit()
         self._analytic = analytic_estimate(model, phase) if self._probe_first else None
         self._size = self._initial_size()
@@ -113,7 +93,7 @@ class BatchPlanner:
         return self._device
 
     def free_bytes(self) -> Optional[int]:
-        """Bytes free on the device (the fullest replica's) where its limit is known, else None."""
+        """Bytes free on the fullest replica where its limit is known, else None."""
         return self._memory.free()
 
     @property
@@ -123,12 +103,7 @@ class BatchPlanner:
 
     # ------------------------------------------------------------------ sizes
     def next_size(self, rows: Optional[int] = None) -> float:
-        """The size to try next (`math.inf` when unbounded).
-
-        Args:
-            rows: The rows left in the current chunk. Where steps compile per shape, a size just
-                chosen below the request is evened out over them (one size and one remainder).
-        """
+        """The size to try next (`math.inf` when unbounded); `rows`: those left in the chunk."""
         if self._probe_first:
             self._probe_first = False
             if self._near(min(rows or math.inf, self.requested_or_inf())):
@@ -142,7 +117,7 @@ class BatchPlanner:
         return size if self._multiple == 1 else self._granular(size)
 
     def _near(self, rows: float) -> bool:
-        """Whether `rows` rows may need over 1/`NEAR` of free memory (unknown: yes; tiny: no)."""
+        """Whether `rows` rows may need over 1/`NEAR` of free memory."""
         if rows < MIN_PROBE_REQUEST:
             return False
         free = self._memory.free()
@@ -152,7 +127,7 @@ class BatchPlanner:
         return (fixed + rows * per_sample) * NEAR > free
 
     def _granular(self, size: float) -> float:
-        """`size` down to a multiple of `piece_multiple` (JAX DataParallel: a share per device)."""
+        """`size` down to a multiple of `piece_multiple`."""
         m = self._multiple
         if m == 1 or math.isinf(size) or size < m:
             return size
@@ -183,13 +158,7 @@ class BatchPlanner:
         return max(1, cap)
 
     def _xla_estimate(self, cap: float) -> Optional[int]:
-        """The estimate's cap where steps compile per shape, or None.
-
-        Reused (`Knowledge.xla_cap`) while a fresh estimate stays above `MARGIN` of it, so
-        small changes in free memory compile no new shape. A training batch not tried yet runs
-        whole while the estimate says it fits, or where not even one sample fits (splitting
-        cannot lower the fixed part, so the estimate is no guide).
-        """
+        """The estimate's cap where steps compile per shape (kept while roughly valid), or None."""
         k = self._k
         if self.phase == "train" and k.smallest_failed is None:
             whole = self.estimate(margin=1.0)
@@ -203,7 +172,6 @@ class BatchPlanner:
         return k.xla_cap
 
     def _nothing_fits(self) -> bool:
-        """Whether the estimate says not even one sample fits in the free memory."""
         k = self._k
         free = self._memory.free(self._limit[0]) if self._limit is not None else None
         return free is not None and free - k.fixed_extra < k.bytes_per_sample
@@ -235,7 +203,7 @@ class BatchPlanner:
 
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
-        """Call right before running a piece of `size` samples."""
+        """Call right before running a piece."""
         if self._reads_baseline:
             self._note_baseline()
         if self._probes:
@@ -243,7 +211,7 @@ class BatchPlanner:
             self._memory.begin_measure()
 
     def succeeded(self, size: int, full: bool) -> None:
-        """Call after a piece of `size` samples ran; `full` if it was not clipped."""
+        """Call after a piece ran; `full` if it was not clipped."""
         k = self._k
         if size > k.largest_ok:
             k.largest_ok = size
@@ -269,7 +237,6 @@ class BatchPlanner:
             self._growing = True
 
     def _grown(self, ceiling: float) -> float:
-        """The size to grow to from the current one, below `ceiling`."""
         new = min(ceiling, self._size * 2)
         if self._k.smallest_failed is not None:  # bisect towards the failure
             new = min(new, self._size + max(1, (ceiling - self._size) // 2))
@@ -277,11 +244,11 @@ class BatchPlanner:
 
     # ---------------------------------------------------------- MemFit batches
     def start_batch(self, rows: int) -> None:
-        """Call before the pieces of one Keras batch (MemFit): growth then counts batches."""
+        """Call before one Keras batch's pieces (MemFit): growth then counts batches."""
         self._batch_rows = rows
 
     def finish_batch(self) -> None:
-        """Call after the batch ran; growth here only ever lowers its number of pieces."""
+        """Call after the batch ran; growth here lowers its number of pieces."""
         n = self._batch_rows
         if not n or self._probes or self._size >= n:
             return
@@ -311,7 +278,7 @@ class BatchPlanner:
         return math.inf if self.requested is None else self.requested
 
     def failed(self, size: int) -> bool:
-        """Call after a piece of `size` ran out of memory; False: no smaller size will be tried."""
+        """Call after a piece ran out of memory; False: no smaller size will be tried."""
         if self.stateful:
             return False
         k = self._k
@@ -327,7 +294,6 @@ class BatchPlanner:
         k.xla_cap = None  # estimated again from the corrected estimate
         self._even = self._xla
         if self._probe_after_oom and not k.bytes_per_sample and size >= MIN_PROBE_REQUEST:
-            # Measure on the pieces that follow, then size the rest from that.
             self._probe_after_oom = False
             self._probes = list(PROBE_SIZES)
             self._record(
@@ -384,7 +350,7 @@ class BatchPlanner:
             k.bytes_per_sample = per_sample
 
     def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
-        """Correct the estimate so that it no longer predicts `failed_size` to fit."""
+        """Correct the estimate so that `failed_size` no longer fits."""
         k = self._k
         free = self._memory.free(limit) if limit is not None else None
         if free is None or not k.bytes_per_sample:
@@ -394,13 +360,8 @@ class BatchPlanner:
             k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
 
     # ------------------------------------------------- unknown-limit learning
-    # Where the limit is unknown, the first OOM proves a memory budget: the
-    # peak memory when it failed (a lower bound on the limit) over what was
-    # held before that piece started. The pieces after it are sized within
-    # MARGIN of that budget and never grow past it, so the rest of the call
-    # and later calls pay no further OOM. (The memory held at the failure
-    # itself still counts the failed piece's buffers: estimating from it
-    # would shrink to a single sample.)
+    # The first OOM proves a budget: the peak at the failure over what was held before
+    # the piece (held at the failure, the failed piece's buffers would still count).
     def _note_baseline(self) -> None:
         stats = self._memory.stats()
         self._baseline = stats[0] if stats is not None else None
@@ -412,7 +373,6 @@ class BatchPlanner:
         k.learned_budget = max(k.learned_budget, k.limit_floor - self._baseline)
 
     def _learned_estimate(self, margin: float) -> Optional[int]:
-        """Largest batch within `margin` of the learned budget, or None."""
         k = self._k
         if self._exact_limit() or not k.learned_budget or not k.bytes_per_sample:
             return None
@@ -425,7 +385,6 @@ class BatchPlanner:
 
     def _resize(self, kind: str, old: int, new: float, reason: str,
                 level: int = logging.INFO) -> None:
-        """Record why the size changes from `old` to `new`, and change it."""
         self._record(kind, old, int(new), reason, level=level)
         self._size = new
 

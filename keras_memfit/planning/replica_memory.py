@@ -1,8 +1,6 @@
 """The memory of the devices a piece runs on, for the planner: one device, or every replica's.
 
-Under a `MirroredStrategy` every replica runs its share of a piece at once and one OOM fails
-it all, so a piece is sized for the worst replica: the smallest free memory, the largest peak
-growth. Sizes stay global (rows of the whole piece).
+One replica's OOM fails the whole piece, so it is sized for the worst replica.
 """
 
 from __future__ import annotations
@@ -34,19 +32,14 @@ class ReplicaMemory:
         return None if any(s is None for s in stats) else stats
 
     def stats(self) -> Optional[Tuple[int, int]]:
-        """(current, peak) bytes: the largest among the devices; None when one cannot tell."""
+        """(current, peak) bytes, the largest among the devices, or None."""
         each = self._each()
         if each is None:
             return None
         return max(s[0] for s in each), max(s[1] for s in each)
 
     def free(self, limit: Optional[int] = None) -> Optional[int]:
-        """Bytes free on the device with the least free memory, or None when unknown.
-
-        Args:
-            limit: A limit to assume for every device instead of the known ones (a lower
-                bound learned from an OOM).
-        """
+        """Least bytes free on a device (under `limit`, if given, for every device), or None."""
         each = self._each()
         if each is None:
             return None
@@ -64,7 +57,7 @@ class ReplicaMemory:
         self._before = None if each is None else [s[0] for s in each]
 
     def growth(self) -> Optional[int]:
-        """The largest peak growth of a device since `begin_measure`, or None when unknown."""
+        """The largest peak growth of a device since `begin_measure`, or None."""
         each = self._each()
         if each is None or self._before is None:
             return None

@@ -1,13 +1,8 @@
 """Running a compiled step over chunks in pieces, retrying smaller on OOM.
 
-The one loop behind `safe_predict`, `safe_evaluate` and MemFit: consecutive pieces of the
-planner's size; after an OOM the guard restores what the step touched and the same rows run
-again smaller, so every sample is in exactly one successful piece, in input order. Errors that
-are not OOMs propagate untouched. `run_in_pieces` is a generator: leaving its loop early undoes
-the pieces started ahead (`start`, JAX). `Accumulation` is its all-or-nothing mode;
-`run_whole` its first try of one chunk without the loop (MemFit's batches). Given the batch's
-`Cut`, a piece runs as `step(cut.batch(piece))`, and an OOM once the step's update began is
-final (`UPDATE_BEGAN`).
+The one loop behind `safe_predict`, `safe_evaluate` and MemFit: after an OOM the guard restores
+what the step touched and the same rows run again smaller, so every sample is in exactly one
+successful piece, in input order; other errors propagate untouched.
 """
 
 from __future__ import annotations
@@ -27,12 +22,7 @@ from keras_memfit.planning.planner import BatchPlanner, Event
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """A piece `run_in_pieces` ran successfully.
-
-    Attributes:
-        result: The step's result (for a chunk run by `Accumulation`, `finish()`'s).
-        parts: The steps it ran as: 1, or the micro-batches of an `Accumulation`.
-    """
+    """A piece `run_in_pieces` ran (`parts`: 1, or an `Accumulation`'s micro-batches)."""
 
     rows: int
     data: Any
@@ -44,17 +34,8 @@ class Piece:
 class Accumulation:
     """How `run_in_pieces` runs a chunk that does not fit in one piece: all or nothing.
 
-    `begin()`, `guard.snapshot()`, `add(piece)` for consecutive pieces, then `finish()`, whose
-    result is the chunk's, yielded as one `Piece`. After an OOM in any piece the guard is restored
-    and the chunk starts over smaller (so the loop, not its caller, owns the retry); any other
-    exception from a piece also restores the guard, then propagates, as does one from `begin()`
-    or `finish()`.
-
-    Attributes:
-        begin: Starts an attempt (zeroes the gradient sums).
-        add: Runs one piece (its gradients added to the chunk's).
-        finish: Completes the chunk (applies the summed gradients).
-        guard: The state the pieces update (metrics, counters).
+    `begin()` zeroes the sums, `add(piece)` adds a piece's gradients, `finish()` applies them
+    (its result the chunk's); after an OOM `guard` is restored and the chunk starts over smaller.
     """
 
     begin: Callable[[], None]
@@ -78,28 +59,20 @@ def run_in_pieces(
     start: Optional[Callable[[Any], StartedPiece]] = None,
     cut: Optional[Cut] = None,
 ) -> Iterator[Piece]:
-    """Run `step` over every chunk in adaptive pieces, yielding each successful one.
+    """Run `step` over every chunk in adaptive pieces, yielding each successful one in order.
 
     Args:
-        step: Runs one piece (a chunk's `x` decides its planner's signature).
         requested: Largest piece size, or None to be bounded by the chunks.
         guard: `snapshot()` before every attempt of `step`, `restore()` after a failed one.
-        planner: One planner for every chunk (kept by the caller), instead of one per signature.
-        accumulation: Runs a chunk that does not fit in one piece, all or nothing; None:
-            piece by piece with `step`.
+        planner: One planner for every chunk, instead of one per signature.
+        accumulation: Runs a chunk that does not fit in one piece, all or nothing.
         detail: Extra sentence for the `OutOfMemoryError` of a single sample.
-        start: Starts `step` without waiting (`StartableStep.start`; its `StartedPiece` puts a
-            failed step's state back itself): up to `AHEAD` pieces run ahead, still yielded in
-            order; after the first OOM, or while the planner measures, one at a time with `step`.
+        start: Starts `step` without waiting: up to `AHEAD` pieces run ahead until an OOM.
         cut: The Keras batch the one chunk is (MemFit's): `step` runs on `cut.batch(piece)`.
 
-    Yields:
-        Each successful `Piece`, in input order. To stop early, leave the loop.
-
     Raises:
-        OutOfMemoryError: If a single sample runs out of memory, or any piece of a model with
-            stateful layers (cause "cannot_split"), or once the step's update began (cause
-            "update_began").
+        OutOfMemoryError: If a single sample, a stateful model's piece or a step whose update
+            began runs out of memory.
     """
     run = _PieceLoop(model, phase, step, guard, detail, start, cut)
     planners: Dict[Hashable, BatchPlanner] = {}
@@ -132,17 +105,8 @@ def run_whole(
     detail: str = "",
     cut: Optional[Cut] = None,
 ) -> Any:
-    """`chunk` as one piece, as `run_in_pieces` runs it first, where the planner's size covers it.
-
-    Returns:
-        `step`'s result, or `SPLIT` when the planner's size is smaller than the chunk or it ran
-        out of memory (guard restored, planner shrunk): then `run_in_pieces` with the same
-        planner carries on as it would have after that try.
-
-    Raises:
-        OutOfMemoryError: If the chunk is a single sample and ran out of memory, or the step's
-            update began.
-    """
+    """`chunk` as one piece, as `run_in_pieces` runs it first: `step`'s result, or `SPLIT`
+    (too large for the planner, or an OOM) to go on with `run_in_pieces` and the same planner."""
     n = _batches.num_rows(chunk) if cut is None else cut.lanes
     if not n:
         return SPLIT  # no rows: no step, as in `run_in_pieces`
@@ -177,15 +141,12 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
     return result
 
 
-# At most this many pieces are left started and not waited for (starting one
-# more waits for the oldest); each holds its outputs until then. Why 2:
-# benchmarks/RESULTS.md, overhead-jax notes.
+# At most this many pieces are left started and not waited for (RESULTS.md, overhead-jax).
 AHEAD = 2
 
 
 @dataclasses.dataclass
 class _Ahead:
-    """A piece started and not waited for yet."""
 
     planner: BatchPlanner
     piece: Any
@@ -205,13 +166,12 @@ class _PieceLoop:
         self.ahead: List[_Ahead] = []  # started, not waited for yet, oldest first
 
     def failed(self, planner: BatchPlanner, piece: Any, size: int, exc: BaseException) -> None:
-        """After an OOM of `piece`: shrink, or raise if a single sample did not fit."""
         if not planner.failed(size):
             raise _final_error(self.model, self.phase, piece, planner, self.detail) from exc
 
     def rows(self, chunk: Any, planner: BatchPlanner,
              accumulation: Optional[Accumulation] = None) -> Iterator[Piece]:
-        """All of `chunk`'s rows in pieces, in order (by `accumulation` where one is too few)."""
+        """All of `chunk`'s rows in pieces, in order."""
         n = _batches.num_rows(chunk)
         offset = 0
         while offset < n:
@@ -240,10 +200,7 @@ class _PieceLoop:
 
     def _start(self, planner: BatchPlanner, piece: Any, size: int,
                planned: float) -> Iterator[Piece]:
-        """Start `piece`, then wait for the oldest if more than `AHEAD` are started.
-
-        Returns whether `piece` started (False after an immediate OOM: the planner shrank).
-        """
+        """Start `piece` (waiting for the oldest beyond `AHEAD`); whether it started."""
         planner.started(size)
         try:
             started = self.start(piece)
@@ -261,7 +218,6 @@ class _PieceLoop:
         return True
 
     def wait_all(self) -> Iterator[Piece]:
-        """Wait for every piece started ahead, in order, yielding them."""
         while self.ahead:
             yield from self._wait_oldest()
 
@@ -298,7 +254,7 @@ def _all_or_nothing(
     accumulation: Accumulation,
     detail: str,
 ) -> Tuple[Any, int]:
-    """Run `chunk` by `accumulation`, starting over smaller after an OOM; (result, parts)."""
+    """Run `chunk` by `accumulation`, starting over smaller after an OOM."""
     n = _batches.num_rows(chunk)
     guard = accumulation.guard
     while True:
@@ -330,10 +286,7 @@ def _all_or_nothing(
 
 
 def drop_frames(exc: BaseException) -> None:
-    """Free what a caught OOM holds before the retry: its frames hold the failed piece's buffers.
-
-    The exception stays alive while it is handled, so the frames of it and its causes are cut.
-    """
+    """Cut a caught OOM's frames (and its causes'), which hold the failed piece's buffers."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -344,8 +297,7 @@ def drop_frames(exc: BaseException) -> None:
 
 def update_error(model: Any, chunk: Any, device: Optional[str], cause: str, rows: int,
                  held: Optional[str] = None) -> OutOfMemoryError:
-    """The error for an OOM in an optimizer update on `rows` of `chunk`'s batch (or in its
-    gradient sums), `cause` saying which."""
+    """The error for an OOM in an optimizer update (or its gradient sums) on `rows` rows."""
     return OutOfMemoryError(
         model.name, "train", _batches.shapes(_batches.rows(chunk[0], 0, 1)), device,
         cause=cause, rows=rows, held=held, can_place=can_place(model),
@@ -356,7 +308,7 @@ def update_error(model: Any, chunk: Any, device: Optional[str], cause: str, rows
 def _final_error(
     model: Any, phase: str, chunk: Any, planner: BatchPlanner, detail: str
 ) -> OutOfMemoryError:
-    """The error for a single sample of `chunk` that does not fit (a stateful model: `chunk`)."""
+    """The error for a single sample (a stateful model: `chunk`) that does not fit."""
     stateful = planner.stateful  # its batches are never split
     return OutOfMemoryError(
         getattr(model, "name", type(model).__name__),

@@ -1,8 +1,6 @@
 """Planning for steps compiled once per piece shape (XLA): few shapes, sized without probes.
 
-Each new piece size compiles the step again, so sizes come from the analytic estimate
-(corrected by OOMs), evened out over the rows they split; with nothing known about memory an
-OOM shrinks by `blind_size`, not by half (each halving would cost an OOM and a compilation).
+With nothing known about memory an OOM shrinks by `blind_size`, not by half.
 """
 
 from __future__ import annotations
@@ -20,24 +18,14 @@ def even_size(rows: int, size: float) -> int:
     return math.ceil(rows / math.ceil(rows / size))
 
 
-# Where no memory statistics or limit exist, the share of the failed piece's
-# estimated need the next piece is sized to: one OOM (and compilation) per factor
-# of 8 in memory instead of per halving, so two OOMs cover a 64x overshoot.
+# The share of the failed piece's estimated need the next piece is sized to, where nothing
+# about memory is known: one OOM (and compilation) per factor of 8, not per halving.
 BLIND_SHARE = 1 / 8
 BLIND_FLOOR = 64  # never below 1/64 of the failed size in one step
 
 
 def blind_size(failed: int, estimate: Optional[Tuple[float, int]]) -> int:
-    """The size to try after an OOM at `failed` rows where nothing about memory is known.
-
-    Args:
-        estimate: (bytes per sample, fixed extra bytes) of the analytic estimate, or None
-            (then the rows themselves are scaled).
-
-    Returns:
-        The largest size whose estimated need is within `BLIND_SHARE` of the failed size's,
-        at least `failed // BLIND_FLOOR` and 1.
-    """
+    """The size to try after an OOM at `failed` rows; `estimate`: (bytes per sample, fixed)."""
     rows = failed * BLIND_SHARE
     if estimate is not None and estimate[0] > 0:
         per_sample, fixed = estimate
@@ -52,11 +40,7 @@ _ANALYTIC: "weakref.WeakKeyDictionary[Any, Dict[bool, Optional[Tuple[float, int]
 
 
 def prepare(model: Any) -> None:
-    """Compute `model`'s analytic estimates now, for the planners made later.
-
-    MemFit calls it when `fit` begins: inside Keras's JAX loop the variables live in Keras's
-    state tuple, so a planner made there could not trace the model.
-    """
+    """Compute `model`'s analytic estimates now (inside Keras's JAX loop it cannot be traced)."""
     try:
         per_model = _ANALYTIC.setdefault(model, {})
     except TypeError:  # not weakly referable
@@ -67,11 +51,7 @@ def prepare(model: Any) -> None:
 
 
 def analytic_estimate(model: Any, phase: str) -> Optional[Tuple[float, int]]:
-    """(bytes per sample, bytes a step needs beyond the resident weights and slots), or None.
-
-    `memory_report`'s estimate from the symbolic trace (no compilation), cached per model;
-    None where the model cannot be analysed (not built, not traceable).
-    """
+    """(bytes per sample, bytes beyond the resident weights and slots), or None; cached."""
     training = phase == "train"
     try:
         per_model = _ANALYTIC.setdefault(model, {})

@@ -1,8 +1,8 @@
 """MemFit's algorithm behind the thin callback in `keras_memfit.callbacks`.
 
-- `run`: one `fit` call's training, validation and predict batches, in pieces (`Run`);
-- `layout`: how a batch is cut into pieces and what runs them (one device or replicas);
+- `run`: one call's batches, in pieces (`Run`);
+- `layout`: how a batch is cut into pieces and what runs them;
 - `remat`: layers recomputed in the backward pass where one sample does not fit;
-- `summary`: what MemFit reports at the end of `fit`;
-- `batch_dependence`: what makes a split batch differ from the whole one, and its warning.
+- `summary`: what MemFit reports at the end of a call;
+- `batch_dependence`: what makes a split batch differ from the whole one, and its warnings.
 """

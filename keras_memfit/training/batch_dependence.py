@@ -1,9 +1,6 @@
 """What makes a split batch differ from the unsplit one, and MemFit's warnings about it.
 
-Batch-dependent layers (`batch_dependent_layers`), a model that couples the rows of a batch
-(`couples_rows`), a loss-scale optimizer (`warn_loss_scale`); `SplitWarnings` warns of each
-once per run. A coupled model is still split: the check is a heuristic, and refusing would
-turn a recoverable OOM into a failed `fit`.
+`SplitWarnings` warns once per run; a coupled model is still split (docs/training.md).
 """
 
 from __future__ import annotations
@@ -21,25 +18,16 @@ from keras_memfit._internal import keras_compat as _keras_compat
 
 logger = logging.getLogger("keras_memfit")
 
-# Attributes that set how much a random layer draws in training (Dropout's and
-# GaussianDropout's `rate`, GaussianNoise's `stddev`, RNN cells' `dropout` and
-# `recurrent_dropout`): a layer whose such attributes are all 0 draws nothing.
+# Attributes that set how much a random layer draws; all 0: it draws nothing.
 RATE_ATTRIBUTES = ("rate", "stddev", "dropout", "recurrent_dropout")
-# How far a row's output beside another row may be from its output beside a
-# copy of itself, relative to the outputs' largest magnitude, and still count
-# as float rounding. Both batches have the same shapes, so the same kernels
-# round alike; the margin is for kernels that do not (GPU reductions in
-# another order), coarser for 16-bit compute.
+# The relative difference still counted as float rounding (kernels that reduce in
+# another order, e.g. on GPU); coarser for 16-bit compute.
 RELATIVE_TOLERANCE = 1e-5
 RELATIVE_TOLERANCE_16_BIT = 1e-2
 
 
 def batch_dependent_layers(model: keras.Model) -> List[Any]:
-    """The layers whose training computation depends on how the batch is split.
-
-    A trainable BatchNormalization, and every layer holding a `keras.random.SeedGenerator`
-    unless each of its `RATE_ATTRIBUTES` is 0.
-    """
+    """The trainable BatchNormalizations, and layers with a seed generator that draw."""
     found = []
     for layer in _keras_compat.all_layers(model):
         if layer is model:
@@ -58,7 +46,6 @@ def _seed_generators(layer: Any) -> List[Any]:
 
 
 def _draws(layer: Any) -> bool:
-    """Whether a layer holding a seed generator draws anything (a rate above 0)."""
     rates = [getattr(layer, name, None) for name in RATE_ATTRIBUTES]
     rates = [rate for rate in rates if isinstance(rate, (int, float))]
     return not rates or any(rate > 0 for rate in rates)
@@ -67,14 +54,8 @@ def _draws(layer: Any) -> bool:
 def couples_rows(model: keras.Model, x: Any) -> Optional[bool]:
     """Whether the model's output for a row depends on the other rows of its batch.
 
-    Three eager inference passes on two rows of `x`: together, and each beside a copy of
-    itself (same shapes, so the same rounding). Not run where steps compile per shape, where
-    each eager op would be one more compilation.
-
-    Returns:
-        True or False; None when it cannot tell: steps compiled per shape, fewer than two
-        rows or two equal ones, no floating output of one row per sample, or a forward pass
-        that raised (logged at DEBUG).
+    Compares two rows of `x` run together with each beside a copy of itself (same shapes,
+    same rounding); None when it cannot tell (or where steps compile per shape).
     """
     if _batches.num_rows(x) < 2 or _backend.get().compiles_per_shape(model):
         return None
@@ -116,15 +97,11 @@ def _leaves(x: Any) -> List[Any]:
 
 
 def _stacked(first: Any, second: Any) -> Any:
-    """The one-row structures `first` and `second` as one batch of two rows."""
     return keras.tree.map_structure(lambda a, b: np.concatenate([a, b]), first, second)
 
 
 def _forward(model: keras.Model, x: Any) -> List[np.ndarray]:
-    """The model's floating outputs on `x`, as float64 arrays.
-
-    In a `keras.StatelessScope`, so every call starts from the same state (same random draws).
-    """
+    """The model's floating outputs on `x` as float64, each call from the same state."""
     with keras.StatelessScope():
         outputs = model(x, training=False)
     arrays = []
@@ -150,7 +127,7 @@ class SplitWarnings:
         self._coupling = False
 
     def accumulated(self) -> None:
-        """A training batch is accumulated: warn of batch-dependent layers and loss scaling."""
+        """A training batch is accumulated: warn of batch-dependent layers, loss scaling."""
         if not self._batch_statistics:
             self._batch_statistics = True
             warn_batch_statistics(self.model)
@@ -165,7 +142,6 @@ class SplitWarnings:
 
 
 def warn_batch_statistics(model: keras.Model) -> None:
-    """One WARNING when a batch is first accumulated in a model with batch-dependent layers."""
     layers = batch_dependent_layers(model)
     if not layers:
         return
@@ -183,7 +159,6 @@ def warn_batch_statistics(model: keras.Model) -> None:
 
 
 def warn_loss_scale(model: keras.Model) -> None:
-    """One WARNING when a batch is first accumulated with a `LossScaleOptimizer`."""
     if not isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer):
         return
     logger.warning(
@@ -198,7 +173,6 @@ def warn_loss_scale(model: keras.Model) -> None:
 
 
 def warn_coupling(model: keras.Model) -> None:
-    """One WARNING that the model's outputs depend on the whole batch."""
     logger.warning(
         "MemFit: model '%s' couples the rows of a batch: a row's output changes with the "
         "other rows in its batch (its call reduces over the batch axis, e.g. "

@@ -1,8 +1,6 @@
 """MemFit's rung after splitting: recomputing layers in the backward pass (rematerialization).
 
-Where one sample runs out of memory in training, blocks found by the model's analysis run
-through the backend's `checkpoint`, the largest saving first, 1, 2, 4, ... per OOM, the count
-remembered per model and input signature (docs/training.md).
+Blocks found by the model's analysis run through the backend's `checkpoint` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -34,12 +32,8 @@ _BLOCKS: "weakref.WeakKeyDictionary[Any, Found]" = weakref.WeakKeyDictionary()
 class Block:
     """Calls MemFit may recompute together: a segment of a functional graph, or one layer.
 
-    Attributes:
-        saving: Bytes per sample made inside that nothing after uses (estimated).
-        flops: Forward FLOPs per sample, or None where unknown.
-        owner: A weakref to the functional model whose calls `span` (start, stop) the
-            segment is, or None for one layer recomputed wherever it is called.
-        top: The analysed model's call the block lies in: its `memory_report` row.
+    `saving`: estimated bytes per sample freed; `owner`: a weakref to the functional model
+    whose calls `span` the segment is (None: one layer); `top`: its `memory_report` row's call.
     """
 
     layers: Tuple[Any, ...]
@@ -51,8 +45,7 @@ class Block:
 
 
 class Found(NamedTuple):
-    """One analysis's findings: blocks (largest saving first), forward FLOPs per sample, and
-    the heaviest layer's backward need without and with convolutions' column matrices."""
+    """Blocks, forward FLOPs per sample, heaviest layer need (without, with column matrices)."""
 
     blocks: List[Block]
     flops: int
@@ -60,11 +53,7 @@ class Found(NamedTuple):
 
 
 def blocks(model: keras.Model, analysis: Optional[ModelAnalysis] = None) -> Tuple[List[Block], int]:
-    """The blocks worth recomputing, largest saving first, and forward FLOPs per sample (0: none).
-
-    Raises:
-        ValueError: If the model has not been built.
-    """
+    """The blocks worth recomputing, largest saving first, and forward FLOPs per sample."""
     if analysis is None:
         analysis = analyse(model)
     rows = [row for row in analysis.rows if row.op is not None]
@@ -92,7 +81,7 @@ def _embeds(op: Any) -> bool:
 
 
 def _layer_blocks(rows: Sequence[Row]) -> List[Block]:
-    """A model without a graph to cut: its top-level layers that hold tensors inside."""
+    """The blocks of a model without a graph: its top-level layers holding tensors inside."""
     first: Dict[int, Row] = {}
     for row in rows:
         first.setdefault(id(row.op), row)  # a shared layer: its first call
@@ -107,7 +96,7 @@ def _layer_blocks(rows: Sequence[Row]) -> List[Block]:
 
 
 def _segments(model: keras.Model, analysis: ModelAnalysis, rows: Sequence[Row]) -> List[Block]:
-    """A functional model's graph cut into segments; a nested functional model is cut in turn."""
+    """A functional model's graph cut into segments (nested functional models in turn)."""
     graph = analysis.graph
     n = len(rows)
     inner: Dict[int, List[Block]] = {}  # position -> a nested model's own blocks
@@ -147,7 +136,6 @@ def _segments(model: keras.Model, analysis: ModelAnalysis, rows: Sequence[Row]) 
 
 
 def check_setting(remat: Any) -> None:
-    """Raise `ValueError` unless `remat` is "auto", False or a list of layer names."""
     if remat == "auto" or remat is False:
         return
     if isinstance(remat, (list, tuple)) and remat and all(isinstance(n, str) for n in remat):
@@ -158,20 +146,12 @@ def check_setting(remat: Any) -> None:
 
 
 class Rematerialization:
-    """Which layers of one model MemFit recomputes, per input signature, and their wrapping.
-
-    `setting`: "auto" (where one sample does not fit), False (never), or the names of layers
-    (a nested model's too) to recompute from the start.
-
-    Raises:
-        ValueError: If a name in `setting` is not a layer of `model`.
-    """
+    """Which layers of one model MemFit recomputes, per input signature, and their wrapping."""
 
     def __init__(self, model: keras.Model, setting: Setting) -> None:
         self.model = model
         self.setting = setting
         self._found: Optional[Found] = None
-        # Per input signature, how many blocks are recomputed (remembered per model).
         self._counts: Dict[Hashable, int] = (
             _COUNTS.setdefault(model, {}) if setting == "auto" else {})
         self._forced: Optional[List[Block]] = None
@@ -201,7 +181,7 @@ class Rematerialization:
         return self._candidates()[:count]
 
     def _analysed(self, x: Any = None) -> Found:
-        """The analysis's findings, made once per model at the first need (`x`: batch inputs)."""
+        """The analysis's findings, made once per model (`x`: batch inputs)."""
         if self._found is None:
             if self.model not in _BLOCKS:
                 _BLOCKS[self.model] = _find(self.model, x)
@@ -212,7 +192,6 @@ class Rematerialization:
         return self._analysed(x).blocks
 
     def names(self, signature: Hashable) -> Tuple[str, ...]:
-        """The names of the layers recomputed for batches of `signature`."""
         return tuple(dict.fromkeys(
             layer.name for block in self._chosen(signature) for layer in block.layers))
 
@@ -236,11 +215,7 @@ class Rematerialization:
         return self.names(signature)
 
     def escalate(self, signature: Hashable, x: Any = None) -> bool:
-        """Recompute more layers for `signature` after one sample ran out of memory.
-
-        `x`: the batch's inputs, whose lengths fill the model's unknown dimensions. False when
-        there is nothing more to recompute.
-        """
+        """Recompute more layers for `signature`; False when there are no more."""
         if self.setting != "auto":
             return False
         candidates = self._candidates(x)
@@ -255,8 +230,7 @@ class Rematerialization:
         return self._analysed(x).heaviest[columns]
 
     def step_time(self, signature: Hashable) -> Optional[float]:
-        """The estimated step time over that without recomputation, or None (a step: three
-        forward passes, plus the recomputed layers' once more)."""
+        """The estimated step time over that without recomputation, or None."""
         total = self._analysed().flops
         if self._forced is not None or not total:
             return None
@@ -266,21 +240,18 @@ class Rematerialization:
         return round(1 + sum(flops) / (3 * total), 2)
 
     def saving(self, signature: Hashable) -> int:
-        """Bytes per sample the recomputed layers free, estimated (0 if unknown)."""
         if self._forced is not None:
             return 0
         return sum(block.saving for block in self._candidates()[:self._counts.get(signature, 0)])
 
     def release(self) -> None:
-        """Unwrap every layer: the model's calls as they were."""
         for patched in self._patched:
             del patched.call
         self._patched, self._applied = [], []
 
 
 def _named_blocks(model: keras.Model, named: Sequence[Any]) -> List[Block]:
-    """The blocks recomputing the `named` layers: in a functional graph, each run of consecutive
-    calls one segment; a layer called in none, recomputed wherever it is called."""
+    """The blocks recomputing the `named` layers (consecutive calls in a graph: one segment)."""
     wanted = {id(layer) for layer in named}
     found: List[Block] = []
     cut: set = set()  # the named layers a segment holds
@@ -304,8 +275,7 @@ def _named_blocks(model: keras.Model, named: Sequence[Any]) -> List[Block]:
 
 
 def _find(model: keras.Model, x: Any) -> Found:
-    """The analysis's findings, traced at the lengths of `x` where the model leaves them unknown;
-    nothing where the analysis fails."""
+    """The analysis's findings, traced at the lengths of `x`; nothing where it fails."""
     _backend.get().materialize(model)  # inside Keras's JAX loop: the variables, readable
     shapes = [tuple(leaf.shape) for leaf in keras.tree.flatten(x) if hasattr(leaf, "shape")]
     length = shapes[0][1] if shapes and len(shapes[0]) > 1 else None
@@ -322,12 +292,10 @@ def _find(model: keras.Model, x: Any) -> Found:
 
 
 def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
-    """Make `layer`'s call recompute in the backward pass, exactly (`del layer.call` undoes it).
+    """Make `layer`'s call recompute in the backward pass (`del layer.call` undoes it).
 
-    Its tensor arguments and copies of its non-trainable state go in, the final state comes out
-    (assigned once, outside). The arguments at the flat positions `fixed`, which no gradient
-    reaches, are closed over: `tf.recompute_grad` would compute a gradient for every input (an
-    image's can outweigh the saving). A symbolic call runs as it is.
+    Arguments at the flat positions `fixed` (no gradient) are closed over: `tf.recompute_grad`
+    would compute a gradient for every input.
     """
     original = layer.call
     checkpoint = _backend.get().checkpoint
@@ -363,9 +331,8 @@ def _wrap(layer: Any, fixed: Sequence[int] = ()) -> None:
 
 
 def _call_in_parts(owner: Any, recomputed: Sequence[Tuple[int, int]], trained: bool) -> Callable:
-    """A call for the functional `owner` running its graph as functional parts: each span of
-    `recomputed` one part, recomputed (`_wrap`), the calls between them as they are. Where
-    `owner` is the model trained (`trained`), its inputs get no gradient."""
+    """A call for the functional `owner` running each span of `recomputed` as a recomputed
+    part (`trained`: `owner` is the trained model, whose inputs get no gradient)."""
     graph = _keras_compat.functional_graph(owner)
     nodes = graph.nodes
     graded = set() if trained else {id(t) for t in keras.tree.flatten(graph.inputs)}

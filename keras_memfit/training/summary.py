@@ -22,12 +22,7 @@ def summary(
     events: List[Dict[str, Any]],
     most_pieces: Dict[str, Tuple[int, int]],
 ) -> str:
-    """One line saying what MemFit adapted during a call (`call`: "fit", "evaluate", "predict").
-
-    Args:
-        most_pieces: Per phase that split a batch: the most pieces one batch was run as, and
-            that batch's rows.
-    """
+    """One line saying what MemFit adapted during `call` (`most_pieces`: `Run.most_pieces`)."""
     parts = []
     ooms = Counter(e["phase"] for e in events if e["kind"] == "oom")
     if ooms:
@@ -51,7 +46,7 @@ def summary(
 
 
 def pad_history(history: Any) -> None:
-    """Give a `keras.callbacks.History` (anything else: left alone) MemFit's earlier entries."""
+    """Give a `keras.callbacks.History` MemFit's entries for the earlier epochs."""
     if not isinstance(history, keras.callbacks.History) or not history.history:
         return
     epochs = max(

@@ -1,26 +1,17 @@
 """JAX implementation of the backend seam (`keras_memfit.backend.base`).
 
-What can run out of memory donates nothing (Keras's own JAX steps donate the
-state, which an OOM then destroys); the train step's optimizer update runs as
-a second program that updates the state in place. `place` is not available
-(`placement` is None).
-
 - `oom`: JAX's OOM forms, the bases of `OutOfMemoryError`;
-- `memory`: memory statistics and limits of JAX's devices (the address-space
-  limit on the CPU);
+- `memory`: memory statistics and limits of JAX's devices;
 - `steps`: compiled predict and test steps, also started without waiting;
-- `training`: train steps that never lose the model's state to an OOM; the
-  variant (one device, `DataParallel`, several processes) chosen once;
+- `training`: train steps that never lose the model's state to an OOM;
 - `keras_functions`: Keras's step functions in JAX's calling convention;
 - `devices`: naming devices;
 - `tracing`: the model's layer calls, traced with `jax.eval_shape`;
-- `distribution`: `keras.distribution.DataParallel`: pieces laid out over
-  the devices; which variant the steps run as; evaluate under processes;
+- `distribution`: `DataParallel`'s pieces laid out over the devices; the steps' variant;
 - `accumulation`: gradient accumulation's programs and accumulator;
 - `state`: Keras's JAX state tuple threaded through MemFit's steps;
 - `processes`: several JAX processes: their agreement, local copies, sums;
-- `process_training`: MemFit's train step and accumulator under several
-  processes.
+- `process_training`: MemFit's train step and accumulator under several processes.
 """
 
 from keras_memfit.backend.jax.oom import (

@@ -1,9 +1,4 @@
-"""Gradient accumulation on JAX: micro-batch gradients summed in place, applied as one step.
-
-`GradientAccumulator` runs the programs of `accumulation_programs` on one device;
-`distribution.ShardedAccumulator` lays its micro-batches over a `DataParallel`'s devices, and
-`process_training.ProcessAccumulator` runs the same programs under several processes.
-"""
+"""Gradient accumulation on JAX: micro-batch gradients summed in place, applied as one step."""
 
 from __future__ import annotations
 
@@ -24,14 +19,7 @@ TRAIN_STATE = _state.GROUPS["train"]
 def accumulation_programs(
     model: keras.Model, wrap: Optional[Callable[[Callable], Callable]] = None,
 ) -> Tuple[Any, Any]:
-    """The compiled programs of gradient accumulation: `(add, apply)`.
-
-    `add(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor)`
-    returns `(sums + weight * gradients, non_trainable, metrics)`, the sums donated (added to
-    in place) and the loss tracker given the loss times `loss_factor`; `apply(trainable,
-    optimizer, sums)` is the optimizer's `stateless_apply`, trainable and optimizer donated.
-    `wrap`, if given, transforms `add`'s function before it is compiled (`process_training`).
-    """
+    """The compiled programs `(add, apply)`; `wrap` transforms `add`'s function before compiling."""
     model_ref = weakref.ref(model)
 
     def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor):
@@ -58,7 +46,6 @@ def accumulation_programs(
     def apply_fn(trainable, optimizer, sums):
         return model_ref().optimizer.stateless_apply(optimizer, sums, trainable)
 
-    # The sums are added to in place; the update works in place.
     if wrap is not None:
         add_fn = wrap(add_fn)
     return (_compile(model, add_fn, donate_argnums=(0,)),
@@ -66,16 +53,7 @@ def accumulation_programs(
 
 
 class GradientAccumulator:
-    """Sums weighted micro-batch gradients and applies them as one optimizer step.
-
-    The sums, the size of the trainable weights, are made by `reset()` (only once a batch had to
-    be split). `add` computes the gradient of `weight` times a micro-batch's scaled loss as
-    Keras's JAX `train_step` does, and writes the metric and non-trainable state only once the
-    micro-batch finished: its OOM may lose the sums (the attempt restarts from `reset()`), never
-    the model's state. `apply` is one optimizer step (`iterations` + 1); if it fails the donated
-    state is lost. It leaves the state in the variables (`state.materialize`), where Keras's
-    `get_metrics_result` reads the batch's metrics.
-    """
+    """An `Accumulator` on one device: an OOM in `add` may lose the sums, never the model's."""
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
@@ -84,7 +62,6 @@ class GradientAccumulator:
 
     @property
     def model(self) -> keras.Model:
-        """The model whose gradients it sums."""
         return self._model_ref()
 
     def reset(self) -> None:
@@ -102,7 +79,7 @@ class GradientAccumulator:
         _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
 
     def held(self) -> Optional[str]:
-        """None: the gradients are dense, their sums the size of the weights."""
+        """None: dense gradients."""
         return None
 
     def apply(self) -> None:

@@ -12,17 +12,15 @@ def _name(device: Any) -> str:
 
 
 def host_device() -> str:
-    """The host device: "cpu:0"."""
     return _name(jax.devices("cpu")[0])
 
 
 def list_accelerators() -> List[str]:
-    """Names of the non-CPU devices JAX sees ("gpu:0", "tpu:0", ...)."""
     return [_name(d) for d in jax.devices() if d.platform != "cpu"]
 
 
 def canonical_device(name: str) -> Optional[str]:
-    """`name` as "platform:id" ("/GPU:0" -> "gpu:0"), or None if unparsable."""
+    """`name` as "platform:id" ("/GPU:0" -> "gpu:0"), or None."""
     text = name.strip().lstrip("/").lower().replace("device:", "")
     platform, _, index = text.partition(":")
     if not platform or not (index or "0").isdigit():
@@ -31,7 +29,6 @@ def canonical_device(name: str) -> Optional[str]:
 
 
 def device_exists(name: str) -> bool:
-    """Whether `name` (canonical) is one of JAX's devices."""
     try:
         devices = jax.devices() + jax.devices("cpu")
     except RuntimeError:
@@ -40,7 +37,7 @@ def device_exists(name: str) -> bool:
 
 
 def variable_device(variable: Any) -> Optional[str]:
-    """Device of a Keras variable's value ("cpu:0"); None if not created or sharded."""
+    """The device of a Keras variable's value; None if not created or sharded."""
     value = getattr(variable, "_value", None)
     if value is None:
         return None

@@ -1,22 +1,8 @@
 """`keras.distribution.DataParallel`: keras_memfit's pieces laid out over the devices.
 
-Under a single-process `DataParallel` (`variant()` is `Variant.DATA_PARALLEL`) the step
-factories of `steps` and `training` wrap their steps here (`ShardedStep`, `ShardedTrainStep`,
-`ShardedAccumulator`), so that every piece runs as Keras runs a batch:
-
-- piece sizes are a multiple of the devices of the mesh's batch axis (`piece_multiple`), so
-  every device runs the same pieces; a piece of one row per device that runs out of memory is
-  final;
-- each piece is laid out with the distribution's data layout before the step runs;
-- a piece whose rows are not a multiple (the end of an input whose length is not one, which
-  Keras's own `fit` never hands over) runs its largest multiple laid out and the rest
-  replicated on every device, as a second call; a train step (one update per piece) runs the
-  whole piece replicated instead.
-
-A step is wrapped or not when it is made; `step_variant` is part of every step's cache key, so
-a step made outside the distribution is not reused inside it. Other distributions
-(`ModelParallel`) leave safe_predict and safe_evaluate unlaid and are refused by MemFit
-(`check_trainable`); several processes run on local copies of the state instead (`processes`, `process_training`).
+Under a single-process `DataParallel` the step factories wrap their steps here (`Sharded*`).
+A piece's rows beyond a multiple of the devices run replicated on every device as a second
+call (a train step: the whole piece). Which variant steps run as: `variant()`.
 """
 
 from __future__ import annotations
@@ -37,8 +23,7 @@ from keras_memfit.backend.jax import state as _state
 
 
 def data_parallel() -> Optional[Any]:
-    """The active single-process `keras.distribution.DataParallel`, or None (no distribution,
-    another kind, or several JAX processes)."""
+    """The active single-process `keras.distribution.DataParallel`, or None."""
     distribution = keras.distribution.distribution()
     if not isinstance(distribution, keras.distribution.DataParallel):
         return None
@@ -73,8 +58,7 @@ def step_variant(model: keras.Model) -> Hashable:
 
 
 def piece_multiple() -> int:
-    """Under a single-process `DataParallel`, the devices of the mesh's batch axis; under one
-    over several processes, this process's local devices (`process_training`); else 1."""
+    """The batch axis's devices (several processes: this process's local devices), else 1."""
     if jax.process_count() > 1:
         several = keras.distribution.distribution()
         if not isinstance(several, keras.distribution.DataParallel):
@@ -89,8 +73,7 @@ def piece_multiple() -> int:
 
 
 def check_trainable(model: keras.Model) -> None:
-    """Raise `NotImplementedError`, naming what was received, unless the distribution is
-    `DataParallel` (in one process or several) or none."""
+    """Raise `NotImplementedError` under a distribution other than `DataParallel`."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return
@@ -116,7 +99,7 @@ def _as_array(leaf: Any) -> Any:
 
 
 def _lay_out(data: Any, distribution: Any) -> Any:
-    """Every array of `data` laid out as Keras lays out a batch (rows over the devices)."""
+    """Every array of `data` laid out as Keras lays out a batch."""
 
     def one(leaf: Any) -> Any:
         if leaf is None:
@@ -142,10 +125,7 @@ def _replicate(data: Any, distribution: Any) -> Any:
 
 
 def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], int, int]:
-    """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest.
-
-    A part with no rows is None. Also how `process_training` splits over the local devices.
-    """
+    """`(head, tail, head_rows, tail_rows)`: the largest multiple of `multiple` rows, the rest."""
     n = batch_rows(data)
     cut = n - n % multiple
     if cut == n:
@@ -162,12 +142,7 @@ def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], 
 
 # ------------------------------------------------------------------ steps
 class ShardedStep:
-    """A predict or test step whose pieces are laid out over the devices (see the module).
-
-    Predict concatenates the two calls' outputs of a piece that is not a multiple; evaluate's
-    metrics count every row once either way. `__wrapped__`: the step it runs (what
-    `output_spec` traces).
-    """
+    """A predict or test step whose pieces are laid out over the devices (`__wrapped__`)."""
 
     def __init__(self, step: Callable[[Any], Any], combine: Callable[[Any, Any], Any]) -> None:
         self.__wrapped__ = step
@@ -179,7 +154,6 @@ class ShardedStep:
         return self.start(data).wait()
 
     def start(self, data: Any) -> Any:
-        """Start the step on `data`'s pieces (a `backend.base.StartedPiece`)."""
         step, distribution = self.__wrapped__, self._distribution
         head, tail, _, _ = split_rows(data, self._multiple)
         if tail is None:
@@ -222,10 +196,7 @@ def last_logs(first: Any, second: Any) -> Any:
 
 
 class ShardedTrainStep:
-    """A `TrainStep` whose pieces are laid out over the devices; one update per piece.
-
-    A piece whose rows are not a multiple of the devices runs replicated.
-    """
+    """A `TrainStep` whose pieces are laid out over the devices; one update per piece."""
 
     def __init__(self, step: Any) -> None:
         self.__wrapped__ = step
@@ -250,11 +221,8 @@ class ShardedTrainStep:
 
 
 class ShardedAccumulator:
-    """An `Accumulator` whose micro-batches are laid out over the devices.
-
-    A micro-batch whose rows are not a multiple of the devices is added as two parts, each with
-    its own weights in the micro-batch (`_internal.reductions.weights`) times the micro-batch's.
-    """
+    """An `Accumulator` whose micro-batches are laid out over the devices, in two parts where
+    the rows are not a multiple, each weighted within the micro-batch."""
 
     def __init__(self, accumulator: Any) -> None:
         self.__wrapped__ = accumulator
@@ -283,8 +251,7 @@ class ShardedAccumulator:
 
 
 def training_layout(model: keras.Model) -> None:
-    """None: under `DataParallel` Keras hands MemFit whole global batches, which the steps lay
-    out; `check_trainable` refuses the other distributions."""
+    """None: Keras hands MemFit whole global batches, which the steps lay out."""
     check_trainable(model)
     return None
 
@@ -307,12 +274,7 @@ def replica_devices(model: Any) -> Tuple[str, ...]:
 
 @contextlib.contextmanager
 def evaluation(model: keras.Model) -> Iterator[None]:
-    """Under several processes: a failure posted (`processes.post_failure`), the metrics summed.
-
-    Each process's metric variables hold its own rows' sums and counts (evaluate began with
-    `reset_metrics`); summed over the processes, they are what Keras's multi-process evaluate
-    holds.
-    """
+    """Under several processes: a failure posted, the metric variables summed over them."""
     try:
         yield
     except Exception as exc:

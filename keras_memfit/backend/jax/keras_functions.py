@@ -1,15 +1,7 @@
 """Keras's step functions in the JAX trainer's calling convention.
 
-Keras's JAX trainer calls `model.train_function(state, iterator)` (and `test_function`,
-`predict_function` likewise), `state` being the tuple of variable-value lists it detached from
-the variables at the start of the epoch (`_purge_model_variables`) and threads from step to
-step; it expects `(result, state)` back and writes the last state into the variables at the
-end (`jax_state_sync`). MemFit's function runs keras_memfit's steps on that tuple itself
-(`state.threaded`); what can run out of memory in them donates nothing of it, so whatever
-they raise, the state Keras holds is whole.
-
-Under several JAX processes the call hands over this process's own rows, and a
-process whose function raises tells the others (`processes.post_failure`) first.
+Keras calls `model.train_function(state, iterator)` and expects `(result, state)` back;
+MemFit's function runs its steps on that state tuple (`state.threaded`), donating none of it.
 """
 
 from __future__ import annotations
@@ -33,19 +25,13 @@ _STATE_KEYS = {
 
 
 def _publish(model: keras.Model, kind: str, state: tuple) -> None:
-    """Make `state` the one Keras's `jax_state_sync` writes back.
-
-    Keras sets the trainer's `_jax_state` only after the step function returned, so a sync in
-    between (a callback reading `Callback.model`; Keras's closing sync after a raise) would write
-    an older state. Set here also when `run_batches` raised (the pieces that succeeded are kept)
-    or the trainer has none yet, and without Keras's attribute tracking, which wraps the lists.
-    """
+    """Make `state` what Keras's `jax_state_sync` writes back before Keras sets it (after the
+    function returned) and after a raise; untracked, so that Keras does not wrap the lists."""
     object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
 
 
 class _StateCall(KerasCall):
-    """`function(state, iterator) -> (result, state)`: while entered, MemFit's steps run on
-    Keras's state tuple (`state.threaded`); batches are pulled one at a time."""
+    """`function(state, iterator) -> (result, state)`; batches are pulled one at a time."""
 
     def __init__(self, model: keras.Model, kind: str, state: tuple, iterator: Any) -> None:
         check_step_kind(kind)
@@ -87,7 +73,7 @@ class _StateCall(KerasCall):
 
 
 def keras_call(model: keras.Model, kind: str, *args: Any) -> _StateCall:
-    """`args`: `(state, iterator)`, Keras's state tuple and the call's batches."""
+    """`args`: `(state, iterator)`."""
     state, iterator = args
     return _StateCall(model, kind, state, iterator)
 
@@ -100,10 +86,7 @@ def adapter_batches(adapter: Any) -> Iterator[Any]:
 def call_keras_function(
     model: keras.Model, kind: str, function: Callable[..., Any], batches: List[Any]
 ) -> Any:
-    """Keras's function on the state MemFit's function holds (`state.get`), its new state put back.
-
-    Keras's function donates the state: an OOM in it loses the state, as it does without MemFit.
-    """
+    """Keras's function on MemFit's state, its new state put back (it donates the state)."""
     names = _state.GROUPS[kind]
     state = tuple(_state.get(model, names))
     result, new_state = function(state, iter(batches))

@@ -1,14 +1,8 @@
 """Memory statistics and limits of JAX's devices, for the planner.
 
-From `device.memory_stats()` where the platform gives it (GPU, TPU). JAX's CPU client gives
-none: under an address-space limit (`RLIMIT_AS`, against which its allocations fail with a
-recoverable `RESOURCE_EXHAUSTED`) that limit is the CPU's limit and the process's virtual size
-(`/proc/self/status`: `VmSize`, `VmPeak`) its use; without one the CPU reports nothing, and
-the planner sizes pieces from the first OOM.
-
-JAX cannot reset a device's peak: `reset_peak` records the peak and the bytes in use then;
-until the peak rises above the recorded one, `memory_stats` reports the larger of those bytes
-in use and the current ones (a lower bound of the real peak).
+From `device.memory_stats()` (GPU, TPU); on the CPU, under `RLIMIT_AS`, that limit and the
+process's virtual size. JAX cannot reset a peak: `reset_peak` records it, and until the peak
+rises above it `memory_stats` reports a lower bound (the larger bytes in use).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ _resets: Dict[str, Tuple[int, int]] = {}  # device -> (peak, in use) at reset_pe
 
 
 def compute_device() -> str:
-    """The device the model's computation runs on: JAX's first device, as "platform:id"."""
     device = jax.devices()[0]
     return f"{device.platform}:{device.id}"
 
@@ -68,7 +61,6 @@ def _address_space() -> Optional[Dict[str, int]]:
 
 
 def memory_stats(device: str) -> Optional[Tuple[int, int]]:
-    """From `device.memory_stats()`, or the address space under `RLIMIT_AS` (CPU)."""
     stats = _raw_stats(device)
     if stats is None:
         return None
@@ -81,7 +73,6 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """The device's `bytes_limit` (on the CPU, `RLIMIT_AS`)."""
     stats = _raw_stats(device)
     if stats is None or not stats.get("bytes_limit"):
         return None
@@ -89,7 +80,7 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
 
 def free_bytes(device: str) -> Optional[int]:
-    """Bytes `device` can still allocate (its limit less what is in use), or None if unknown."""
+    """Bytes `device` can still allocate, or None if unknown."""
     stats = _raw_stats(device)
     if stats is None or not stats.get("bytes_limit"):
         return None
@@ -97,7 +88,6 @@ def free_bytes(device: str) -> Optional[int]:
 
 
 def reset_peak(device: str) -> None:
-    """Record the peak and the bytes in use (JAX cannot reset a peak: see the module docstring)."""
     stats = _raw_stats(device)
     if stats is not None:
         current = int(stats["bytes_in_use"])
@@ -110,5 +100,4 @@ def conv_columns(model: Any, device: str) -> bool:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """True unless the model runs eagerly: the JAX steps are jitted (`steps._compile`)."""
     return not (getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True))

@@ -1,11 +1,7 @@
-"""JAX's own out-of-memory forms, and the bases of `OutOfMemoryError`.
+"""JAX's own out-of-memory forms, each a predicate over the error's class and message.
 
-Each form is a named predicate over the exception's class and message. JAX reports every
-runtime failure as `jax.errors.JaxRuntimeError`, so each also needs XLA's status prefix and
-its allocation message. XLA's CPU kernels raise `INTERNAL: YNNPACK operation failed` when
-their scratch allocation fails but also for any other failure (the allocation failure is
-written only to stderr); it counts as an OOM only under an address-space limit (`RLIMIT_AS`,
-the one way JAX's CPU client runs out of memory), and propagates untouched elsewhere.
+XLA's CPU kernels also raise `YNNPACK operation failed` for other failures: it counts as an OOM
+only under an address-space limit (`RLIMIT_AS`).
 """
 
 from __future__ import annotations
@@ -13,23 +9,19 @@ from __future__ import annotations
 import re
 from typing import Tuple
 
-# XLA's allocators (CPU, GPU BFC): "RESOURCE_EXHAUSTED: Out of memory allocating
-# 6400000000 bytes." / "... Out of memory while trying to allocate 123 bytes."
 _RESOURCE_EXHAUSTED = re.compile(
     r"RESOURCE_EXHAUSTED:.*Out of memory (allocating|while trying to allocate) \d+ bytes",
     re.S,
 )
-# A computation dispatched after a failed one whose output it uses.
 _DISPATCH = re.compile(
     r"INTERNAL:.*Error dispatching computation:.*Out of memory "
     r"(allocating|while trying to allocate) \d+ bytes",
     re.S,
 )
-# TPU: "RESOURCE_EXHAUSTED: ... Allocation (size=1073741824) would exceed memory ..."
 _TPU_ALLOCATION = re.compile(
     r"RESOURCE_EXHAUSTED:.*Allocation \(size=\d+\) would exceed memory", re.S
 )
-# The runtime error classes of jax (current) and jaxlib before 0.4.36.
+# jax's runtime error class, and jaxlib's of before jax 0.4.36.
 _RUNTIME_ERROR_NAMES = ("JaxRuntimeError", "XlaRuntimeError")
 
 
@@ -40,8 +32,7 @@ def _runtime_error_class() -> type:
 
 
 def is_jax_runtime_error(exc: BaseException) -> bool:
-    """Whether `exc` is `jax.errors.JaxRuntimeError`, or jaxlib's `XlaRuntimeError` of before
-    jax 0.4.36 (recognised by its class name: that module no longer exists)."""
+    """Whether `exc` is JAX's runtime error (jaxlib's old one by class name: its module is gone)."""
     if isinstance(exc, _runtime_error_class()):
         return True
     return isinstance(exc, RuntimeError) and any(
@@ -54,17 +45,17 @@ def _message(exc: BaseException) -> str:
 
 
 def is_allocation_oom(exc: BaseException) -> bool:
-    """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory ...` (CPU, GPU's BFC)."""
+    """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory ...`."""
     return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(_message(exc)))
 
 
 def is_dispatch_oom(exc: BaseException) -> bool:
-    """A computation using a failed one's output: `INTERNAL: Error dispatching computation: ...`."""
+    """A computation using a failed one's output: `INTERNAL: Error dispatching computation`."""
     return is_jax_runtime_error(exc) and bool(_DISPATCH.search(_message(exc)))
 
 
 def is_tpu_allocation_oom(exc: BaseException) -> bool:
-    """TPU memory exhausted: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`."""
+    """TPU: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`."""
     return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(_message(exc)))
 
 
@@ -81,7 +72,7 @@ def _address_space_limited() -> bool:
 
 
 def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
-    """`INTERNAL: YNNPACK operation failed`, only under an `RLIMIT_AS` limit (see the module)."""
+    """`INTERNAL: YNNPACK operation failed`, only under an `RLIMIT_AS` limit."""
     return (
         is_jax_runtime_error(exc)
         and _YNNPACK in _message(exc)
@@ -90,7 +81,6 @@ def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """Any of the forms above."""
     return (
         is_allocation_oom(exc)
         or is_dispatch_oom(exc)
@@ -100,7 +90,6 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    """`(jax.errors.JaxRuntimeError,)`: `except JaxRuntimeError` / `RuntimeError` still catch it."""
     return (_runtime_error_class(),)
 
 

@@ -1,24 +1,8 @@
 """MemFit's train step under several JAX processes: local gradients, agreement, one sum, one update.
 
-Under `distribution.Variant.PROCESSES` the seam's `training` makes the step and accumulator
-here (`processes` says why no collective may run where memory can run out):
-
-- `ProcessAccumulator.add` lays a piece of this process's rows over all its local devices,
-  an equal share each (the rest, fewer rows than devices, runs replicated as a second program
-  and counts on the first device only). Each device adds its rows' weighted gradient to its
-  own partial sum and updates its own copy of the metric and non-trainable state
-  (`shard_map`, no collective even among the local devices), so an OOM is this process's own
-  and the runner retries the piece smaller, without the others knowing;
-- `ProcessAccumulator.apply` agrees with every process (`processes.agree`), divides the
-  per-device sums by the global batch's rows and sums them over every device of every
-  process (`processes.all_sum`, the batch's one collective), with each device's change of
-  each metric variable and its row-weighted non-trainable floats; then the optimizer updates
-  the global state once, the same on every process.
-
-Integer non-trainable variables (seed counters) keep the first local device's value: every
-device draws from the same seed state, where Keras's own step draws once over the global
-batch. What is exact, what is refused (`training.check_training_mode`) and how inference
-runs: docs/distributed.md.
+Each local device adds its rows' gradient to its own partial sum and state copy (`shard_map`, no
+collective), so an OOM is this process's own (docs/distributed.md). Integer non-trainable
+variables (seed counters) keep the first local device's value.
 """
 
 from __future__ import annotations
@@ -41,11 +25,8 @@ def _is_float(value: Any) -> bool:
 
 
 def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable], Callable]:
-    """A `wrap` for `accumulation_programs`: `add` on every device of `mesh` at once (`shard_map`).
-
-    Each device adds its own rows to its own row of the `per_device` state, with no collective.
-    With `tail` the rows come replicated, and only the first device keeps what it added.
-    """
+    """A `wrap` for `accumulation_programs`: `add` on every device of `mesh`, each on its own row;
+    with `tail` (rows replicated) only the first device keeps what it added."""
     axis = processes.LOCAL_AXIS
     per, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
 
@@ -61,8 +42,7 @@ def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable]
                     lambda n, o: jnp.where(keep, n, o.astype(n.dtype)), new, own)
             return tuple(jax.tree_util.tree_map(lambda a: a[None], group) for group in new)
 
-        # check_vma=False: with JAX's varying-axis types, the gradient of the
-        # replicated weights would be summed over the devices (a psum).
+        # check_vma=False: else the replicated weights' gradient is summed over devices (a psum).
         return jax.shard_map(
             body, mesh=mesh,
             in_specs=(per, whole, per, whole, per, whole if tail else per, whole, whole),
@@ -92,7 +72,7 @@ class ProcessAccumulator:
         self.update_began = False
 
     def reset(self) -> None:
-        """Start a batch: zero the sums, take local copies of the state (one per device)."""
+        """Start a batch: zero the sums, take local copies of the state."""
         model, mesh = self._model_ref(), self._mesh
         self._sums = None
         self._base = _state.get(model, TRAIN_STATE)
@@ -104,8 +84,7 @@ class ProcessAccumulator:
         self._rows = [0] * self._devices
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
-        """Add the gradient of a piece of this process's rows, weighted by its rows (the losses are
-        reduced with `sum_over_batch_size`: `check_training_mode`)."""
+        """Add a piece's gradient weighted by its rows (`sum_over_batch_size`: checked)."""
         n = self._devices
         head, tail, head_rows, tail_rows = distribution.split_rows(data, n)
         if head is not None:
@@ -118,7 +97,7 @@ class ProcessAccumulator:
             self._rows[0] += tail_rows
 
     def _run(self, program: Any, data: Any, rows: int) -> None:
-        """One `add` program over the local devices, `rows` a device; waited for."""
+        """One `add` program over the local devices, `rows` a device."""
         trainable, optimizer = self._weights
         sums, non_trainable, metrics = jax.block_until_ready(program(
             self._sums, trainable, self._non_trainable, optimizer, self._metrics, data,
@@ -127,7 +106,7 @@ class ProcessAccumulator:
         self._sums, self._non_trainable, self._metrics = list(sums), non_trainable, metrics
 
     def held(self) -> Optional[str]:
-        """None: the gradients are dense, their sums the size of the weights."""
+        """None: dense gradients."""
         return None
 
     def apply(self) -> None:
@@ -168,11 +147,7 @@ class ProcessAccumulator:
 
 
 class ProcessTrainStep:
-    """A `TrainStep` under several processes: the whole piece as one accumulated batch.
-
-    `last_outcome` after a call raised: `StepOutcome.UNTOUCHED`, or `UPDATE_BEGAN` when the sum
-    or the update failed (nothing is written before the agreement).
-    """
+    """A `TrainStep` under several processes: the whole piece as one accumulated batch."""
 
     snapshots_itself = True
 

@@ -1,20 +1,8 @@
 """Several JAX processes (multi-controller JAX): the agreement between them, local copies, sums.
 
-Under `keras.distribution.initialize(...)` and `DataParallel`, Keras's own step holds an
-all-reduce in which, when one process runs out of memory, every other one waits with no
-timeout (docs/distributed.md). MemFit's steps hold no collective where memory can run out:
-
-- each process computes its own rows' gradients on *local copies* of the replicated state
-  over its own devices (`local_mesh`, `replicated_locally`, one partial sum per device:
-  `per_device`), in pieces retried smaller on an OOM without any other process knowing;
-- then every process *agrees* (`agree`) through the coordination service's key-value store,
-  bounded by `timeout_s`;
-- only once all said "ok", one sum across the processes (`all_sum`) and the update.
-
-A process whose train function raises first posts the error (`post_failure`), so its peers
-raise `ProcessFailed` at once; one that dies without posting is noticed at the timeout.
-The coordination service's client is JAX private API (`jax._src.distributed`, tested with
-`TESTED_JAX`), read only here (`_client`).
+MemFit's steps hold no collective where memory can run out (docs/distributed.md): local copies
+of the state, then an agreement (`agree`), then one sum (`all_sum`). The coordination service's
+client is JAX private API, read only in `_client`.
 """
 
 from __future__ import annotations
@@ -46,11 +34,7 @@ def multi_process() -> bool:
 
 
 def timeout_s() -> float:
-    """Seconds a process waits for its peers in an agreement (`KERAS_MEMFIT_PROCESS_TIMEOUT`).
-
-    Raises:
-        ValueError: If the variable is set to something not a positive number.
-    """
+    """Seconds a process waits for its peers in an agreement (`KERAS_MEMFIT_PROCESS_TIMEOUT`)."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw == "":
         return DEFAULT_TIMEOUT_S
@@ -67,7 +51,6 @@ def timeout_s() -> float:
 
 
 def _client() -> Any:
-    """The coordination service's client (JAX private API)."""
     try:
         from jax._src import distributed
         client = distributed.global_state.client
@@ -109,10 +92,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def post_failure(exc: BaseException) -> None:
-    """Tell the other processes that this one failed with `exc` (once; never raises).
-
-    Not posted for `ProcessFailed` (a peer's failure, which the peers know).
-    """
+    """Tell the other processes that this one failed with `exc` (once; never raises)."""
     if isinstance(exc, ProcessFailed) or _AGREEMENT.failed_posted or not multi_process():
         return
     _AGREEMENT.failed_posted = True
@@ -154,16 +134,9 @@ def _wait_for(client: Any, key: str, process: int, deadline: float, what: str) -
 
 
 def agree(rows: int, what: str) -> List[int]:
-    """Post "ok" with this process's `rows`; wait for every process's (bounded); their rows.
+    """Post this process's `rows`, wait (bounded) for every process's; their rows by index.
 
-    Every process calls it in the same sequence (one round each call).
-
-    Args:
-        rows: This process's rows of the batch (its share of the global batch).
-        what: What is agreed on, for the error messages ("the train batch").
-
-    Returns:
-        Every process's rows, by process index.
+    Every process calls it in the same sequence; `what` names it in errors.
 
     Raises:
         ProcessFailed: A process posted a failure, or did not post in time.
@@ -195,8 +168,7 @@ def _is_global(leaf: Any) -> bool:
 
 
 def local_devices() -> List[Any]:
-    """This process's devices of the active distribution's mesh, in the mesh's order (JAX's
-    local devices without one)."""
+    """This process's devices of the distribution's mesh, in its order (else JAX's local ones)."""
     distribution = keras.distribution.distribution()
     mesh = getattr(getattr(distribution, "device_mesh", None), "backend_mesh", None)
     devices = list(mesh.local_devices) if mesh is not None else []
@@ -212,8 +184,7 @@ LOCAL_AXIS = "local"  # the axis of `local_mesh()`
 
 
 def local_mesh() -> jax.sharding.Mesh:
-    """A one-axis mesh (`LOCAL_AXIS`) of `local_devices()`: a program over it involves no other
-    process, so an OOM in it is this process's own."""
+    """A one-axis mesh of `local_devices()`: a program over it involves no other process."""
     return jax.sharding.Mesh(np.array(local_devices()), (LOCAL_AXIS,))
 
 
@@ -224,11 +195,7 @@ def local_sharding(mesh: jax.sharding.Mesh, rows: bool) -> jax.sharding.NamedSha
 
 
 def _parts(array: Any) -> Dict[Any, Any]:
-    """Device -> the array's data on that device (a single-device array each).
-
-    `addressable_shards` raises for the variables Keras lays out with one device a process
-    (jax 0.10.2); their one part is `addressable_data(0)`.
-    """
+    """Device -> the array's data there (`addressable_shards` raises for one device a process)."""
     try:
         return {shard.device: shard.data for shard in array.addressable_shards}
     except ValueError:
@@ -253,8 +220,7 @@ def local(tree: Any) -> Any:
 
 
 def replicated_locally(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """`tree`'s replicated global arrays as arrays replicated over `mesh` (`local_mesh()`), each
-    local device's copy reused (no copy); other arrays are copied onto every device of `mesh`."""
+    """`tree` replicated over `mesh`, reusing each local device's copy of a global array."""
     sharding = local_sharding(mesh, rows=False)
 
     def one(leaf: Any) -> Any:
@@ -268,11 +234,7 @@ def replicated_locally(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def per_device(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Each array of `tree` (replicated) as one copy per device of `mesh`, stacked.
-
-    Shape `s` becomes `(devices,) + s` laid out along `LOCAL_AXIS`: row `i` is device `i`'s own
-    copy, which a program over `mesh` updates with that device's rows alone.
-    """
+    """Each array of `tree` as one copy per device of `mesh`, stacked: row `i`, device `i`'s."""
     copies = replicated_locally(tree, mesh)
     sharding = local_sharding(mesh, rows=True)
 
@@ -292,8 +254,7 @@ def zeros_per_device(shape: Tuple[int, ...], dtype: Any, mesh: jax.sharding.Mesh
 
 
 def map_per_device(fn: Any, stacked: Any, *others: Any) -> Any:
-    """`fn(i, row, *other_rows)` on device `i`'s row of `per_device` arrays, stacked again; each
-    call runs on its own device (no collective)."""
+    """`fn(i, row, *other_rows)` on device `i`'s row of `per_device` arrays, on that device."""
     devices = [shard.device for shard in sorted(stacked.addressable_shards,
                                                 key=lambda s: s.index[0].start or 0)]
     arrays = [_parts(a) for a in (stacked,) + others]
@@ -308,8 +269,7 @@ def first_row(stacked: Any) -> Any:
 
 
 def local_rows(tree: Any) -> Any:
-    """A batch laid out over every process's devices, as this process's rows (NumPy), in order
-    of their global index (what `jax.make_array_from_process_local_data` was given)."""
+    """A batch laid out over every process, as this process's rows (NumPy) in global order."""
 
     def one(leaf: Any) -> Any:
         if not _is_global(leaf):
@@ -351,15 +311,8 @@ def _sum_program(shardings: Tuple[Any, ...]) -> Any:
 
 
 def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
-    """The sum over the processes of each local array of `values`, laid out as `like`.
-
-    The one collective of a batch. Every process calls it with its own `values`, in the same
-    order: each either of its `like`'s shape (on `local_device()`: this process's part) or a
-    `per_device` array (each local device's row is that device's part).
-
-    Raises:
-        ValueError: If a value's shape is neither its `like`'s nor one row per local device of it.
-    """
+    """The sum over the processes of each local array of `values` (`like`'s shape, or a
+    `per_device` array of it), laid out as `like`."""
     if not values:
         return []
     mesh = like[0].sharding.mesh

@@ -1,13 +1,8 @@
 """Where keras_memfit's JAX steps find the model's state: Keras's state tuple, or the variables.
 
-Inside keras_memfit's replacement for Keras's step functions (`threaded(model, kind, state)`)
-the steps read and write Keras's state tuple (`get`, `put`), not the variables, so a step
-costs what Keras's own costs; outside one (`safe_predict`, `safe_evaluate`) they read and
-write the variables, whose lists are taken once per call (`refresh`) and reused for its pieces.
-
-Work that needs the variables during such a call (Keras's `get_metrics_result` after an
-accumulated batch) calls `materialize(model)`: the variables then hold the state until the
-call ends, when it is read back (and the variables detached again, if Keras had detached them).
+Inside `threaded(model, kind, state)` the steps use Keras's state tuple (`get`, `put`); outside,
+the variables, whose lists are taken once per call (`refresh`). `materialize(model)` moves the
+tuple into the variables, for work that reads them, until the call ends.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ _lists: "weakref.WeakKeyDictionary[Any, Dict[str, List[Any]]]" = weakref.WeakKey
 
 
 def variables(model: Any, group: str) -> List[Any]:
-    """The model's variables of `group` ("trainable", "non_trainable", "optimizer", "metrics")."""
     if group == "trainable":
         return list(model.trainable_variables)
     if group == "non_trainable":
@@ -43,8 +37,7 @@ def variables(model: Any, group: str) -> List[Any]:
 
 
 def read(variables_: Sequence[Any]) -> List[Any]:
-    """The current values (JAX arrays) of Keras variables, read without Keras's checks
-    (`variable.value` inside a `keras.StatelessScope` and where Keras detached the value)."""
+    """The current values of Keras variables, without Keras's checks (also where detached)."""
     if in_stateless_scope():
         return [v.value for v in variables_]
     out = []
@@ -55,25 +48,20 @@ def read(variables_: Sequence[Any]) -> List[Any]:
 
 
 def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
-    """Write a compiled step's values into variables, skipping a value already the variable's
-    (JAX returns an input that a step passes through unchanged as the same array)."""
+    """Write a step's values into variables, skipping one already the variable's."""
     for v, value in zip(variables_, values):
         if v._value is not value:
             v._direct_assign(value)
 
 
 class Threaded:
-    """Keras's state tuple during one call of keras_memfit's step function.
-
-    Entered, it is the call in progress on this thread (a class, not a generator-based context
-    manager: entered once per step of Keras's loop). `materialized`: the variables hold the state.
-    """
+    """Keras's state tuple during one call of keras_memfit's step function (entered every step,
+    so a class, not a generator context manager); `materialized`: the variables hold it."""
 
     def __init__(self, model: Any, kind: str, state: Sequence[Any]) -> None:
         self._model_ref = weakref.ref(model)
         self.names = GROUPS[kind]
-        # Keras's own lists, not copies: nothing here changes a list in place
-        # (`put` and `restore` replace them), and Keras only reads them.
+        # Keras's own lists, not copies: lists are replaced here, never changed in place.
         self._values: Dict[str, List[Any]] = dict(zip(self.names, state))
         self.materialized = False
         self._detached = False
@@ -103,9 +91,7 @@ class Threaded:
         return names is self.names or all(n in self._values for n in names)
 
     def get(self, names: Sequence[str]) -> List[List[Any]]:
-        # New lists: a caller that keeps them (a train step's spare buffers)
-        # must not share a list with the tuple or a snapshot, so that Python's
-        # reference count of each array tells who holds it.
+        # New lists, shared with nothing: each array's reference count tells who holds it.
         return [list(self._values[n]) for n in names]  # one comprehension: once per step
 
     def put(self, names: Sequence[str], values: Sequence[Sequence[Any]]) -> None:
@@ -146,7 +132,7 @@ class Threaded:
         return tuple(map(self._values.__getitem__, self.names))
 
     def finish(self) -> Tuple[List[Any], ...]:
-        """`state()`, read before the variables are detached again where Keras had detached them."""
+        """`state()`, then the variables detached again where Keras had detached them."""
         state = self.state()
         if self.materialized and self._detached:
             for group in self._variables.values():
@@ -156,14 +142,14 @@ class Threaded:
 
 
 def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Threaded]:
-    """Run keras_memfit's steps on Keras's state tuple for the block (ValueError: bad `kind`)."""
+    """Run keras_memfit's steps on Keras's state tuple for the block."""
     if kind not in GROUPS:
         raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
     return Threaded(model, kind, state)
 
 
 def active() -> Optional[Threaded]:
-    """The threaded call in progress on this thread, if any (not yet materialized)."""
+    """The threaded call in progress on this thread, unless materialized."""
     call = getattr(_local, "call", None)
     return call if call is not None and not call.materialized else None
 

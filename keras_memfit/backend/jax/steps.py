@@ -1,11 +1,7 @@
 """Compiled predict and test steps, their traced outputs, and variable guards.
 
-Keras's JAX steps donate the model's state, which an OOM then destroys. These donate nothing:
-they read the current state (see `state`), run, wait for the result (so that an OOM surfaces
-in keras_memfit's retry loop, not at a later read) and only then write the new state; the old
-and new non-trainable and metric values coexist meanwhile. A step may also be *started*
-(`start`, a `backend.base.StartedPiece`): its new state is written at once and `wait()` puts
-the old one back if the computation failed. Every distinct piece size compiles once.
+The steps donate nothing. A *started* step (`start`) writes its new state at once, and `wait()`
+puts the old one back if the computation failed.
 """
 
 from __future__ import annotations
@@ -26,15 +22,12 @@ PREDICT_STATE = ("trainable", "non_trainable")
 TEST_STATE = ("trainable", "non_trainable", "metrics")
 
 
-# XLA options per platform. On the CPU, `cse_barrier_expander` strips `jax.checkpoint`'s
-# barriers before CSE merges the recomputation back into the forward pass (docs/training.md);
-# a program without barriers is unchanged. Whether GPUs need it: `benchmarks/gpu.py` ("remat").
+# The pass off on the CPU: else XLA merges `jax.checkpoint`'s recomputation back (docs/training.md).
 COMPILER_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"}}
 
 
 def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] = ()) -> Callable:
-    """`fn` jitted as Keras compiles the model's steps, donating only `donate_argnums` (Keras
-    donates the whole state); `fn` itself for a model that runs eagerly."""
+    """`fn` jitted as Keras compiles steps, donating only `donate_argnums`; eager: `fn`."""
     if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
         return fn
     options = COMPILER_OPTIONS.get(jax.default_backend())
@@ -42,12 +35,10 @@ def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] =
 
 
 def values(variables: Sequence[Any]) -> List[Any]:
-    """The current values (JAX arrays) of Keras variables (see `state.read`)."""
     return _state.read(variables)
 
 
 def assign(variables: Sequence[Any], new_values: Sequence[Any]) -> None:
-    """Write a step's `new_values` into `variables` (see `state.write`)."""
     _state.write(variables, new_values)
 
 
@@ -61,19 +52,13 @@ class _Step:
         self.traced = self._compiled is not fn
 
     def model(self) -> keras.Model:
-        """The step's model; RuntimeError if it was deleted."""
         return model_of(self._model_ref)
 
     def __call__(self, data: Any) -> Any:
-        """Run the step on `data` and wait for its result."""
         return self.start(data).wait()
 
     def _start(self, names: Sequence[str], data: Any) -> "Started":
-        """Start the compiled step on the state groups `names` and `data`.
-
-        The step returns its output, then new values of `names[1:]` (inference leaves the trainable
-        weights alone), written at once (see `Started`).
-        """
+        """Start the step on the state groups `names`; it returns its output, then `names[1:]`."""
         model = self.model()
         state = _state.get(model, names)
         result = self._compiled(*state, data)
@@ -83,8 +68,7 @@ class _Step:
 
 
 class Started:
-    """A step started on one piece (a `backend.base.StartedPiece`): `before` holds the values of
-    `names` it replaced; `wait` waits for all of `result` and returns `output`."""
+    """A `StartedPiece`: `before` holds the values of `names` it replaced."""
 
     __slots__ = ("_model", "_names", "_before", "_result", "_output")
 
@@ -97,7 +81,6 @@ class Started:
         self._output = output
 
     def wait(self) -> Any:
-        """The step's output, once computed; if it failed, the old state is back first."""
         try:
             jax.block_until_ready(self._result)
         except BaseException:
@@ -106,7 +89,6 @@ class Started:
         return self._output
 
     def undo(self) -> None:
-        """Put back the state the step replaced."""
         _state.put(self._model, self._names, self._before)
 
 
@@ -125,11 +107,10 @@ class PredictStep(_Step):
         super().__init__(model, predict_fn)
 
     def start(self, x: Any) -> "Started":
-        """Start the step on `x` (see `Started`); `wait()` returns the outputs."""
         return self._start(PREDICT_STATE, x)
 
     def spec(self, x: Any) -> Any:
-        """Output structure of `self(x)` by tracing only (see `output_spec`)."""
+        """Output structure of `self(x)` by tracing only."""
         model = self.model()
         state = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state.get(model, PREDICT_STATE)
@@ -164,7 +145,6 @@ class TestStep(_Step):
         super().__init__(model, test_fn)
 
     def start(self, data: Any) -> "Started":
-        """Start the step on `data` (see `Started`); `wait()` returns the logs."""
         return self._start(TEST_STATE, data)
 
 
@@ -178,18 +158,15 @@ def make_predict_step(
     return step
 
 
-# Keras's JAX trainer compiles with static shapes: its per-output loss trackers
-# weight each batch by its rows, so there is no batch-count rule to follow.
+# Keras's JAX trainer compiles with static shapes: per-output losses weigh a batch by its rows.
 KERAS_COUNTS_EACH_BATCH_ONCE = False
-# Keras's JAX loops call `on_*_batch_begin`, then fetch the batch.
 KERAS_BEGINS_BATCH_BEFORE_FETCH = True
 
 
 def make_test_step(
     model: keras.Model, exact: bool = False
 ) -> Union[TestStep, distribution.ShardedStep]:
-    """A `TestStep` (static shapes: `exact` changes nothing); under `DataParallel` its pieces
-    laid out over the devices."""
+    """A `TestStep` (`exact` changes nothing); under `DataParallel` laid out over the devices."""
     step = TestStep(model)
     if distribution.variant() is distribution.Variant.DATA_PARALLEL:
         return distribution.ShardedStep(step, distribution.last_logs)
@@ -197,12 +174,7 @@ def make_test_step(
 
 
 class VariableGuard:
-    """A `Guard`: the values of some variables, taken before a step, restored if it fails.
-
-    A snapshot keeps references (JAX arrays are immutable, the steps donate nothing). Inside
-    `state.threaded` it saves and restores the whole tuple: between the two only the guarded
-    attempt runs.
-    """
+    """A `Guard` keeping references; inside `state.threaded`, over the whole tuple."""
 
     def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
@@ -235,7 +207,7 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """`NO_SPEC` for eager steps; else traced at two batch sizes (`PredictStep.spec`)."""
+    """`NO_SPEC` for eager steps; else `PredictStep.spec`."""
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):

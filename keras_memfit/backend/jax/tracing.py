@@ -1,8 +1,4 @@
-"""Symbolic traces of a model on JAX: every layer and operation call of one forward pass.
-
-The model is called inside `jax.eval_shape` (nothing runs, nothing is allocated) at two batch
-sizes: a dimension that differs between them is the batch's (None).
-"""
+"""Symbolic traces of a model's layer calls on JAX: `jax.eval_shape` at two batch sizes."""
 
 from __future__ import annotations
 
@@ -18,7 +14,6 @@ from keras_memfit.backend.base import Trace
 
 
 def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
-    """One traced forward pass at `batch` rows: the calls, inputs and outputs."""
     struct, positional = _keras_compat.input_structure(model)
     specs = keras.tree.map_structure(
         lambda t: jax.ShapeDtypeStruct((batch,) + tuple(t.shape[1:]), np.dtype(t.dtype)),
@@ -43,5 +38,4 @@ def _record_forward(model: keras.Model, batch: int) -> CallRecorder:
 
 
 def trace_layer_calls(model: keras.Model) -> Trace:
-    """Traced with `jax.eval_shape` at two batch sizes."""
     return trace_at_two_batches(model, lambda batch: _record_forward(model, batch))

@@ -1,25 +1,8 @@
 """Train steps that never lose the model's state to an OOM; the seam's `Training`.
 
-Keras's JAX trainer donates the model's state to its one compiled train step, so a step that
-runs out of memory loses the model. `TrainStep` runs Keras's default step as two programs:
-
-1. the *gradient program* (forward pass, loss, gradients, metrics) donates nothing: the
-   activations live there, so that is where an OOM happens, and it destroys nothing
-   (`StepOutcome.UNTOUCHED`). Where an OOM shows only when a result is waited for
-   (`OOM_RAISES_AT_DISPATCH`), it is waited for first: a donating program dispatched on the
-   outputs of a program that failed loses its donated inputs;
-2. the *update program* (`optimizer.stateless_apply`) donates the weights and optimizer
-   variables and updates them in place, needing no memory beyond the gradients. It is not
-   waited for (it overlaps Keras's loop and callbacks; the next step waits for it); if it
-   fails, the donated state is lost (`StepOutcome.UPDATE_BEGAN`).
-
-Where the weights dominate, the two programs can need more than Keras's fused step
-(docs/backends.md): per input shape, where XLA's buffer analysis says they would not fit in
-the free memory and Keras's step would, that shape runs Keras's step, with plain Keras's risk.
-A model's own `train_step` runs whole without donation (one extra copy of the training state).
-
-The factories choose, once per step made, the variant of `distribution.variant()`: one
-device, a single-process `DataParallel`, or several processes (`process_training`).
+`TrainStep` runs Keras's default step as a *gradient program*, which donates nothing, then an
+in-place *update program* (ARCHITECTURE.md). The factories choose the variant of
+`distribution.variant()`.
 """
 
 from __future__ import annotations
@@ -45,8 +28,7 @@ from keras_memfit.backend.jax.steps import _compile
 
 logger = logging.getLogger("keras_memfit")
 
-# The two programs are kept unless they need this much more than is free: room
-# for what a step allocates beside its programs (the batch's logs, dispatch).
+# Room for what a step allocates beside its programs (the batch's logs, dispatch).
 SPLIT_MARGIN = 16 << 20
 
 OOM_RAISES_AT_DISPATCH: Dict[str, Optional[bool]] = {
@@ -54,24 +36,21 @@ OOM_RAISES_AT_DISPATCH: Dict[str, Optional[bool]] = {
     "gpu": None,
     "tpu": None,
 }
-"""Whether a compiled program's OOM raises when it is called, per JAX platform.
+"""Whether a program's OOM raises when it is called, per platform (None: unknown).
 
-True: `TrainStep` dispatches the update right after the gradient program. False (the OOM
-shows only when a result is waited for), None (not measured yet) and unlisted platforms: it
-waits for the gradient program first. `python -m benchmarks.gpu`'s JAX "dispatch" check tells
-which: True where both its OOMs raise at the dispatch, False where either raises at the wait.
+Else `TrainStep` waits for the gradient program: an update dispatched on a failed program's
+outputs loses its donated inputs. `benchmarks.gpu`'s JAX "dispatch" check tells which.
 """
 
 
 def oom_raises_at_dispatch() -> bool:
-    """`OOM_RAISES_AT_DISPATCH` for the platform of JAX's first device (False where unknown)."""
+    """`OOM_RAISES_AT_DISPATCH` for JAX's first device (False where unknown)."""
     return OOM_RAISES_AT_DISPATCH.get(jax.devices()[0].platform) is True
 
 
 def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
                            data) -> tuple:
-    """Keras's JAX `train_step` without `stateless_apply` (its metrics do not read the updated
-    weights): `(grads, logs, non_trainable, metrics)`."""
+    """Keras's JAX `train_step` without its update: `(grads, logs, non_trainable, metrics)`."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
         trainable, non_trainable, metrics, x, y, sample_weight,
@@ -85,25 +64,23 @@ def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimiz
 
 
 def _nbytes(tree: Any) -> int:
-    """Bytes of the array leaves of `tree` (NumPy or JAX)."""
     return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
                if hasattr(leaf, "dtype") and hasattr(leaf, "size"))
 
 
 def _new_bytes(analysis: Any) -> int:
-    """What a compiled program allocates when it runs: outputs not aliased to inputs, temps."""
+    """What a compiled program allocates when it runs."""
     return (analysis.output_size_in_bytes - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes)
 
 
 def _signature(data: Any) -> Tuple[Any, ...]:
-    """The shapes and dtypes of `data`'s leaves: one compiled program per signature."""
     return tuple([(getattr(leaf, "shape", None), getattr(leaf, "dtype", type(leaf)))
                   for leaf in jax.tree_util.tree_leaves(data)])
 
 
 def _first_array(tree: Any) -> Any:
-    """One array of `tree` (a compiled program's outputs are ready together), or `tree`."""
+    """One array of `tree`, or `tree`."""
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
             return leaf
@@ -111,8 +88,7 @@ def _first_array(tree: Any) -> Any:
 
 
 def _wait(outputs: Any, compiled: bool = True) -> None:
-    """Wait for `outputs`: of a compiled program, for one of its arrays (ready together), by the
-    array's own `block_until_ready` (`jax.block_until_ready` flattens again); eager ones all."""
+    """Wait for `outputs`; of a compiled program, for one array (all are ready together)."""
     first = _first_array(outputs) if compiled else outputs
     if isinstance(first, jax.Array):
         first.block_until_ready()
@@ -123,14 +99,8 @@ def _wait(outputs: Any, compiled: bool = True) -> None:
 class TrainStep:
     """Keras's default train step as a gradient program and an in-place update program.
 
-    Where an input shape's two programs would not fit and Keras's fused step would, that shape
-    runs Keras's step (`_choose`). A model's own `train_step` (`custom`) runs whole, compiled
-    without donation, its new state written once it finished.
-
-    Attributes:
-        snapshots_itself: True: a failed gradient program wrote nothing (no `Guard` needed).
-        last_outcome: After a call raised: `StepOutcome.UNTOUCHED`, or `UPDATE_BEGAN` when the
-            previous step's update program, or a fused step, failed (its donated state is lost).
+    A model's own `train_step` (`custom`) runs whole, without donation. `last_outcome` is
+    `UPDATE_BEGAN` when the previous update program, or a fused step, failed.
     """
 
     snapshots_itself = True
@@ -154,13 +124,11 @@ class TrainStep:
             return _gradients_and_metrics(
                 model_ref(), trainable, non_trainable, optimizer, metrics, data)
 
-        # The arguments in the order of the outputs, so that each donated
-        # buffer is reused for its own new value (no copies).
+        # The arguments in the order of the outputs: each donated buffer is reused for its own.
         def update_fn(trainable, optimizer, grads):
             return model_ref().optimizer.stateless_apply(optimizer, grads, trainable)
 
-        # Keras's own step, donating the whole state as Keras's does: run only
-        # where the two programs would not fit (see the module docstring).
+        # Keras's own step, donating the whole state: only where the two programs would not fit.
         def fused_fn(state, data):
             return model_ref().train_step(state, data)
 
@@ -168,9 +136,8 @@ class TrainStep:
         self._compiled = self._gradients is not grad_fn
         self._update = _compile(model, update_fn, donate_argnums=(0, 1))
         self._fused = _compile(model, fused_fn, donate_argnums=(0,))
-        self._update_bytes: Optional[int] = None  # what the update program allocates
-        # data signature -> "fused" (Keras's step), "tight" (the two programs,
-        # collecting garbage first) or "split" (the two programs)
+        self._update_bytes: Optional[int] = None
+        # data signature -> "split", "tight" or "fused" (`_choose`)
         self._mode_for: Dict[Tuple[Any, ...], str] = {}
         self._last_update: Any = None  # an output of the last update program
 
@@ -197,8 +164,7 @@ class TrainStep:
             except Exception as err:
                 if mode == "split" or not is_oom_error(err):
                     raise
-                # Tight: memory the last step freed may wait for Python's cycle
-                # collector; the state is untouched, so try once more after it.
+                # Freed memory may wait for the cycle collector; the state is untouched.
                 del err
                 gc.collect()
                 outputs = self._run_gradients(current, data)
@@ -224,14 +190,8 @@ class TrainStep:
         return outputs
 
     def _choose(self, model: keras.Model, current: List[List[Any]], data: Any) -> str:
-        """How this input shape runs: "split" (the two programs), "tight" or "fused" (Keras's step).
-
-        From XLA's buffer analysis of the compiled programs against the free memory now. "split"
-        where either is unknown, under a `keras.distribution`, and where the fused step would not
-        fit with `SPLIT_MARGIN` to spare either (the gradient program's OOM leaves the state
-        intact); "tight" where the two programs fit with less than their own size to spare: they
-        run after collecting Python's garbage, and once more after an OOM.
-        """
+        """How this input shape runs, from XLA's buffer analysis against the free memory: "split"
+        (the two programs), "tight" (the same, collecting garbage first) or "fused" (Keras's)."""
         if keras.distribution.distribution() is not None:
             return "split"
         device = _memory.compute_device()
@@ -276,8 +236,7 @@ class TrainStep:
 
     def _call_fused(self, model: keras.Model, current: List[List[Any]],
                     data: Any) -> Dict[str, Any]:
-        """Keras's own step on the whole (donated) state, waited for so that its OOM, which loses
-        the state, is reported here (`UPDATE_BEGAN`), not by whatever reads the state next."""
+        """Keras's own step on the donated state, waited for so that its OOM is reported here."""
         try:
             logs, state = jax.block_until_ready(self._fused(tuple(current), data))
         except Exception:
@@ -289,8 +248,7 @@ class TrainStep:
         return logs
 
     def _wait_for_update(self) -> None:
-        """Wait for the previous step's update program (`UPDATE_BEGAN` if it failed) before the next
-        gradient program is dispatched: else two sets of gradients could be allocated at once."""
+        """Wait for the previous update program, so that two sets of gradients are never held."""
         last, self._last_update = self._last_update, None
         if last is None or last.is_deleted():  # deleted: a later program consumed it
             return
@@ -313,7 +271,7 @@ class TrainStep:
 
 
 def check_training_mode(model: keras.Model, mode: str) -> None:
-    """Under several processes (`distribution.Variant.PROCESSES`); nothing elsewhere."""
+    """Refuses only under several processes."""
     if distribution.variant() is not distribution.Variant.PROCESSES:
         return
     why = fix = None
@@ -336,8 +294,7 @@ def check_training_mode(model: keras.Model, mode: str) -> None:
 
 def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
                 several: Callable) -> Any:
-    """`model`'s step or accumulator for `distribution.variant()`: `one_device(model)`, that laid
-    out over the devices (`laid_out`, a `distribution.Sharded*`), or `several(model)`."""
+    """`model`'s step or accumulator for `distribution.variant()`."""
     chosen = distribution.variant()
     if chosen is distribution.Variant.PROCESSES:
         return several(model)
@@ -348,7 +305,7 @@ def _as_variant(model: keras.Model, one_device: Callable, laid_out: Callable,
 def make_train_step(
     model: keras.Model, peak_at: Optional[Callable[[int], Optional[int]]] = None
 ) -> Any:
-    """The variant's train step (`peak_at` unused: XLA's buffer analysis chooses, `_choose`)."""
+    """The variant's train step (`peak_at` unused)."""
     return _as_variant(model, TrainStep, distribution.ShardedTrainStep,
                        process_training.ProcessTrainStep)
 
@@ -359,8 +316,7 @@ def checkpoint(fn: Callable) -> Callable:
 
 
 def make_custom_train_step(model: keras.Model, data: Any) -> Any:
-    """The model's own `train_step` run whole (`TrainStep(custom=True)`); refused under several
-    processes. `data` is unused: Keras's `fit` built the model before its first batch."""
+    """The model's own `train_step` run whole (`data` unused: Keras's `fit` built the model)."""
     check_training_mode(model, "accumulate")
     _state.refresh(model)
     step = TrainStep(model, custom=True)

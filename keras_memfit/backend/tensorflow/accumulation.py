@@ -19,11 +19,7 @@ def add_gradients(
     model: keras.Model, data: Any, weight: Any, loss_factor: Any,
     add: Callable[[int, Any], None],
 ) -> Tuple[bool, ...]:
-    """One micro-batch of Keras's default train step, its gradients handed to `add`.
-
-    `add(i, gradient)` for each trainable weight `i` that got a gradient: that of the loss scaled by
-    `weight` (the micro-batch's weight in the batch), sparse ones as `tf.IndexedSlices`. The loss
-    tracker gets the loss times `loss_factor`. Traced inside a step (one device, or per replica).
+    """One micro-batch of Keras's default train step: `add(i, gradient of loss * weight)`.
 
     Returns:
         For each trainable weight, whether it got no gradient.
@@ -56,10 +52,7 @@ def apply_gradients(model: keras.Model, gradients: Sequence[Any]) -> None:
 
 
 def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
-    """For each trainable weight, whether its gradient on `data` is a `tf.IndexedSlices`.
-
-    Read from a symbolic trace (nothing runs): sparseness is a property of the graph.
-    """
+    """For each trainable weight, whether its traced gradient on `data` is a `tf.IndexedSlices`."""
     found: List[Tuple[bool, ...]] = []
 
     def probe(data):
@@ -78,12 +71,7 @@ def sparse_gradients(model: keras.Model, data: Any) -> Tuple[bool, ...]:
 
 
 def sums_sparse_exactly(optimizer: Any) -> bool:
-    """Whether `optimizer`'s update of a sparse gradient is its update of the rows' sum.
-
-    Only SGD without clipping, which scales and adds the rows (one per lookup). Adam, RMSprop and
-    the others square each row (a token met twice: `g1**2 + g2**2`, not `(g1 + g2)**2`), and
-    clipping clips rows: their update needs every row.
-    """
+    """Whether `optimizer` updates a sparse gradient as its rows' sum (SGD without clipping)."""
     clipped = any(
         getattr(optimizer, name, None) for name in ("clipnorm", "clipvalue", "global_clipnorm")
     )
@@ -108,15 +96,11 @@ def kept_rows_text(optimizer: Any, kept: Sequence[Tuple[Sequence[Any], Any]]) ->
 
 
 class AccumulationSteps:
-    """A model's compiled accumulation steps and their sums, kept across fits.
-
-    The sums are variables without a static shape: empty between fits (no memory), refilled with
-    zeros by the next fit, whose steps are then the ones already traced (and XLA-compiled).
+    """A model's compiled accumulation steps and their sums (no static shape), kept across fits.
 
     Attributes:
         sums: Per trainable weight, its dense sum, or None (a sparse gradient, or not made yet).
         sparse_sums: Per index of a weight whose sparse gradient is summed densely, that sum.
-        in_use: Whether an accumulator runs on them now.
     """
 
     def __init__(self, model: keras.Model) -> None:
@@ -128,7 +112,6 @@ class AccumulationSteps:
         self.sums_sparse = sums_sparse_exactly(model.optimizer)
         self.sparse: Optional[Tuple[bool, ...]] = None  # per weight, known at the first batch
         self.in_use = False
-        # Known when the step is traced: which weights get no gradient, which sparse ones.
         traced = {"mask": tuple(False for _ in weights), "sparse": ()}
         self.traced = traced
         sums = self.sums
@@ -171,8 +154,7 @@ class AccumulationSteps:
         )
 
     def fill(self, model: keras.Model, data: Any) -> None:
-        """Zero the dense sums, making those not made yet (before any trace; an OOM while making
-        them leaves some made, and the next fill makes the rest)."""
+        """Zero the dense sums, making those not made yet (after an OOM, the next fill)."""
         if self.sparse is None:
             self.sparse = sparse_gradients(model, data)
         for w, total in zip(self.weights, self.sums):
@@ -200,7 +182,7 @@ class AccumulationSteps:
         return total
 
     def free(self) -> None:
-        """Empty the sums (their memory, the weights' size, goes back) and end the use."""
+        """Empty the sums and end the use."""
         with tf.init_scope():  # eagerly, even if the accumulator is collected during a trace
             for total in [*self.sums, *self.sparse_sums.values()]:
                 if total is not None:
@@ -211,12 +193,8 @@ class AccumulationSteps:
 class GradientAccumulator:
     """Sums weighted micro-batch gradients and applies them once, as Keras's step would.
 
-    Dense gradients are added in place into `AccumulationSteps`' sums, filled only once a batch has
-    been split and emptied when the accumulator is freed. A sparse gradient's slices are kept, and
-    the optimizer gets their concatenation (the rows of Keras's unsplit step), except where the
-    optimizer sums rows exactly (`sums_sparse_exactly`): there they are added into a dense sum once
-    they have more rows than the weight. Under `jit_compile` a micro-batch holds what it updates
-    (`XlaHolds`), so an OOM inside XLA leaves it intact.
+    A sparse gradient's slices are kept and concatenated, unless `sums_sparse_exactly`: then they
+    go into a dense sum once they have more rows than the weight.
     """
 
     def __init__(self, model: keras.Model, steps: AccumulationSteps) -> None:
@@ -229,7 +207,7 @@ class GradientAccumulator:
         weakref.finalize(self, self.steps.free).atexit = False  # not while TF shuts down
 
     def reset(self) -> None:
-        """Start a new batch: zero the sums, drop the kept slices."""
+        """Start a new batch."""
         self._kept = []
         self._summed = set()
         if self._filled:
@@ -269,7 +247,7 @@ class GradientAccumulator:
                 steps.sparse_sums[i].scatter_add(new)
 
     def apply(self) -> None:
-        """Apply the summed gradients (and the kept slices) as one optimizer step."""
+        """Apply the summed gradients and the kept slices as one optimizer step."""
         kept, self._kept = self._kept, []
         steps = self.steps
         sparse = steps.traced["sparse"]

@@ -1,4 +1,4 @@
-"""Compiling MemFit's TensorFlow steps as Keras compiles its own, and tracing them as Keras does."""
+"""Compiling and tracing MemFit's TensorFlow steps as Keras does its own."""
 
 from __future__ import annotations
 
@@ -12,11 +12,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 
 
 def compile_step(model: keras.Model, fn: Callable, static_shapes: bool = False) -> Callable:
-    """`fn` compiled as Keras would compile the model's own steps.
-
-    `fn` reaches the model through a weak reference, so that a step cached per model does not keep
-    it alive. `static_shapes` traces once per piece size (see `needs_static_batch`).
-    """
+    """`fn` compiled as Keras would compile the model's own steps."""
     if getattr(model, "run_eagerly", False):
         return fn
     return tf.function(
@@ -27,8 +23,7 @@ def compile_step(model: keras.Model, fn: Callable, static_shapes: bool = False) 
 def needs_static_batch(model: keras.Model) -> bool:
     """Whether a step that splits batches must be traced with a static batch size.
 
-    Keras weights each per-output loss tracker by the outputs' static batch size: traced with an
-    unknown one, pieces of different sizes would count alike.
+    Keras weights each per-output loss tracker by the outputs' static batch size.
     """
     return _keras_compat.has_per_output_loss_trackers(model)
 
@@ -36,7 +31,7 @@ def needs_static_batch(model: keras.Model) -> bool:
 def traced_as_keras(step: Callable) -> Callable:
     """Compiled `step`, traced on its first call as Keras traces its own (`trace_as_keras`)."""
     if not isinstance(step, tf.types.experimental.PolymorphicFunction):
-        return step  # run eagerly: shapes are always static
+        return step  # run eagerly
     traced = []
 
     def relaxed_step(data):
@@ -50,17 +45,12 @@ def traced_as_keras(step: Callable) -> Callable:
 
 
 def trace_as_keras(step: Callable, data: Any, spec: Any = None) -> None:
-    """Trace compiled `step` for `data` as Keras traces its own (nothing for an eager step).
-
-    On `spec` (Keras's dataset element spec) where `data` fits it, else with an unknown batch
-    dimension, so that per-output loss trackers see the static batch size they see in Keras.
-    """
+    """Trace compiled `step` on Keras's `spec` where `data` fits it, else on `relaxed_spec`."""
     if isinstance(step, tf.types.experimental.PolymorphicFunction):
         step.get_concrete_function(spec if _fits(data, spec) else relaxed_spec(data))
 
 
 def _fits(data: Any, spec: Any) -> bool:
-    """Whether `data` (a structure of values) fits the type spec structure `spec`."""
     if spec is None:
         return False
     try:
@@ -76,10 +66,7 @@ def _fits(data: Any, spec: Any) -> bool:
 
 
 def relaxed_spec(value: Any) -> Any:
-    """The type spec of `value` (a structure) with an unknown batch dimension.
-
-    Numpy object arrays are string tensors; None stays None; a `tf.distribute` value, per replica.
-    """
+    """The type spec of `value` (a structure) with an unknown batch dimension."""
 
     def spec(leaf):
         if leaf is None:

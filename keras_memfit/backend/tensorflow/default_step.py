@@ -11,10 +11,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 
 
 def unscale_loss_for_distribution(loss: Any) -> Any:
-    """The loss without the distribution strategy's scaling (as Keras's train step).
-
-    Keras before 3.8 never scaled it (nor had this function): the loss is returned as it is.
-    """
+    """The loss without the strategy's scaling, as Keras's train step (Keras >= 3.8)."""
     from keras.src.losses import loss as loss_module
 
     unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
@@ -63,9 +60,7 @@ def flagged_train_step(
 ) -> Any:
     """Keras's default train step on `data`, `flag()` run before any op of the optimizer update.
 
-    `flag()` records that the update began (a variable's assign). `strict`: it waits for every
-    gradient; else only for the last trainable weight's (the first computed), so that updates run
-    while earlier gradients are computed, as in Keras's step. Traced inside a step.
+    `strict`: the flag waits for every gradient; else only for the first computed one.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     y_pred, loss, gradients = loss_and_gradients(model, x, y, sample_weight)

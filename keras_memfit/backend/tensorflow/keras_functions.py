@@ -1,8 +1,4 @@
-"""Keras's step functions in the TensorFlow trainer's calling convention.
-
-`model.train_function(iterator)` and `test_function(iterator)` pull up to
-`steps_per_execution` batches; `predict_function(batches)` gets those Keras pulled.
-"""
+"""Keras's step functions in the TensorFlow trainer's calling convention."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ from keras_memfit.backend.base import KerasCall, check_step_kind
 
 
 def keras_call(model: keras.Model, kind: str, *args: Any) -> KerasCall:
-    """`args`: `(iterator,)`, whose batches are pulled one at a time ("train", "test"), or
-    `(batches,)`, those Keras pulled ("predict")."""
+    """`args`: `(iterator,)` for "train" and "test", `(batches,)` Keras pulled for "predict"."""
     check_step_kind(kind)
     (batches,) = args
     if kind == "predict":
@@ -29,7 +24,7 @@ def keras_call(model: keras.Model, kind: str, *args: Any) -> KerasCall:
     return KerasCall(_batches.pull_batches(batches, model.steps_per_execution, is_end_of_data))
 
 
-# model -> the element spec of the data iterator Keras last handed its train function.
+# model -> the element spec of the iterator Keras last handed its train function.
 _KERAS_SPECS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -50,12 +45,7 @@ def _as_tf_sparse(value: Any) -> Any:
 
 
 def adapter_batches(adapter: Any) -> Iterator[Any]:
-    """As Keras's TensorFlow loops hand them over.
-
-    A `tf.data.Dataset` and arrays Keras batches itself come as TensorFlow tensors, as in
-    `model.predict`; generators and `PyDataset`s as numpy arrays, sparse matrices as
-    `tf.SparseTensor`s (what Keras's own `tf.data` pipeline for them makes).
-    """
+    """As Keras's TensorFlow loops hand them over: tensors from `tf.data`, else numpy arrays."""
     if type(adapter).__name__ in ("TFDatasetAdapter", "ArrayDataAdapter"):
         return iter(adapter.get_tf_dataset())
     return (

@@ -24,12 +24,7 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
 
 
 def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
-    """Exact for the capped CPU allocator and a GPU's logical-device limit; else read from NVML.
-
-    On a whole GPU, computed as TensorFlow sizes its allocator (`nvml_allocator_limit`). None where
-    TensorFlow sees no such device, or NVML is missing or cannot tell (no driver, no permission, a
-    MIG slice, a device it cannot match).
-    """
+    """Exact for the capped CPU allocator and a GPU's logical-device limit; else NVML's, or None."""
     mib = 1 << 20
     if device.upper().startswith("CPU"):
         if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in ("1", "true"):
@@ -37,12 +32,10 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
         limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
         return (int(limit) * mib, True) if limit.isdigit() else None
     index = int(device.rsplit(":", 1)[-1]) if ":" in device else 0
-    # The GPUs TensorFlow uses, one per logical device in order. (A GPU split
-    # into logical devices: GPU:0 reads the first part's limit; the other
-    # parts stay unknown, as before.)
+    # One per logical device in order (a GPU split into parts: only GPU:0's limit is read).
     physical = tf.config.get_visible_devices("GPU")
     if index >= len(physical):
-        return None  # no such GPU: nothing to ask NVML about
+        return None
     try:
         configs = tf.config.get_logical_device_configuration(physical[index])
     except (ValueError, RuntimeError):
@@ -52,19 +45,13 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
     return _nvml_limit(physical[index])
 
 
-# TensorFlow's CUDA context and libraries, already resident when its
-# allocator measured the free memory: the allocator got that much less.
+# TensorFlow's CUDA context, resident before its allocator measured free memory.
 CUDA_CONTEXT_BYTES = 512 << 20
 _nvml_ready: Optional[bool] = None  # None: not tried yet
 
 
 def min_system_memory(available: int, cc_major: int) -> int:
-    """Bytes TensorFlow leaves outside its GPU allocator (gpu_device.cc's `MinSystemMemory`).
-
-    Args:
-        available: Free device memory when TensorFlow started, in bytes.
-        cc_major: The GPU's CUDA compute capability, major number.
-    """
+    """Bytes TensorFlow leaves outside its GPU allocator (gpu_device.cc's `MinSystemMemory`)."""
     forced = os.environ.get("TF_DEVICE_MIN_SYS_MEMORY_IN_MB", "")
     if forced.isdigit():
         return int(forced) << 20
@@ -75,20 +62,13 @@ def min_system_memory(available: int, cc_major: int) -> int:
 
 
 def nvml_allocator_limit(total: int, others: int, cc_major: int) -> int:
-    """The limit in bytes TensorFlow gives its allocator on a whole GPU, from NVML's numbers.
-
-    The memory free when TensorFlow started (`total`, less the bytes `others` processes use, less
-    its own CUDA context), less `min_system_memory` of it.
-    """
+    """The limit in bytes TensorFlow gives its allocator on a whole GPU, from NVML's numbers."""
     available = max(0, total - others - CUDA_CONTEXT_BYTES)
     return max(0, available - min_system_memory(available, cc_major))
 
 
 def _nvml_index(physical: Any) -> Optional[Any]:
-    """NVML's handle argument for TensorFlow's GPU `physical`: ("index", n), ("uuid", text) or None.
-
-    TensorFlow numbers the GPUs CUDA shows (CUDA_VISIBLE_DEVICES); NVML numbers all of them.
-    """
+    """NVML's handle argument for TensorFlow's GPU `physical`: ("index", n), ("uuid", s) or None."""
     ordinal = int(physical.name.rsplit(":", 1)[-1])
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None or not visible.strip():
@@ -105,7 +85,6 @@ def _nvml_index(physical: Any) -> Optional[Any]:
 
 
 def _nvml_limit(physical: Any) -> Optional[Tuple[int, bool]]:
-    """The GPU allocator's limit from NVML (`nvml_allocator_limit`), or None."""
     global _nvml_ready
     if _nvml_ready is False:
         return None
@@ -143,16 +122,13 @@ def _nvml_limit(physical: Any) -> Optional[Tuple[int, bool]]:
 
 
 def _other_processes_bytes(processes: Any) -> Optional[int]:
-    """Bytes the GPU's other processes use, or None when that cannot be told.
-
-    In a container NVML may report the host's process ids: a lone process is taken to be this one.
-    """
+    """Bytes the GPU's other processes use, or None when that cannot be told."""
     processes = list(processes)
     mine = [p for p in processes if p.pid == os.getpid()]
     if not mine and len(processes) > 1:
         return None
     if not mine:
-        return 0
+        return 0  # in a container NVML may report host pids: a lone process is this one
     used = [p.usedGpuMemory for p in processes if p.pid != os.getpid()]
     if any(u is None for u in used):
         return None
@@ -172,10 +148,7 @@ def conv_columns(model: Any, device: str) -> bool:
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """With `jit_compile=True` (Keras turns it on by itself on a GPU); never when run eagerly.
-
-    Without it, TensorFlow's steps are traced with relaxed shapes and run any piece size.
-    """
+    """With `jit_compile=True` (Keras's default on a GPU); never when run eagerly."""
     if getattr(model, "run_eagerly", False):
         return False
     try:

@@ -1,5 +1,4 @@
-"""Keeping layers on another device for `keras_memfit.place`: moving variables,
-pinning calls (and their gradients) and optimizer slots to a device."""
+"""Keeping layers on another device for `keras_memfit.place`: variables, calls, gradients, slots."""
 
 from __future__ import annotations
 
@@ -17,15 +16,10 @@ def device_scope(device: str):
 
 
 def move_variable(variable: Any, device: str) -> bool:
-    """Recreate a built `keras.Variable`'s storage on `device`, keeping its value.
-
-    The Keras variable object stays the same (layers, the optimizer and
-    trackers hold it); only the `tf.Variable` inside is replaced. Functions
-    traced before the move still hold the old one: reset them.
+    """Recreate a built `keras.Variable`'s `tf.Variable` on `device` (old traces keep the old one).
 
     Returns:
-        Whether the variable was moved (False when it was already there or
-        is not created yet).
+        Whether it moved (not when already there or not created yet).
     """
     old = getattr(variable, "_value", None)
     if old is None or canonical_device(old.device) == device:
@@ -46,9 +40,7 @@ def move_variable(variable: Any, device: str) -> bool:
 def follow_variable_devices(optimizer: Any) -> None:
     """Make `optimizer` create each slot, and run each update, on its variable's device.
 
-    Keras creates slots on the current default device (on a GPU machine, the
-    GPU) whatever device their variable lives on; this wraps the optimizer's
-    `add_variable_from_reference` and `update_step` (instance attributes, once).
+    Keras would create slots on the default device, wherever their variable lives.
     """
     if optimizer is None or getattr(optimizer, "_memfit_follows_devices", False):
         return
@@ -72,19 +64,14 @@ def follow_variable_devices(optimizer: Any) -> None:
         with tf.device(device):
             return update_step(gradient, variable, *args, **kwargs)
 
-    # Bypass Keras's attribute tracking: these are plain functions.
+    # Bypass Keras's attribute tracking.
     object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
     object.__setattr__(optimizer, "update_step", update_step_on_device)
     object.__setattr__(optimizer, "_memfit_follows_devices", True)
 
 
 def creating_on(device: str, add_weight: Callable) -> Callable:
-    """`add_weight` creating its variable on `device`, even while a function is traced.
-
-    A variable created while tracing is lifted out of the graph into eager
-    mode, where the surrounding `tf.device` scope is lost, so the scope is
-    re-entered inside `tf.init_scope`.
-    """
+    """`add_weight` creating its variable on `device`, even while a function is traced."""
 
     def add_weight_on_device(*args, **kwargs):
         with tf.init_scope(), tf.device(device):
@@ -112,14 +99,9 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
 
 
 def _pinning_new_ops(device: str) -> Iterator[None]:
-    """Give the graph ops created inside, that no device scope reached, a device.
+    """Give the graph ops created inside with no device (`colocate_with` drops the scope) one.
 
-    Some gradient functions build part of their ops under
-    `ops.colocate_with(...)`, which sets the `tf.device` scope aside: the
-    gather gradient of TensorFlow 2.18 casts the table's shape there (a `Cast`
-    with no device, left to the placer). Each such op gets the device of the
-    op it is colocated with, when that one has a device, else `device`. In
-    eager mode nothing is built, and nothing is done.
+    Each gets the device of the op it is colocated with, else `device`.
     """
     if tf.executing_eagerly():
         yield
@@ -144,14 +126,9 @@ def _pinning_new_ops(device: str) -> Iterator[None]:
 
 
 def call_on_device(device: str, call: Callable) -> Callable:
-    """`call` whose ops run on `device`, its gradients included.
+    """`call` whose ops run on `device`, its gradients included (a `tf.custom_gradient`).
 
-    A `tf.device` scope around the forward pass does not reach its gradient
-    ops, which `GradientTape` creates later under whatever scope is active
-    (on a GPU machine, the GPU): the kernel gradient of a pinned Dense would
-    be computed there and cross back. The call is therefore wrapped in a
-    `tf.custom_gradient` whose backward pass runs under the same scope; an
-    embedding keeps its sparse (IndexedSlices) gradient.
+    A `tf.device` scope does not reach the gradient ops `GradientTape` creates later.
     """
 
     def call_here(*args, **kwargs):

@@ -1,8 +1,4 @@
-"""MemFit's train steps on TensorFlow (the seam's `Training`): each tells how far a failed call got.
-
-Under XLA Keras's default step runs as two calls, as on JAX: a gradient call that updates only
-the small state, then an in-place update call (docs/backends.md, "XLA").
-"""
+"""MemFit's train steps on TensorFlow: each tells how far a failed call got (docs/backends.md)."""
 
 from __future__ import annotations
 
@@ -31,33 +27,16 @@ from keras_memfit.backend.tensorflow.keras_functions import keras_batch_spec
 logger = logging.getLogger("keras_memfit")
 
 
-# The strict order is used where it costs at most this share of the estimated
-# peak of the step (see `TrainStep`).
+# The strict order is used where it costs at most this share of the estimated peak.
 STRICT_SHARE = 0.02
 
 
 class TrainStep:
-    """Keras's default train step, compiled, that can tell how far a failed step got.
+    """Keras's default train step, compiled, that tells how far a failed call got (`last_outcome`).
 
-    Inside the same compiled call, before anything that needs memory, it copies `guarded` (the
-    small state) into shadow variables and bumps `generation`; it sets `update_began` to that
-    generation before the optimizer update may begin (`flagged_train_step`): in the strict order
-    once every gradient exists (any OOM before it is retriable, for `strict_extra_bytes` more at
-    the peak), in the free order once the first one does, as Keras's own step. It runs strict
-    where that costs at most `STRICT_SHARE` of the estimated peak at its rows; at one row also
-    where it costs less than one row's activations (estimated), all that recomputing layers could
-    free after an OOM; without an estimate; and always after an OOM that left the weights
-    untouched. Under XLA it runs `split` instead: an OOM of the update call is `UPDATE_BEGAN`
-    (its donated weights and slots may be freed).
-
-    After a call raises `Exception`, the counters are read on the host, the small state is
-    restored if the snapshot ran, and `last_outcome` is `UNTOUCHED` (nothing ran), `RESTORED` or
-    `UPDATE_BEGAN` (weights and slots may be partly updated: not retried).
-
-    Attributes:
-        strict_extra_bytes: The trainable weights' bytes minus the largest one's.
-        always_strict: Whether every call runs strict.
-        split: Whether the step runs as a gradient call and an update call (under XLA).
+    Each call snapshots `guarded` and bumps `generation`, then sets `update_began` before the
+    update: in the strict order once every gradient exists, else at the first. Under XLA
+    (`split`) it runs as a gradient call and an update call.
     """
 
     snapshots_itself = True
@@ -79,8 +58,6 @@ class TrainStep:
                 self._shadows.append(tf.Variable(v.value, trainable=False))
         self._model = weakref.ref(model)
         self._steps: Dict[bool, Callable] = {}  # strict -> compiled step, made on first use
-        # Under XLA a call holds what it updates (`XlaHolds`): an OOM then leaves it
-        # intact. The gradient call updates only the small state, held on every call.
         self._holds = XlaHolds(
             model,
             small=lambda: self._guarded + self._shadows + [self.generation, self.update_began],
@@ -97,7 +74,7 @@ class TrainStep:
         try:
             peak = self._peak_at(rows)
             two = self._peak_at(2) if rows == 1 else None
-        except Exception as exc:  # the estimate is advisory: strict is today's order
+        except Exception as exc:  # the estimate is advisory
             logger.debug("MemFit: no peak estimate (%s); the train step runs strict", exc)
             peak = None
         if peak is None:
@@ -105,8 +82,7 @@ class TrainStep:
             return True
         if self.strict_extra_bytes <= STRICT_SHARE * peak:
             return True
-        # One sample that does not fit is met by recomputation (the weights must be intact), which
-        # frees at most what one row holds: worth the gradients' bytes only below that.
+        # At one row: strict where the gradients cost less than one row (what recomputation frees).
         return two is not None and self.strict_extra_bytes < two - peak
 
     def __call__(self, data: Any) -> Dict[str, Any]:
@@ -203,10 +179,7 @@ def make_train_step(
 
 
 def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]) -> Any:
-    """`data`, ordered after `pairs`' snapshot (`shadow <- value`) and `generation`'s bump.
-
-    A failure later in the call can then be told from one before it.
-    """
+    """`data`, ordered after `pairs`' snapshot (`shadow <- value`) and `generation`'s bump."""
     reads = [shadow.assign(v.value) for shadow, v in pairs]
     with tf.control_dependencies(reads):
         bumped = generation.assign_add(1)
@@ -230,11 +203,7 @@ def _make_train_step(
 
 
 def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, Callable]:
-    """Keras's default step as two compiled calls: `data -> (gradients, logs)`, `gradients -> None`.
-
-    The first snapshots and bumps first (`_after_snapshot`) and returns the gradients that exist
-    (sparse ones as `tf.IndexedSlices`); the second is one optimizer step.
-    """
+    """Keras's default step as two compiled calls: `data -> (gradients, logs)`, then the update."""
     model_ref = weakref.ref(model)
     present: List[bool] = []  # per trainable weight: whether it gets a gradient (at trace)
 
@@ -257,13 +226,7 @@ def _make_split_steps(model: keras.Model, generation, pairs) -> Tuple[Callable, 
 
 
 class CustomTrainStep:
-    """A model's own (overridden) `train_step`, compiled and traced as Keras would.
-
-    Traced when made, on Keras's batch spec: the trace builds what the step builds (a model with no
-    `call()` included). It cannot tell how far a failed call got: callers guard the small state.
-    Under XLA a call holds the small state, and on its first call at each input signature the
-    weights and optimizer variables too (`XlaHolds`).
-    """
+    """A model's own `train_step`, compiled and traced when made; callers guard the small state."""
 
     snapshots_itself = False
     last_outcome: Optional[StepOutcome] = None
@@ -292,10 +255,7 @@ class CustomTrainStep:
 
 
 def checkpoint(fn: Callable) -> Callable:
-    """`tf.recompute_grad` over `fn`'s floating inputs.
-
-    The others (token ids, seed states) are closed over: TensorFlow computes no gradient for them.
-    """
+    """`tf.recompute_grad` over `fn`'s floating inputs (the others are closed over)."""
 
     def call(*args: Any) -> Any:
         floating = [i for i, arg in enumerate(args) if arg.dtype.is_floating]
@@ -317,14 +277,12 @@ def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
 
 
 def _updated_by_a_step(model: keras.Model) -> List[Any]:
-    """The weights and optimizer variables a train step updates."""
     optimizer = getattr(model, "optimizer", None)
     return list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
 
 
 def make_accumulator(model: keras.Model) -> GradientAccumulator:
-    """A `GradientAccumulator` on the model's cached `AccumulationSteps` (new weights or
-    optimizer: new ones; another accumulator of the model alive: its own)."""
+    """A `GradientAccumulator` on the model's cached `AccumulationSteps`."""
     key = (
         "accumulation steps",
         step_variant(model),

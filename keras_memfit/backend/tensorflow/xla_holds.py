@@ -9,13 +9,7 @@ import tensorflow as tf
 
 
 def held_values(variables: Sequence[Any]) -> List[Any]:
-    """The current values of `variables`, to hold while an XLA call that updates them runs.
-
-    TensorFlow's XLA launch donates the buffer of an updated variable that nothing else
-    references; if the call then fails, the buffer is freed while the variable still holds it (its
-    next assignment aborts the process). A held value is not donated: XLA writes the update into
-    a new buffer (the variables' bytes more during the call), and a failed call leaves them intact.
-    """
+    """The current values of `variables`, held so that an XLA call updating them donates nothing."""
     values = []
     for v in variables:
         inner = v if isinstance(v, tf.Variable) else getattr(v, "value", None)
@@ -25,7 +19,6 @@ def held_values(variables: Sequence[Any]) -> List[Any]:
 
 
 def _signature(data: Any) -> Tuple[Any, ...]:
-    """What an XLA program is compiled for: the shapes and dtypes of `data`'s tensors."""
     return tuple(
         (tuple(item.shape), str(getattr(item, "dtype", "")))
         if getattr(item, "shape", None) is not None else repr(item)
@@ -36,13 +29,8 @@ def _signature(data: Any) -> Tuple[Any, ...]:
 class XlaHolds:
     """What a compiled step that updates variables holds on each call under XLA.
 
-    The small state (`small()`: metrics, counters, snapshots) on every call; the large state
-    (`large()`: weights, optimizer slots, gradient sums) only on the first call at each input
-    signature: an XLA program allocates the same buffers at every call, so once one succeeded the
-    next ones fit too, and donate as Keras's step does. Nothing without `jit_compile`.
-
-    Attributes:
-        active: Whether the model's steps run under XLA.
+    `small()` on every call; `large()` only on the first call at each input signature (later
+    calls allocate the same buffers, so they fit). `active`: whether the steps run under XLA.
     """
 
     def __init__(

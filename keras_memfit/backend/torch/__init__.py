@@ -1,15 +1,11 @@
 """PyTorch implementation of the backend seam (`keras_memfit.backend.base`).
 
-Keras's torch trainer runs its steps eagerly and updates the weights in
-place; nothing is donated, so an OOM in a forward or backward pass leaves the
-weights as they were. `place` is not available (`placement` is None): Keras's
-torch backend runs every layer on its one device.
+Steps run eagerly and update weights in place, so an OOM leaves them intact.
 
-- `oom`: PyTorch's OOM forms, the bases of `OutOfMemoryError`;
-- `memory`: CUDA's caching allocator (nothing on the CPU);
+- `oom`: PyTorch's OOM forms;
+- `memory`: CUDA's caching allocator;
 - `steps`: predict and test steps under `torch.no_grad()`, guards;
-- `training`: train steps that say how far a failed call got, and gradient
-  accumulation;
+- `training`: train steps that say how far a failed call got, accumulation;
 - `keras_functions`: Keras's step functions in torch's calling convention;
 - `devices`: naming devices;
 - `tracing`: the model's layer calls, traced on the "meta" device;

@@ -37,7 +37,7 @@ def device_exists(name: str) -> bool:
 
 
 def variable_device(variable: Any) -> Optional[str]:
-    """Device of a Keras variable's value ("cpu:0", "cuda:0"); None if not created."""
+    """Device of a Keras variable's value; None if not created."""
     value = getattr(variable, "_value", None)
     device = getattr(value, "device", None)
     if device is None:

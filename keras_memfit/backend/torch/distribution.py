@@ -1,8 +1,4 @@
-"""torch's distribution answers: one process on one device; `torch.distributed` refused.
-
-Keras's torch backend has no distribution MemFit trains under: every piece runs on Keras's one
-device.
-"""
+"""torch's distribution answers: one process on one device; `torch.distributed` refused."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Keras's step functions in the torch trainer's calling convention.
-
-Keras calls `model.train_function(data)`, `test_function(data)` and `predict_function(data)`
-with `data` the list of one execution's batches (one: `steps_per_execution > 1` is an error on
-torch). `fit` reads `model.train_function` at every step, so MemFit swaps it as on TensorFlow.
-"""
+"""Keras's step functions in the torch trainer's calling convention (`function(batches)`)."""
 
 from __future__ import annotations
 

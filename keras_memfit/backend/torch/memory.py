@@ -1,12 +1,4 @@
-"""Memory statistics and limits of PyTorch's devices, for the planner.
-
-On CUDA, PyTorch's caching allocator; its limit is the free memory plus what it reserved,
-bounded by a per-process memory fraction. On the CPU under `RLIMIT_AS`, that limit, and the
-address space (`VmSize`) in use; the peak since `reset_peak` is the address space then plus
-how far the resident memory rose (`VmHWM`, reset through `/proc/self/clear_refs` after
-`malloc_trim`, so that a piece reusing freed memory counts too; where it cannot be reset, a
-lower bound). Nothing elsewhere (MPS, the CPU without a limit).
-"""
+"""Memory statistics and limits: CUDA's caching allocator, and the CPU under `RLIMIT_AS`."""
 
 from __future__ import annotations
 
@@ -32,7 +24,7 @@ def compute_device() -> str:
 
 
 def _cuda_index(device: str) -> Optional[int]:
-    """The CUDA ordinal of "cuda:N" ("/GPU:N" too) when CUDA is usable, else None."""
+    """The CUDA ordinal of "cuda:N" or "/GPU:N" when CUDA is usable, else None."""
     text = device.strip().lstrip("/").lower()
     kind, _, index = text.partition(":")
     if kind not in ("cuda", "gpu") or not torch.cuda.is_available():
@@ -73,7 +65,7 @@ def memory_stats(device: str) -> Optional[Tuple[int, int]]:
         return None
     current = space["VmSize"]
     reset = _resets.get(device)
-    if reset is None:  # no measurement started: the process's peak
+    if reset is None:
         return current, max(current, space["VmPeak"])
     size_then, resident_then = reset
     return current, max(current, size_then + space["VmHWM"] - resident_then)
@@ -96,7 +88,7 @@ def memory_limit(device: str) -> Optional[Tuple[int, bool]]:
 
 
 def reset_peak(device: str) -> None:
-    """Reset CUDA's peak; on the CPU under `RLIMIT_AS`, see the module docstring."""
+    """Reset CUDA's peak; on the CPU, the peak becomes `VmSize` now plus the rise of `VmHWM`."""
     index = _cuda_index(device)
     if index is not None:
         torch.cuda.reset_peak_memory_stats(index)
@@ -106,33 +98,33 @@ def reset_peak(device: str) -> None:
     _trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # the resident high-water mark becomes the resident size
+            refs.write("5")  # VmHWM becomes VmRSS
     except OSError:
-        pass  # not allowed here: the old mark stays, and only a rise above it counts
+        pass  # the old mark stays: a lower bound
     space = _address_space()
     if space is not None:
         _resets[device] = (space["VmSize"], space["VmHWM"])
 
 
 def _trim_heap() -> None:
-    """Return the C heap's free pages to the system (glibc's `malloc_trim`; nothing elsewhere)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's C library
+    """glibc's `malloc_trim`, so that a piece reusing freed memory counts in `VmHWM`."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
 
 
 def release_cached() -> None:
-    """Return PyTorch's cached, unused CUDA blocks to the device (after an OOM)."""
+    """Return PyTorch's cached, unused CUDA blocks to the device."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def conv_columns(model: Any, device: str) -> bool:
-    """False: torch's CPU convolutions (oneDNN) were not measured building one."""
+    """False: not measured for torch's CPU convolutions."""
     return False
 
 
 def compiles_per_shape(model: Any) -> bool:
-    """False: keras_memfit's steps on torch run eagerly, also under `jit_compile=True`."""
+    """False: steps run eagerly."""
     return False
 

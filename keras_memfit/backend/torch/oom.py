@@ -1,8 +1,4 @@
-"""PyTorch's own out-of-memory forms, and the bases of `OutOfMemoryError`.
-
-PyTorch raises most failures as a plain `RuntimeError`, so each form but CUDA's allocator's
-needs the allocator's own message; an error that merely mentions memory is not an OOM.
-"""
+"""PyTorch's own out-of-memory forms (most told by message), and the bases of `OutOfMemoryError`."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ _MPS_OOM = "MPS backend out of memory"
 
 
 def _runtime_message(exc: BaseException) -> str:
-    """The message of a `RuntimeError`, "" for any other exception."""
     return str(exc) if isinstance(exc, RuntimeError) else ""
 
 
@@ -56,7 +51,7 @@ def is_mps_oom(exc: BaseException) -> bool:
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """Any of PyTorch's own OOM forms above."""
+    """Any of PyTorch's own OOM forms."""
     return (
         is_cuda_allocator_oom(exc)
         or is_cpu_allocator_oom(exc)
@@ -68,10 +63,7 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    """`torch.OutOfMemoryError` (a `RuntimeError`, also `torch.cuda.OutOfMemoryError`).
-
-    So `except torch.OutOfMemoryError` and `except RuntimeError` still catch it.
-    """
+    """`torch.OutOfMemoryError` (a `RuntimeError`), so existing `except` clauses still catch it."""
     return (torch.OutOfMemoryError,)
 
 

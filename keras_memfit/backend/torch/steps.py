@@ -1,10 +1,4 @@
-"""Predict and test steps, their traced outputs, and variable guards, on torch.
-
-The steps run eagerly under `torch.no_grad()`, as Keras's do (also under `jit_compile=True`:
-no compilation per piece shape). After a step ran out of memory, the next one first empties
-the CUDA cache (`AfterOOM`), once the caller dropped the exception (its traceback holds the
-failed step's tensors).
-"""
+"""Predict and test steps (eager, under `torch.no_grad()`), their traced outputs, and guards."""
 
 from __future__ import annotations
 
@@ -28,7 +22,7 @@ logger = logging.getLogger("keras_memfit")
 def to_tensors(data: Any) -> Any:
     """`data` with every numpy array as a torch tensor on Keras's device (None stays None)."""
     if type(data) is tuple and all(d is None or type(d) is torch.Tensor for d in data):
-        return data  # what Keras's torch data loader hands a step: nothing to convert
+        return data  # from Keras's torch data loader
 
     def convert(leaf: Any) -> Any:
         if isinstance(leaf, (np.ndarray, np.generic)):
@@ -47,13 +41,12 @@ class AfterOOM:
         self._pending = False
 
     def before_call(self) -> None:
-        """Release the cache a failed call left (the caller dropped its exception by now)."""
+        """Release the cache a failed call left."""
         if self._pending:
             self._pending = False
             memory.release_cached()
 
     def failed(self) -> None:
-        """Note that a call raised: the next one empties the cache first."""
         self._pending = True
 
 
@@ -91,7 +84,7 @@ class PredictStep(_Step):
         return outputs
 
     def spec(self, x: Any) -> Any:
-        """Output structure of `self(x)`, traced on the "meta" device (see `output_spec`)."""
+        """Output structure of `self(x)`, traced on the "meta" device."""
         model = model_of(self._model_ref)
         mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
                    for v in model.variables]
@@ -106,7 +99,6 @@ class PredictStep(_Step):
                 with keras.StatelessScope(state_mapping=mapping):
                     return self._run(model, xs)
 
-        # One and two rows: a meta trace's cost grows with the rows it is given.
         return spec_of_two_sizes(
             at(1), at(2),
             lambda leaf: np.dtype(keras.backend.standardize_dtype(leaf.dtype))
@@ -131,25 +123,17 @@ def make_predict_step(model: keras.Model, postprocess: Optional[Callable] = None
     return PredictStep(model, postprocess)
 
 
-# Keras's torch steps run eagerly: every batch's shape is known, so its
-# per-output loss trackers weight each batch by its rows.
-KERAS_COUNTS_EACH_BATCH_ONCE = False
-# Keras's torch loops take each batch from the epoch iterator, then call
-# `on_*_batch_begin`: a generator that runs out gets no extra begin.
+KERAS_COUNTS_EACH_BATCH_ONCE = False  # eager: each batch weighted by its rows
 KERAS_BEGINS_BATCH_BEFORE_FETCH = False
 
 
 def make_test_step(model: keras.Model, exact: bool = False) -> TestStep:
-    """Eager, under `torch.no_grad()`; every batch's shape is known, so `exact` changes nothing."""
+    """Eager, under `torch.no_grad()` (`exact` changes nothing)."""
     return TestStep(model)
 
 
 class TensorsOf:
-    """The torch tensors behind a list of Keras variables, looked up again only when it changes.
-
-    A built Keras variable on torch keeps one tensor for its life (`assign` copies into it), and
-    reading `variable.value` costs Python time on every batch.
-    """
+    """The torch tensors behind a list of Keras variables, looked up again only when it changes."""
 
     __slots__ = ("_variables", "_tensors")
 
@@ -158,7 +142,6 @@ class TensorsOf:
         self._tensors: List[Any] = []
 
     def __call__(self, variables: Sequence[Any]) -> List[Any]:
-        """The tensors of `variables` (the same variables, in order, as last time: cached)."""
         known = self._variables
         if len(variables) != len(known) or any(a is not b for a, b in zip(variables, known)):
             self._variables = tuple(variables)
@@ -167,11 +150,7 @@ class TensorsOf:
 
 
 class VariableGuard:
-    """A `Guard`: copies of some variables, taken before a step, restored if it fails.
-
-    The copies are tensors on the variables' devices, made by the first `snapshot` and refilled
-    in place by the next ones; `restore` copies them back in place.
-    """
+    """A `Guard`: copies of some variables, taken before a step, restored if it fails."""
 
     def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
@@ -204,17 +183,13 @@ def prepare_test(model: keras.Model, batch: Any) -> None:
 
 
 def output_spec(step: Callable, x: Any) -> Any:
-    """Traced on PyTorch's "meta" device at two batch sizes (nothing computed or allocated).
-
-    `NO_SPEC` where the trace raises (an op without a meta kernel): the first piece's outputs then
-    describe the step.
-    """
+    """Traced on PyTorch's "meta" device at two batch sizes; `NO_SPEC` where the trace raises."""
     if not isinstance(step, PredictStep):
         step = getattr(step, "__wrapped__", None)  # a functools.wraps wrapper
     if not isinstance(step, PredictStep):
         return NO_SPEC
     try:
         return step.spec(x)
-    except Exception as exc:  # noqa: BLE001 - no meta kernel: describe from the first piece
+    except Exception as exc:  # noqa: BLE001 - no meta kernel
         logger.debug("safe_predict: no meta-device trace of the predict step (%s)", exc)
         return NO_SPEC

@@ -1,9 +1,4 @@
-"""Symbolic traces of a model on torch: every layer and operation call of one forward pass.
-
-On PyTorch's "meta" device (nothing runs, nothing is allocated), the variables mapped to meta
-tensors, at two batch sizes (`trace_at_two_batches`). Where an op has no meta kernel the pass
-runs for real at those small sizes on Keras's device, under `torch.no_grad()`.
-"""
+"""Symbolic traces of a model on torch's "meta" device (for real where an op has no meta kernel)."""
 
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ def _record_forward(model: keras.Model, batch: int, meta: bool) -> CallRecorder:
     """One forward pass at `batch` rows (on "meta", or for real): its calls, inputs, outputs."""
     struct, positional = _keras_compat.input_structure(model)
     keys: Dict[int, str] = {}
-    alive: List[Any] = []  # the traced tensors, kept so that their ids stay unique
+    alive: List[Any] = []  # keeps ids unique
 
     def describe(value: Any) -> Optional[Info]:
         if not isinstance(value, torch.Tensor):
@@ -62,8 +57,7 @@ def _record_forward(model: keras.Model, batch: int, meta: bool) -> CallRecorder:
             inputs = keras.tree.map_structure(
                 lambda t: keras.ops.convert_to_tensor(tensor(t).numpy()), struct)
         recorder.inputs = recorder.infos(inputs)
-        # Keras reads a variable in the innermost StatelessScope only: the
-        # mapping to meta tensors is that scope (no variable changes either).
+        # Keras reads variables from the innermost StatelessScope only: the meta mapping must be it.
         with recorder.patched(), keras.StatelessScope(state_mapping=mapping):
             if meta:
                 with device_scope("meta"):
@@ -81,7 +75,7 @@ def _call(model: keras.Model, inputs: Any, positional: bool) -> Any:
 def _record(model: keras.Model, batch: int) -> CallRecorder:
     try:
         return _record_forward(model, batch, meta=True)
-    except Exception as exc:  # an op without a meta kernel: trace for real, small
+    except Exception as exc:  # an op without a meta kernel
         logger.debug("memory_report: the meta-device trace of %r failed (%s); tracing "
                      "at batch %d on Keras's device", model.name, exc, batch)
         return _record_forward(model, batch, meta=False)

@@ -40,9 +40,8 @@ def drop_gradients(weights: Sequence[Any]) -> None:
 
 
 def _drop_grads(tensors: Sequence[Any]) -> None:
-    """Free the gradients `backward()` left on the weights' tensors (`.grad = None`)."""
     for t in tensors:
-        if t.grad is not None:  # reading is cheaper than setting (about 1 us)
+        if t.grad is not None:  # reading is cheaper than setting
             t.grad = None
 
 
@@ -62,10 +61,7 @@ def _set_random_state(state: tuple) -> None:
 class TrainStep:
     """Keras's default torch train step, which can tell how far a failed call got.
 
-    The small state (`guarded`) and torch's global random state (what unseeded dropout draws from)
-    are snapshotted first; when the step raises `Exception` they are restored, its gradients are
-    dropped, and `last_outcome` is `RESTORED` (weights untouched) or `UPDATE_BEGAN`
-    (`optimizer.apply` had begun). Gradients are also dropped after a step that succeeded.
+    A failed call restores `guarded` and torch's global random state (unseeded dropout's).
     """
 
     snapshots_itself = True
@@ -118,11 +114,7 @@ def make_train_step(
 
 
 class CustomTrainStep:
-    """A model's own (overridden) `train_step`, run eagerly as Keras runs it.
-
-    It cannot tell how far a failed call got (callers guard the small state); the gradients a
-    failed call left on the weights are dropped.
-    """
+    """A model's own `train_step`, run eagerly; callers guard the small state."""
 
     snapshots_itself = False
     last_outcome: Optional[StepOutcome] = None
@@ -153,11 +145,7 @@ def make_custom_train_step(model: keras.Model, data: Any) -> CustomTrainStep:
 
 
 class GradientAccumulator:
-    """Sums weighted micro-batch gradients in place and applies them as one optimizer step.
-
-    The first micro-batch's gradients become the sums (one tensor per trainable weight); the next
-    ones are added in place; `apply` drops them.
-    """
+    """Sums weighted micro-batch gradients in place and applies them as one optimizer step."""
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
@@ -165,7 +153,7 @@ class GradientAccumulator:
         self._after_oom = AfterOOM()
 
     def reset(self) -> None:
-        """Start a new batch: the sums dropped (made by the first `add`)."""
+        """Start a new batch."""
         self._sums = None
         self._after_oom.before_call()
 
@@ -199,7 +187,7 @@ class GradientAccumulator:
                 if grad is None:
                     continue
                 if self._sums[i] is None:
-                    self._sums[i] = grad  # the sums cost no buffer of their own until now
+                    self._sums[i] = grad
                 else:
                     self._sums[i].add_(grad)
                 del grad
@@ -208,7 +196,7 @@ class GradientAccumulator:
         return None
 
     def apply(self) -> None:
-        """Apply the summed gradients as one optimizer step (weights without any are skipped)."""
+        """Apply the summed gradients as one optimizer step."""
         model = self._model_ref()
         weights = model.trainable_weights
         sums, self._sums = self._sums or [None] * len(weights), None
