@@ -73,6 +73,7 @@ class LayerMemory:
         return data
 
 
+@dataclasses.dataclass(eq=False)
 class MemoryReport:
     """Per-layer memory of a model at one batch size, with totals and a peak estimate.
 
@@ -99,29 +100,21 @@ class MemoryReport:
             rounding and fragmentation are not modelled.
     """
 
+    rows: List[LayerMemory]
+    _: dataclasses.KW_ONLY
+    model_name: str
+    batch_size: int
+    training: bool
+    budget: Optional[int]
+    dtype_policy: Optional[str]
+    input_bytes_per_sample: int
+    fixed_bytes: int
+    bytes_per_sample: int
+    device: Optional[str] = None
+    per_device: Dict[str, DeviceMemory] = dataclasses.field(default_factory=dict)
 
-    def __init__(
-        self,
-        rows: List[LayerMemory],
-        *,
-        model_name: str,
-        batch_size: int,
-        training: bool,
-        budget: Optional[int],
-        dtype_policy: Optional[str],
-        input_bytes_per_sample: int,
-        fixed_bytes: int,
-        bytes_per_sample: int,
-        device: Optional[str] = None,
-        per_device: Optional[Dict[str, DeviceMemory]] = None,
-    ) -> None:
-        self.rows = rows
-        self.model_name = model_name
-        self.batch_size = batch_size
-        self.training = training
-        self.budget = budget
-        self.dtype_policy = dtype_policy
-        self.input_bytes_per_sample = input_bytes_per_sample
+    def __post_init__(self) -> None:
+        rows = self.rows
         self.param_bytes = sum(r.param_bytes for r in rows)
         self.trainable_bytes = sum(r.trainable_bytes for r in rows)
         self.slot_bytes = sum(r.slot_bytes for r in rows)
@@ -129,10 +122,7 @@ class MemoryReport:
         flops = [r.flops for r in rows]
         self.flops = None if any(f is None for f in flops) else sum(flops)
         self.params = sum(r.params for r in rows)
-        self.fixed_bytes = fixed_bytes
-        self.bytes_per_sample = bytes_per_sample
-        self.device = device
-        self.per_device: Dict[str, DeviceMemory] = dict(per_device or {})
+        self.per_device = dict(self.per_device or {})
         self._spans_devices = len(self.per_device) > 1
 
     @property

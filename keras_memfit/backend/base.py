@@ -1,11 +1,6 @@
 """The backend seam's contract: what every backend package provides, typed.
 
-Everything that depends on Keras's backend is a member of one package,
-`keras_memfit.backend.<name>`, whose `__init__` imports it from the modules
-named below; `keras_memfit.backend.get()` returns the active one. `Backend`
-is every concern's protocol together. A capability a backend lacks is None
-(`placement` on JAX and torch). The values that cross the seam are typed
-here too.
+`Backend` is every concern's protocol together; a capability a backend lacks is None.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ class Spec:
 
 
 class _NoSpec:
-    """`output_spec`'s answer for a step that cannot be traced (an eager step)."""
+    """`output_spec`'s answer for a step that cannot be traced."""
 
     _instance = None
 
@@ -68,14 +63,7 @@ class TracedTensor(NamedTuple):
 
 
 class TracedCall(NamedTuple):
-    """One layer or operation call of a traced forward pass.
-
-    Attributes:
-        op: The layer (or operation) called.
-        parent: Index of the enclosing call, None for the model's own calls.
-        inputs: The tensors it was given (arguments and keyword arguments).
-        outputs: The tensors it returned.
-    """
+    """One layer or operation call of a traced forward pass (`parent`: None for the model's own)."""
 
     op: Any
     parent: Optional[int]
@@ -84,13 +72,7 @@ class TracedCall(NamedTuple):
 
 
 class Trace(NamedTuple):
-    """Every layer and operation call of one symbolic forward pass of a model.
-
-    Attributes:
-        inputs: The model's input tensors.
-        outputs: Keys of the model's output tensors.
-        calls: Every call below the model's own, in call order.
-    """
+    """Every layer and operation call below the model's own of one symbolic forward pass."""
 
     inputs: Tuple[TracedTensor, ...]
     outputs: Tuple[str, ...]
@@ -98,26 +80,16 @@ class Trace(NamedTuple):
 
 
 class ProcessFailed(RuntimeError):
-    """Another process training together with this one failed, or did not answer in time.
-
-    Raised by MemFit (and safe_predict, safe_evaluate) in every process of a
-    multi-process run (JAX's `jax.distributed`) when one process posted a
-    failure (its error is named) or did not reach the agreement within its
-    timeout (`KERAS_MEMFIT_PROCESS_TIMEOUT`). Public as
-    `keras_memfit.ProcessFailed`.
-    """
+    """Another process of a multi-process run failed, or did not answer in time."""
 
 
 class StepOutcome(enum.Enum):
-    """How far a train step that raised got, as the step itself tells.
+    """How far a train step that raised got.
 
     Attributes:
-        UNTOUCHED: Nothing ran (XLA, for one, allocates before it executes
-            anything); nothing to undo.
+        UNTOUCHED: Nothing ran; nothing to undo.
         RESTORED: It ran part-way; the small state it touched is back.
-        UPDATE_BEGAN: The optimizer update had begun: weights may be partly
-            updated (TensorFlow) or lost (JAX, whose update program works in
-            place on the state it was given), so the step must not be retried.
+        UPDATE_BEGAN: The update began: weights may be partly updated or lost; never retried.
     """
 
     UNTOUCHED = "untouched"
@@ -138,18 +110,13 @@ class Guard(Protocol):
 
 @runtime_checkable
 class StartedPiece(Protocol):
-    """A predict or test step started on one piece and not waited for yet.
-
-    Its new state is already the model's (the next piece's step reads it);
-    its result is not known to exist until `wait()` returned.
-    """
+    """A predict or test step started on one piece, its new state already the model's."""
 
     def wait(self) -> Any:
-        """The step's result. If the step failed, the state is put back as it
-        was before the step started, then the error is raised."""
+        """The step's result; if the step failed, the state is put back first."""
 
     def undo(self) -> None:
-        """Put the state back as it was before the step started (its result is dropped)."""
+        """Put the state back as it was before the step started."""
 
 
 @runtime_checkable
@@ -168,12 +135,8 @@ class TrainStep(Protocol):
     """One compiled train step on a batch, returning Keras's logs.
 
     Attributes:
-        snapshots_itself: True when the step snapshots and restores the small
-            state it may touch inside its own call (keras_memfit's version of
-            Keras's default step); False for a model's own `train_step`,
-            whose caller must snapshot with a `Guard`.
-        last_outcome: After a call raised, how far it got; None where the
-            step cannot tell (a custom `train_step`).
+        snapshots_itself: Whether the step restores what it touched itself (else use a `Guard`).
+        last_outcome: After a call raised, how far it got; None where the step cannot tell.
     """
 
     snapshots_itself: bool
@@ -191,23 +154,20 @@ class Accumulator(Protocol):
         """Start a new batch: zero the sums."""
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
-        """Add `weight` times the gradient of the loss on micro-batch `data`; the loss
-        tracker records its loss times `loss_factor` (`_internal.reductions.weights`)."""
+        """Add `weight` times `data`'s loss gradient; its loss is tracked times `loss_factor`."""
 
     def apply(self) -> None:
         """Apply the summed gradients as one optimizer step."""
 
     def held(self) -> Optional[str]:
-        """What the last `apply` held that grows with the batch, in words; None: only sums."""
+        """What the last `apply` held that grows with the batch, in words; None if nothing."""
 
 
 class Cut(Protocol):
-    """One Keras batch as a `Layout` cuts it.
+    """One Keras batch as a `Layout` cuts it (ARCHITECTURE.md, "cut").
 
-    `chunk` is what `run_in_pieces` cuts, its rows the batch's lanes (`lanes`, what the planner
-    sizes: its rows on one device, its largest replica's rows under a strategy); `rows`: the
-    batch's rows on every device; `signature`: the planner's key; `x`: one
-    device's inputs (for MemFit's warnings).
+    `chunk`: what `run_in_pieces` cuts; `lanes`: what the planner sizes; `rows`: on every
+    device; `signature`: the planner's key; `x`: one device's inputs.
     """
 
     chunk: tuple
@@ -220,24 +180,20 @@ class Cut(Protocol):
         """The Keras batch of `piece`'s rows, as the layout's steps take it."""
 
     def micro_batch(self, piece: tuple, how: str) -> Tuple[Any, Any, Any]:
-        """`piece`'s batch, weight and loss factor for `Accumulator.add` (`how`: a weighting)."""
+        """`piece`'s batch, weight and loss factor for `Accumulator.add`."""
 
     def rows_in(self, piece: tuple) -> int:
         """The rows `piece` runs, on every device."""
 
     def join(self, outputs: List[Any]) -> Any:
-        """The predict step's outputs on consecutive pieces, as one, in the input's order."""
+        """The predict step's outputs on consecutive pieces, as one."""
 
 
 class Layout(Protocol):
     """How MemFit cuts a Keras batch into pieces, and the steps that run them.
 
-    On one device `training.layout.OneDevice`; a backend that runs a batch on several replicas
-    each with its own rows gives its own (`Distribution.training_layout`).
-
     Attributes:
-        copies: Each replica's copy of a variable (per-output loss trackers are settled on
-            each); None on one device.
+        copies: Each replica's copy of a variable; None on one device.
     """
 
     copies: Optional[Callable[[Any], Sequence[Any]]]
@@ -249,28 +205,23 @@ class Layout(Protocol):
         """What cannot be split in `batches`, in words (None: everything can)."""
 
     def prepare(self, model: Any, cut: Cut) -> None:
-        """Build the model, its metrics and loss (and optimizer) before a train step is made."""
+        """Build the model, its metrics, loss and optimizer before a train step is made."""
 
     def train_step(self, model: Any, custom: bool, cut: Cut) -> TrainStep:
         """The train step (the model's own `train_step` when `custom`)."""
 
-    def guard(self, variables: Sequence[Any]) -> Guard:
-        """A `Guard` over (every copy of) `variables`."""
-
     def accumulator(self, model: Any) -> Accumulator:
-        """A gradient accumulator (sums the size of the weights)."""
+        """A gradient accumulator."""
 
     def test_step(self, model: Any, cut: Cut, exact: bool) -> Tuple[Callable[[Any], Any], Guard]:
-        """The test step on a cut's batch and a guard over the metric state; `exact`: per-output
-        loss trackers weight a piece by its rows (else as Keras's `evaluate` counts a batch)."""
+        """The test step and a guard over the metric state (`exact`: losses weighted by rows)."""
 
     def predict_step(self, model: Any) -> Callable[[Any], Any]:
         """The predict step on a cut's batch."""
 
 
 # ---------------------------------------------------------------- the seam
-# One protocol per concern, provided by the module of that name in every
-# backend package. The members are documented here, once.
+# One protocol per concern, provided by the module of that name in every backend package.
 
 
 class OutOfMemory(Protocol):
@@ -290,23 +241,19 @@ class Memory(Protocol):
     """Memory statistics and limits of a device, for the planner (module `memory`)."""
 
     def compute_device(self) -> str:
-        """The device the model's computation runs on, named as the backend names devices."""
+        """The device the model's computation runs on."""
 
     def memory_stats(self, device: str) -> Optional[Tuple[int, int]]:
-        """`(current, peak)` bytes allocated on `device` since `reset_peak`, or
-        None where the device reports none (the planner then learns from OOMs)."""
+        """`(current, peak)` bytes allocated on `device` since `reset_peak`; None if unknown."""
 
     def memory_limit(self, device: str) -> Optional[Tuple[int, bool]]:
-        """`(bytes, exact)`: what the allocator on `device` may use, and whether
-        the planner may trust it before a first OOM; None when unknown."""
+        """`(bytes, exact)`: the allocator's limit, and whether to trust it before an OOM."""
 
     def reset_peak(self, device: str) -> None:
         """Start a new peak measurement on `device` (nothing where unsupported)."""
 
     def conv_columns(self, model: Any, device: str) -> bool:
-        """Whether a convolution's backward pass in `model`'s train step on
-        `device` builds its input's column matrix (the kernel's size times the
-        input), a workspace no recomputation frees."""
+        """Whether `model`'s convolution gradients on `device` build a column matrix."""
 
     def compiles_per_shape(self, model: Any) -> bool:
         """Whether `model`'s steps compile once per piece shape (XLA)."""
@@ -318,73 +265,47 @@ class Steps(Protocol):
     A step that fails leaves the model as it was before it.
 
     Attributes:
-        KERAS_COUNTS_EACH_BATCH_ONCE: Whether Keras's own test step counts each
-            batch once in per-output losses (a step traced with an unknown
-            batch size), rather than per sample.
-        KERAS_BEGINS_BATCH_BEFORE_FETCH: Whether Keras's predict and evaluate
-            loops call `on_*_batch_begin` before fetching the batch (once
-            more, for a batch that never came, when a generator runs out) or
-            after it.
+        KERAS_COUNTS_EACH_BATCH_ONCE: Whether Keras's test step counts a batch once in
+            per-output losses, rather than per sample.
+        KERAS_BEGINS_BATCH_BEFORE_FETCH: Whether Keras's loops call `on_*_batch_begin`
+            before fetching the batch (once more when a generator runs out).
     """
 
     KERAS_COUNTS_EACH_BATCH_ONCE: bool
     KERAS_BEGINS_BATCH_BEFORE_FETCH: bool
 
     def make_predict_step(self, model: Any, postprocess: Optional[Callable] = None) -> Callable:
-        """A step `x -> outputs` running `model.predict_step`, then `postprocess`
-        (a `StartableStep` where steps run asynchronously)."""
+        """A step `x -> outputs`: `model.predict_step`, then `postprocess`."""
 
     def make_test_step(self, model: Any, exact: bool = False) -> Callable:
-        """A step `(x, y, sample_weight) -> logs` running `model.test_step`.
-
-        Args:
-            model: A compiled model.
-            exact: Count per-output losses per sample, where Keras's own step
-                counts each batch once (`KERAS_COUNTS_EACH_BATCH_ONCE`).
-        """
+        """A step `(x, y, sample_weight) -> logs`; `exact`: per-output losses per sample."""
 
     def prepare_test(self, model: Any, batch: Any) -> None:
         """Build `model`, its compiled metrics and loss on `batch` before test steps run."""
 
     def output_spec(self, step: Callable, x: Any) -> Any:
-        """The output structure of `step(x)` by tracing only; `NO_SPEC` where it cannot be traced.
-
-        Each array leaf becomes a `Spec` whose dimensions that follow the
-        batch size are None; other leaves are returned as they are.
-        """
+        """`step(x)`'s outputs by tracing only, arrays as `Spec`s; `NO_SPEC` if it cannot trace."""
 
     def guard_variables(self, variables: Sequence[Any]) -> Guard:
-        """A `Guard` over `variables`: snapshot before a step, restored if it fails."""
+        """A `Guard` over `variables`."""
 
 
 class Training(Protocol):
     """MemFit's train steps and gradient accumulation (module `training`)."""
 
     def check_training_mode(self, model: Any, mode: str) -> None:
-        """Raise where MemFit cannot train `model` in `mode` ("accumulate" or "shrink") here.
-
-        Raises:
-            NotImplementedError: Naming what was received and what to do.
-        """
+        """Raise `NotImplementedError` where MemFit cannot train `model` in `mode` here."""
 
     def make_train_step(
         self, model: Any, peak_at: Optional[Callable[[int], Optional[int]]] = None
     ) -> TrainStep:
-        """A `TrainStep` running Keras's default `train_step` on `model`.
-
-        `peak_at(rows)`: the estimated training peak in bytes (None: unknown), for a backend
-        whose step chooses by it when its update may begin (TensorFlow).
-        """
+        """A `TrainStep` running Keras's default `train_step`; `peak_at(rows)`: estimated bytes."""
 
     def make_custom_train_step(self, model: Any, data: Any) -> TrainStep:
-        """A `TrainStep` running the model's own `train_step`, made ready on Keras's first batch."""
+        """A `TrainStep` running the model's own `train_step`, made on Keras's first batch."""
 
     def checkpoint(self, fn: Callable) -> Callable:
-        """`fn`, a function of tensors, recomputed in the backward pass (rematerialization).
-
-        `fn` takes and returns tensors only (nested outputs allowed); the
-        caller closes over everything else.
-        """
+        """`fn` (tensors in, tensors out) recomputed in the backward pass."""
 
     def make_accumulator(self, model: Any) -> Accumulator:
         """An `Accumulator` over `model`'s trainable weights."""
@@ -394,26 +315,21 @@ class KerasFunctions(Protocol):
     """Keras's step functions in the backend's calling convention (module `keras_functions`)."""
 
     def keras_call(self, model: Any, kind: str, *args: Any) -> "KerasCall":
-        """One call of MemFit's `model.<kind>_function` by Keras, on Keras's arguments `args`.
-
-        Raises:
-            ValueError: If `kind` is not one of `STEP_KINDS`.
-        """
+        """One call of MemFit's `model.<kind>_function` by Keras (ValueError: `kind` not known)."""
 
     def is_end_of_data(self, exc: BaseException) -> bool:
         """Whether `exc` is how an epoch's iterator says it has no batch left."""
 
     def adapter_batches(self, adapter: Any) -> Iterator[Any]:
-        """The batches of a Keras data adapter, in the form Keras's loops hand them to a step."""
+        """A Keras data adapter's batches, as Keras's loops hand them to a step."""
 
     def call_keras_function(
         self, model: Any, kind: str, function: Callable, batches: List[Any]
     ) -> Any:
-        """Keras's own `<kind>_function` (saved before MemFit's) on `batches`; what it returns."""
+        """Keras's own `<kind>_function` on `batches`; what it returns."""
 
     def materialize(self, model: Any) -> None:
-        """Inside Keras's loops, put the state the backend threads through its
-        steps into the model's variables, so that an eager call reads it."""
+        """Inside Keras's loops, write the state the steps thread into the model's variables."""
 
 
 class Placement(Protocol):
@@ -423,7 +339,7 @@ class Placement(Protocol):
         """A context placing ops and new variables on `device`."""
 
     def move_variable(self, variable: Any, device: str) -> bool:
-        """Move a built variable's storage to `device`, keeping its value; whether it moved."""
+        """Move a built variable's storage to `device`; whether it moved."""
 
     def creating_on(self, device: str, add_weight: Callable) -> Callable:
         """`add_weight` creating its variable on `device`."""
@@ -441,10 +357,10 @@ class Devices(Protocol):
     placement: Optional[Placement]
 
     def host_device(self) -> str:
-        """The host device, that layers kept off the accelerator live on."""
+        """The host device."""
 
     def list_accelerators(self) -> List[str]:
-        """The canonical names of the devices other than the host."""
+        """The canonical names of the non-host devices."""
 
     def canonical_device(self, name: str) -> Optional[str]:
         """`name` as the backend names its devices, or None if unparsable."""
@@ -453,29 +369,17 @@ class Devices(Protocol):
         """Whether `name` (canonical) is one of the backend's devices."""
 
     def variable_device(self, variable: Any) -> Optional[str]:
-        """The canonical device of a Keras variable's value; None if it has none yet."""
+        """The canonical device of a Keras variable's value, or None."""
 
 
 class Tracing(Protocol):
     """The model's layer calls, traced symbolically (module `tracing`), for the analysis."""
 
     def trace_layer_calls(self, model: Any) -> Trace:
-        """Every layer and operation call of one symbolic forward pass of `model`.
-
-        Nothing runs and nothing is allocated.
-
-        Args:
-            model: A built Keras model.
-
-        Returns:
-            The `Trace`: the model's input tensors, its output keys and every
-            call below the model's own, in call order (`parent` None for the
-            model's direct children). Shapes have None for the batch
-            dimension (and any other dimension that follows the batch size).
+        """Every layer and operation call of one symbolic forward pass (batch dimensions None).
 
         Raises:
-            ValueError: If the model has not been built, or its forward pass
-                makes different calls at two batch sizes.
+            ValueError: If the model is not built, or makes different calls at two batch sizes.
         """
 
 
@@ -486,32 +390,23 @@ class Distribution(Protocol):
         """The distribution `model` runs under, named for messages, or None."""
 
     def training_layout(self, model: Any) -> Optional[Layout]:
-        """May MemFit train under the current distribution, and how.
-
-        Returns:
-            The backend's `Layout` of the batches (a `tf.distribute`
-            strategy's replicas), or None where batches are split whole on
-            one device or laid out by the steps (JAX's `DataParallel`).
+        """The backend's `Layout` of the batches, or None where the default one serves.
 
         Raises:
-            NotImplementedError: For a distribution MemFit refuses, naming
-                what was received.
+            NotImplementedError: For a distribution MemFit refuses.
         """
 
     def replica_devices(self, model: Any) -> Tuple[str, ...]:
-        """The devices of `model`'s replicas when each piece is split across several; else ()."""
+        """The devices of `model`'s replicas when a piece is split across them; else ()."""
 
     def step_variant(self, model: Any) -> Hashable:
-        """How a step made now for `model` runs (one device, a strategy's replicas, the devices
-        of a `DataParallel`, several processes): part of every step's cache key."""
+        """How a step made now for `model` runs: part of every step's cache key."""
 
     def piece_multiple(self) -> int:
-        """What every planned piece size must be a multiple of (the devices a
-        batch is laid out over); 1 for any size."""
+        """What every planned piece size must be a multiple of (1: any)."""
 
     def evaluation(self, model: Any) -> ContextManager[None]:
-        """Around `safe_evaluate`'s batches: under several processes, a failure told to the
-        others and the metrics summed across them once; nothing with one process."""
+        """Around `safe_evaluate`'s batches (several processes: failures posted, metrics summed)."""
 
 
 class Backend(
@@ -521,8 +416,7 @@ class Backend(
 
 
 # ------------------------------------------------------ the seam's defaults
-# A backend with nothing to do for one of these members imports it from here:
-# one process, and the model's variables hold its state inside Keras's loops.
+# A backend with nothing to do for one of these members imports it from here.
 def check_training_mode(model: Any, mode: str) -> None:
     """Nothing to refuse."""
 
@@ -538,8 +432,7 @@ def evaluation(model: Any) -> ContextManager[None]:
 
 # ------------------------------------------- shared by the backends' modules
 def spec_of_two_sizes(a: Any, b: Any, dtype_of: Callable[[Any], Optional[np.dtype]]) -> Any:
-    """`Spec`s of a step's outputs traced at two batch sizes (`a`, `b`): a dimension that
-    differs follows the batch (None). `dtype_of(leaf)`: None for a leaf that is no array."""
+    """`Spec`s of outputs traced at two batch sizes: a dimension that differs is None."""
 
     def describe(left: Any, right: Any) -> Any:
         dtype = dtype_of(left)
@@ -554,11 +447,7 @@ def spec_of_two_sizes(a: Any, b: Any, dtype_of: Callable[[Any], Optional[np.dtyp
 
 
 def model_of(model_ref: Callable[[], Any]) -> Any:
-    """The model a step holds weakly (`model_ref`, a `weakref.ref`).
-
-    Raises:
-        RuntimeError: If the model was deleted.
-    """
+    """The model a step holds weakly; RuntimeError if it was deleted."""
     model = model_ref()
     if model is None:
         raise RuntimeError("the model of this step was deleted")
@@ -566,12 +455,7 @@ def model_of(model_ref: Callable[[], Any]) -> Any:
 
 
 class KerasCall:
-    """One call of MemFit's `model.<kind>_function` by Keras, as the backend's trainer makes it.
-
-    Entered around `run_batches(call.batches)`: `batches` are the Keras batches of the call
-    (train and test batches pulled one at a time as they are asked for); `returned(result)` is
-    what the function gives back to Keras. This default hands the result back as it is.
-    """
+    """One call of MemFit's `model.<kind>_function` by Keras: its `batches`, what it `returned`."""
 
     def __init__(self, batches: Iterable[Any]) -> None:
         self.batches = batches
@@ -586,7 +470,6 @@ class KerasCall:
         return result
 
 
-# What `KerasFunctions.keras_call` accepts as its `kind`.
 STEP_KINDS = ("train", "test", "predict")
 
 

@@ -1,7 +1,6 @@
 """MemFit's layout of a batch on one device: a batch is its rows, a piece a run of them.
 
-A backend that runs a batch on several replicas, each with its own rows, gives its own layout
-(`Distribution.training_layout`: TensorFlow's `MirroredStrategy`); `layout_of` picks.
+A backend with replicas gives its own layout (`training_layout`); `layout_of` picks.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from keras_memfit.inference.steps import predict_step, test_step_and_guard
 
 
 class Rows:
-    """A batch on one device: its rows; a piece is a run of them (see `Cut`)."""
+    """A batch on one device (a `Cut`): its rows."""
 
     __slots__ = ("chunk", "form", "lanes", "rows", "signature", "x")
 
@@ -52,49 +51,37 @@ class OneDevice:
     copies = None  # every variable has one copy
 
     def cut(self, batch: Any) -> Optional[Rows]:
-        """`batch` as `Rows`, or None when it cannot be split (see `unsplittable`)."""
         chunk = as_chunk(batch)
         n = splittable_rows(chunk)
         return None if n is None else Rows(chunk, form_of(batch), n)
 
     def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
-        """What cannot be split in `batches`, in words (see `batches.unsplittable`)."""
         return first_unsplittable(as_chunk(batch) for batch in batches)
 
     def prepare(self, model: keras.Model, cut: Rows) -> None:
-        """Build the model, its metrics and loss (and optimizer) before a train step is made."""
+        """Build the model, its metrics, loss and optimizer before a train step is made."""
         _backend.get().prepare_test(model, _batches.rows(cut.chunk, 0, 1))
 
     def train_step(self, model: keras.Model, custom: bool, cut: Rows) -> TrainStep:
-        """The train step (the model's own `train_step` when `custom`, built on `cut`'s batch)."""
         backend = _backend.get()
         if custom:  # built as Keras builds it: by the step itself, on Keras's batch
             return backend.make_custom_train_step(model, cut.batch(cut.chunk))
         return backend.make_train_step(model, training_peak(model))
 
-    def guard(self, variables: List[Any]) -> Guard:
-        return _backend.get().guard_variables(variables)
-
     def accumulator(self, model: keras.Model) -> Accumulator:
-        """A gradient accumulator (sums the size of the weights)."""
         return _backend.get().make_accumulator(model)
 
     def test_step(self, model: keras.Model, cut: Rows,
                   exact: bool) -> Tuple[Callable[[Any], Any], Guard]:
-        """The test step (traced as `evaluate` traces Keras's unless `exact`) and its guard."""
+        """The test step (traced as Keras's unless `exact`) and its guard."""
         return test_step_and_guard(model, cut.chunk, exact=exact)
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], Any]:
-        """The predict step on a Keras batch (its inputs)."""
         step = predict_step(model)
         return lambda batch: step(as_chunk(batch)[0])
 
 
 def layout_of(model: keras.Model) -> Layout:
-    """The backend's layout of `model`'s batches under a distribution, else `OneDevice`.
-
-    Raises:
-        NotImplementedError: For a distribution MemFit cannot train under.
-    """
+    """The backend's layout of `model`'s batches under a distribution, else `OneDevice`."""
     layout = _backend.get().training_layout(model)
     return OneDevice() if layout is None else layout

@@ -1,11 +1,7 @@
 """MemFit's work during one call, backend-neutral: what it does with each batch (`Run`).
 
-Every phase runs the whole batch first (`runner.run_whole`) and, after an OOM, its pieces
-through `runner.run_in_pieces`: training as one train step per piece (`mode="shrink"`) or as
-micro-batches summed and applied once (`mode="accumulate"`, all or nothing), validation and
-`evaluate` on the guarded test step, `predict` with outputs joined in input order. The
-batch's layout (`training.layout`) makes the steps. Batches MemFit cannot split, and every
-batch of a model with stateful layers, go to Keras's own step function (`Run.pass_on`).
+Each batch runs whole first (`runner.run_whole`), after an OOM in pieces (`run_in_pieces`);
+batches MemFit cannot split go to Keras's own step function (`Run.pass_on`).
 """
 
 from __future__ import annotations
@@ -55,11 +51,8 @@ _PHASE_OF_KIND = {"test": "evaluate"}  # Keras's function kinds, as OutOfMemoryE
 
 @dataclasses.dataclass
 class TrainParts:
-    """What training one model needs, built once and cached per model and layout.
-
-    `guard` covers the small state of steps that do not snapshot it; `accumulator` (the size
-    of the weights) is made when a batch is first split and dropped by `Run.release`.
-    """
+    """What training one model needs, cached per model and layout (`accumulator`: made at
+    the first split, dropped by `Run.release`)."""
 
     step: TrainStep
     guard: Guard
@@ -70,20 +63,9 @@ class TrainParts:
 class Run:
     """MemFit's state during one `fit`, or one standalone `evaluate` or `predict`.
 
-    Args:
-        mode: "accumulate" or "shrink" (see `MemFit`).
-        keras_functions: Keras's own `model.<kind>_function`s by name, kept while MemFit's
-            are installed (by `MemFit`): they run the batches MemFit cannot split.
-        fallback: Why "shrink" is used where "accumulate" was asked for, logged at the first
-            OOM in training; None when the mode is the one asked for.
-        remat: "auto", False or layer names (`training.remat`).
-
-    Attributes:
-        epoch_ooms, epoch_split, epoch_remat: This epoch's OOMs caught, most pieces one
-            training batch ran as (1: none split), most layers recomputed (the epoch logs).
-
-    Raises:
-        NotImplementedError: For a distribution MemFit cannot run under.
+    `keras_functions`: Keras's own step functions, for the batches MemFit cannot split;
+    `fallback`: why "shrink" replaces "accumulate" (logged at the first training OOM), or None.
+    `epoch_ooms`, `epoch_split`, `epoch_remat`: this epoch's values for the epoch logs.
     """
 
     def __init__(
@@ -120,18 +102,15 @@ class Run:
         self.most_pieces: Dict[str, Tuple[int, int]] = {}
 
     def start_epoch(self, epoch: int) -> None:
-        """Start counting the OOMs and the split of `epoch`."""
         self.epoch = epoch
         self.epoch_ooms = 0
         self.epoch_split = 1
         self.epoch_remat = 0
 
     def _cut(self, batch: Any) -> Optional[Cut]:
-        """A Keras batch as the layout cuts it, or None when it cannot (a stateful model's)."""
         return None if self.stateful else self.layout.cut(batch)
 
     def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
-        """Each Keras batch as the layout cuts it, or None when one cannot be split."""
         cuts = [self._cut(batch) for batch in batches]
         return None if None in cuts else cuts
 
@@ -146,9 +125,7 @@ class Run:
         return logs
 
     def _train_batch(self, cut: Cut) -> Any:
-        """Train on one Keras batch: whole while it fits, else in pieces; where one sample
-        does not fit, recompute more layers and run it again, while none of it was applied
-        ("shrink": until a piece ran)."""
+        """One batch, whole or in pieces; where one sample does not fit, recompute more."""
         while True:
             names = self.remat.apply(cut.signature)
             if names != self._remat_names:  # steps traced again, memory planned afresh
@@ -159,7 +136,6 @@ class Run:
             planner = self._planner("train", cut)
             guard = None if parts.step.snapshots_itself else parts.guard
             try:
-                # The whole batch first, without the loop's bookkeeping (once per Keras step).
                 logs = run_whole(self.model, "train", cut.chunk, parts.step, planner,
                                  guard=guard, cut=cut)
                 if logs is SPLIT:
@@ -211,8 +187,7 @@ class Run:
         return error
 
     def _layer_beyond_free(self, exc: OutOfMemoryError, cut: Cut) -> Optional[OutOfMemoryError]:
-        """The error to raise where one layer's own backward pass needs more than is
-        free (with remat "auto"; where the device's limit is known), else None."""
+        """The error where one layer's own backward pass needs more than is free, or None."""
         planner = self._planners.get(self._planner_key("train", cut))
         free = None if planner is None else planner.free_bytes()
         if self.remat.setting != "auto" or free is None:
@@ -236,7 +211,6 @@ class Run:
 
     def _train_pieces(self, parts: TrainParts, cut: Cut, planner: BatchPlanner,
                       guard: Optional[Guard]) -> Any:
-        """The batch as pieces (train steps, or accumulated micro-batches); the last logs."""
         accumulation = None
         if self.mode == "accumulate":
             accumulation = self._accumulation(parts, cut, planner)
@@ -257,7 +231,7 @@ class Run:
     def _accumulation(self, parts: TrainParts, cut: Cut, planner: BatchPlanner) -> Accumulation:
         """`cut`'s batch as micro-batches whose summed gradients make one update."""
         model = self.model
-        if self._weighting is None:  # how a micro-batch is weighted (see `MemFit`'s fallback)
+        if self._weighting is None:
             self._weighting = _reductions.weighting(model)[0]
         how = self._weighting
 
@@ -291,7 +265,7 @@ class Run:
         return Accumulation(begin=begin, add=add, finish=finish, guard=parts.guard)
 
     def release(self) -> None:
-        """Free the accumulator's sums (made again when needed); put recomputed calls back."""
+        """Free the accumulator's sums; put recomputed calls back."""
         if self._train_parts is not None:
             self._train_parts.accumulator = None
         self.remat.release()
@@ -318,7 +292,9 @@ class Run:
             def build() -> TrainParts:
                 return TrainParts(
                     step=layout.train_step(model, custom, cut),
-                    guard=layout.guard(_model_state.train_state_variables(model)),
+                    guard=_backend.get().guard_variables(
+                        _model_state.train_state_variables(model)
+                    ),
                     counted=CountedOnce(model, copies=layout.copies),
                 )
 
@@ -336,7 +312,6 @@ class Run:
         return logs
 
     def _test_batch(self, cut: Cut, logs: Any) -> Any:
-        """Evaluate one Keras batch in pieces; the last piece's logs (else `logs`)."""
         if self._test_parts is None:
             step, guard = self.layout.test_step(self.model, cut, exact=False)
             self._test_parts = (step, guard, SplitBatches(self.model, False, self.layout.copies))
@@ -363,8 +338,7 @@ class Run:
     def _test_runner(
         self, step: Callable[[Any], Any], split: SplitBatches, cut: Cut
     ) -> Callable[[tuple], Any]:
-        """`step` on a piece of `cut`; a split batch counts once for the per-output losses
-        (its pieces run the layout's exact test step)."""
+        """`step` on a piece of `cut`; a split batch's pieces run the exact test step."""
 
         def run(piece: tuple) -> Any:
             return step(cut.batch(piece))
@@ -379,8 +353,7 @@ class Run:
 
     # -------------------------------------------------------------- predict
     def predict(self, batches: Iterable[Any]) -> Any:
-        """Predict each Keras batch; the outputs in the input's order (a batch run whole: the
-        step's own tensors, as Keras's `predict_function` gives; pieces: gathered on the host)."""
+        """Predict each Keras batch; the outputs in input order."""
         batches = list(batches)
         cuts = self._cuts(batches)
         if cuts is None:
@@ -410,8 +383,7 @@ class Run:
 
     # ------------------------------------------------- batches MemFit passes on
     def pass_on(self, kind: str, batches: List[Any]) -> Any:
-        """Keras's own `<kind>_function` on the pulled `batches`, which MemFit cannot split;
-        its OOM raises `cannot_split`, naming what in them cannot be split."""
+        """Keras's own `<kind>_function` on `batches`, which MemFit cannot split."""
         function = self.keras_functions.get(f"{kind}_function")
         if function is None:  # not made yet: Keras makes it as its loop would
             function = getattr(self.model, f"make_{kind}_function")(force=True)
@@ -425,8 +397,7 @@ class Run:
 
     # --------------------------------------------------------------- shared
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
-        """The planner of `phase` at `cut`'s signature, told that a batch of its lanes begins
-        (`probe="after_oom"`: a batch that fits runs whole, as in Keras)."""
+        """The planner of `phase` at `cut`'s signature, told that a batch begins."""
         key = self._planner_key(phase, cut)
         planner = self._planners.get(key)
         if planner is None:
@@ -448,7 +419,6 @@ class Run:
         return bool(self.events or self.most_pieces)
 
     def _note_pieces(self, phase: str, pieces: int, rows: int) -> None:
-        """Record that a batch of `rows` of `phase` ran as `pieces` pieces."""
         if pieces > 1 and pieces >= self.most_pieces.get(phase, (0, 0))[0]:
             self.most_pieces[phase] = (pieces, rows)
 
@@ -467,7 +437,6 @@ class Run:
 def _cannot_split_error(
     model: keras.Model, kind: str, received: Optional[str], stateful: Tuple[str, ...]
 ) -> OutOfMemoryError:
-    """The error for an OOM in Keras's own `kind` function on a batch MemFit cannot split."""
     return OutOfMemoryError(
         model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT, received=received,
         stateful=stateful)

@@ -1,24 +1,18 @@
 """TensorFlow implementation of the backend seam (`keras_memfit.backend.base`).
 
-- `oom`: TensorFlow's OOM forms, the bases of `OutOfMemoryError`;
-- `memory`: memory statistics and limits of TensorFlow's devices;
-- `steps`: compiled predict and test steps, their traced outputs, guards;
-- `training`: train steps that say how far a failed call got (under XLA
-  split as JAX's are);
+- `oom`: TensorFlow's OOM forms;
+- `memory`: device memory statistics and limits;
+- `steps`: compiled predict and test steps and their outputs;
+- `training`: train steps that say how far a failed call got;
 - `keras_functions`: Keras's step functions in TensorFlow's calling convention;
 - `devices`: naming devices;
 - `placement`: keeping layers on another device (`place`);
 - `tracing`: the model's layer calls, traced symbolically;
-- `distribution`: `tf.distribute` strategies: inference steps on every
-  replica of a `MirroredStrategy`, MemFit's layout over the replicas (its
-  train, test and predict steps), the refused strategies;
-- `compiling`: compiling steps as Keras compiles its own, tracing them as
-  Keras does;
+- `distribution`: `tf.distribute` strategies: replicated steps, MemFit's layout, the guard;
+- `compiling`: compiling and tracing steps as Keras does;
 - `accumulation`: gradient accumulation on one device;
-- `default_step`: Keras's default train step, in the parts MemFit's steps
-  are made of;
-- `xla_holds`: what a compiled step that updates variables holds while it runs
-  under XLA.
+- `default_step`: Keras's default train step, in parts;
+- `xla_holds`: what a compiled variable-updating step holds under XLA.
 """
 
 from keras_memfit.backend.base import check_training_mode, evaluation, materialize
@@ -29,7 +23,7 @@ from keras_memfit.backend.tensorflow.memory import (
     compiles_per_shape, compute_device, conv_columns, memory_limit, memory_stats, reset_peak,
 )
 from keras_memfit.backend.tensorflow.steps import (
-    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE, guard_variables,
+    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE,
     make_predict_step, make_test_step, output_spec, prepare_test,
 )
 from keras_memfit.backend.tensorflow.training import (
@@ -44,6 +38,7 @@ from keras_memfit.backend.tensorflow.devices import (
 )
 from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.distribution import (
-    distribution_of, piece_multiple, replica_devices, step_variant, training_layout,
+    distribution_of, guard_variables, piece_multiple, replica_devices, step_variant,
+    training_layout,
 )
 from keras_memfit.backend.tensorflow import placement

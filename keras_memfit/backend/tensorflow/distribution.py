@@ -1,12 +1,7 @@
-"""TensorFlow's distribution: `tf.distribute` strategies, in one process.
+"""TensorFlow's distribution: `tf.distribute` strategies in one process.
 
-Inference (`safe_predict`, `safe_evaluate`) under a `MirroredStrategy` splits each piece inside
-the compiled step into one contiguous share per replica (`distributed_step`). MemFit's layout
-under a strategy (`Replicated`) cuts each Keras batch so that every replica runs the same number
-of pieces (one replica's OOM aborts the whole step, and the optimizer's all-reduce must line
-up): a batch whose largest replica holds `m` rows is `m` lanes, and lanes `a:b` are, on a replica
-of `n` rows, its rows `a*n//m : b*n//m` (`Lanes`); the planner sizes the largest replica's rows.
-Multi-worker, TPU and parameter-server strategies are refused (`check_strategy`).
+Inference splits each piece into one share per replica inside the step (`distributed_step`);
+MemFit cuts each replica's rows of a Keras batch alike, as lanes (`Replicated`, `Lanes`).
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ _HOST = "/CPU:0"
 
 
 def _distribute_strategy(model: keras.Model) -> Any:
-    """The distribution strategy `model` was built under, or None (`_distribute_strategy`)."""
     return getattr(model, "_distribute_strategy", None)
 
 
@@ -78,11 +72,7 @@ def replica_devices(model: Any) -> Tuple[str, ...]:
 
 
 def split_bounds(rows: Union[int, tf.Tensor], replicas: int) -> List[Any]:
-    """Where each replica's share of `rows` rows starts, and the last one ends: (7, 2) -> [0, 4, 7].
-
-    Contiguous shares, the larger ones first. `rows` may be a scalar tensor (a batch dimension
-    unknown when tracing).
-    """
+    """Where each replica's share of `rows` (int or scalar tensor) starts: (7, 2) -> [0, 4, 7]."""
     share, extra = rows // replicas, rows % replicas
     minimum = tf.minimum if tf.is_tensor(rows) else min
     return [i * share + minimum(i, extra) for i in range(replicas + 1)]
@@ -121,11 +111,7 @@ def _as_tensor(leaf: Any) -> Any:
 
 
 def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
-    """`data` (a structure of tensors sharing their rows) as one share per replica.
-
-    Cut on the host, so that each replica's device receives only its own rows; ragged and sparse
-    tensors are cut by rows; None leaves stay None.
-    """
+    """`data` as one contiguous share of its rows per replica, cut on the host."""
     data = keras.tree.map_structure(_as_tensor, data)
     replicas = strategy.num_replicas_in_sync
     with tf.device(_HOST):
@@ -155,12 +141,7 @@ def _concat(parts: Sequence[Any]) -> Any:
 
 
 def combine(strategy: tf.distribute.Strategy, outputs: Any, how: str) -> Any:
-    """Each per-replica leaf of `outputs` (what `strategy.run` returned) made one, on the host.
-
-    Args:
-        how: "concat" (predictions, in replica order) or "mean" (logs, as Keras's
-            `reduce_per_replica` "auto" does for a test step).
-    """
+    """Each per-replica leaf of `outputs` made one on the host: `how` is "concat" or "mean"."""
 
     def one(value: Any) -> Any:
         if not _is_per_replica(value):
@@ -182,12 +163,7 @@ def distributed_step(
     how: str,
     static_shapes: bool = False,
 ) -> Callable[[Any], Any]:
-    """`fn` run on every replica of `strategy`, each on its share; outputs combined as `how` says.
-
-    Compiled as Keras compiles its own distributed steps: `fn` XLA-compiled under `jit_compile`,
-    the whole a `tf.function` traced with an unknown batch dimension (once per piece size with
-    `static_shapes`), eager for a model that runs eagerly.
-    """
+    """`fn` on every replica's share, outputs combined as `how` says; compiled as Keras's own."""
     eager = bool(getattr(model, "run_eagerly", False))
     inner = fn
     if not eager and model.jit_compile:
@@ -210,18 +186,11 @@ def variable_copies(variable: Any) -> Tuple[Any, ...]:
     return (value,)
 
 
-def has_distributed(variables: Sequence[Any]) -> bool:
-    """Whether any of `variables` is a tf.distribute variable (one copy per replica)."""
-    return any(
-        _is_per_replica(v._value if isinstance(v, keras.Variable) else v) for v in variables
-    )
+class VariableGuard:
+    """A `Guard` over every copy of some variables (one per replica under a strategy).
 
-
-class ReplicaGuard:
-    """Every replica's copy of some variables, snapshotted before a step and restored after.
-
-    Each copy is restored on its own device, whatever strategy scope is active. The snapshot is one
-    compiled read of all the copies (a later update copies the buffer rather than overwrite it).
+    The snapshot is one compiled read of the copies (a later update copies the buffer rather than
+    overwrite it); each copy is restored on its own device, whatever strategy scope is active.
     """
 
     def __init__(self, variables: Sequence[Any]) -> None:
@@ -236,28 +205,25 @@ class ReplicaGuard:
         self._read = read if copies else None
 
     def snapshot(self) -> None:
-        """Record every copy's current value."""
         if self._read is not None:
             self._saved = self._read()
 
     def restore(self) -> None:
-        """Put back the values recorded by the last `snapshot()`."""
         if self._saved is None:
             return
         for copy, value in zip(self._copies, self._saved):
             copy.assign(value)
 
 
+def guard_variables(variables: Sequence[Any]) -> VariableGuard:
+    return VariableGuard(variables)
+
+
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
 
 def check_strategy(strategy: Any) -> None:
-    """Raise a clear `NotImplementedError` for a strategy MemFit cannot split for.
-
-    Raises:
-        NotImplementedError: For any strategy but `MirroredStrategy` and `OneDeviceStrategy`
-            (multi-worker, TPU, parameter server, ...).
-    """
+    """Raise `NotImplementedError` for a strategy but `MirroredStrategy`, `OneDeviceStrategy`."""
     if isinstance(strategy, _SUPPORTED):
         return
     name = type(strategy).__name__
@@ -307,14 +273,8 @@ def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = N
 
 
 class ReplicaTrainStep:
-    """A train step on a distributed batch that can tell whether its update began.
-
-    Keras's default train step (or the model's own `train_step` when `custom`) under
-    `strategy.run`; callers guard its small state. The default step sets a per-replica `ON_READ`
-    flag once every gradient exists (always the strict order), so after a failed call
-    `last_outcome` is `UPDATE_BEGAN` where a replica set it, else `RESTORED`; None for a custom
-    `train_step` (unknown).
-    """
+    """A train step on a distributed batch; after a failure `last_outcome` says whether a replica
+    began its update (a per-replica flag, strict order), None for a custom `train_step`."""
 
     snapshots_itself = False
 
@@ -334,8 +294,6 @@ class ReplicaTrainStep:
                 data = keras.tree.map_structure(
                     lambda t: None if t is None else tf.identity(t), data
                 )
-            # The strict order (every gradient before the update): an OOM of a
-            # replica's forward or backward pass stays retriable.
             return flagged_train_step(model, data, lambda: started.assign(1), strict=True)
 
         def step(data):
@@ -355,13 +313,8 @@ class ReplicaTrainStep:
 
 
 class ReplicaAccumulator:
-    """Sums each replica's weighted micro-batch gradients; applies them as one step.
-
-    The sums are `ON_READ`/`SUM` variables (one copy per replica), made at the first micro-batch.
-    `apply` calls `apply_gradients` once on every replica with its local sums, which the optimizer
-    all-reduces: Keras's update on the whole batch. Sparse gradients are kept as each replica's
-    rows, as on one device, unless the optimizer sums rows exactly (`sums_sparse_exactly`).
-    """
+    """Sums each replica's weighted micro-batch gradients (`ON_READ` variables) and applies them
+    as one optimizer step, all-reduced; sparse gradients kept as rows, as on one device."""
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
         self._model = weakref.ref(model)
@@ -373,7 +326,6 @@ class ReplicaAccumulator:
         self._traced = {"mask": tuple(False for _ in self._weights)}
 
     def _make(self, data: Any) -> None:
-        """The sums (none for the sparse gradients kept as rows) and the compiled steps."""
         model, strategy, traced = self._model(), self._strategy, self._traced
         model_ref, weights = self._model, self._weights
         keeps_rows = not sums_sparse_exactly(model.optimizer)
@@ -415,19 +367,12 @@ class ReplicaAccumulator:
         self._reset = tf.function(lambda: zero(sums))
 
     def reset(self) -> None:
-        """Start a new batch: zero the sums on every replica, drop the kept rows."""
         self._kept = []
         if self._sums is not None:
             self._reset()
 
     def add(self, data: Any, weight: Any, loss_factor: Any) -> None:
-        """Add each replica's `weight` times its gradient on its rows of `data`.
-
-        Args:
-            data: A distributed batch (`Replicated.distribute`).
-            weight: A distributed float per replica (`Replicated.scalars`).
-            loss_factor: Likewise, what each replica's loss tracker multiplies its loss by.
-        """
+        """Add each replica's `weight` times its gradient on its rows (distributed values)."""
         if self._sums is None:
             self._make(data)
         kept = self._add(data, weight, loss_factor)
@@ -442,7 +387,6 @@ class ReplicaAccumulator:
         return self._held
 
     def apply(self) -> None:
-        """Apply the summed gradients (and each replica's kept rows) as one optimizer step."""
         kept, self._kept = self._kept, []
         sparse = [i for i, total in enumerate(self._sums) if total is None]
         self._held = kept_rows_text(self._model().optimizer, [
@@ -488,7 +432,6 @@ class Lanes:
         self.signature = (_batches.signature(largest[0]), "replicas", layout.count)
 
     def _parts(self, piece: tuple) -> List[tuple]:
-        """Each replica's rows for the lanes of `piece`."""
         lanes = piece[1]
         a, b = (int(lanes[0]), int(lanes[-1]) + 1) if len(lanes) else (0, 0)
         return [
@@ -512,7 +455,6 @@ class Lanes:
         return sum(_batches.num_rows(chunk) for chunk in self._parts(piece))
 
     def join(self, outputs: List[Any]) -> Any:
-        """Each replica's pieces in order, then the replicas in order, as Keras joins them."""
         return concatenate([
             concatenate([per_replica[r] for per_replica in outputs])
             for r in range(self.layout.count)
@@ -527,7 +469,7 @@ class Replicated:
         self.count = int(strategy.num_replicas_in_sync)
 
     def local(self, batch: Any) -> List[tuple]:
-        """Each replica's rows of a distributed Keras batch, as `(x, y, sample_weight)` chunks."""
+        """Each replica's rows of a distributed Keras batch, as chunks."""
         chunk = tuple(keras.utils.unpack_x_y_sample_weight(batch))
         leaves = keras.tree.flatten(chunk)
         per_leaf = [_local(self.strategy, leaf) for leaf in leaves]
@@ -537,7 +479,6 @@ class Replicated:
         ]
 
     def distribute(self, chunks: Sequence[Any]) -> Any:
-        """One structure per replica (same structure) as one distributed value."""
         chunks = list(chunks)
         leaves = [keras.tree.flatten(c) for c in chunks]
         devices = self.strategy.extended.worker_devices
@@ -556,55 +497,41 @@ class Replicated:
         return keras.tree.pack_sequence_as(chunks[0], [leaf(i) for i in range(len(leaves[0]))])
 
     def scalars(self, values: Sequence[float]) -> Any:
-        """One float per replica as a distributed float64 scalar."""
         values = [float(v) for v in values]
         return self.strategy.experimental_distribute_values_from_function(
             lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
         )
 
     def copies(self, variable: Any) -> Sequence[Any]:
-        """Each replica's copy of `variable` (a `tf.Variable` each)."""
         return variable_copies(variable)
 
     def cut(self, batch: Any) -> Optional[Lanes]:
-        """`batch` as `Lanes`, or None when some replica's rows cannot be split."""
         local = self.local(batch)
         counts = [splittable_rows(chunk) for chunk in local]
         return None if None in counts else Lanes(self, batch, local, counts)
 
     def unsplittable(self, batches: Iterable[Any]) -> Optional[str]:
-        """What cannot be split in some replica's rows of `batches`, in words."""
         return first_unsplittable(chunk for batch in batches for chunk in self.local(batch))
 
     def prepare(self, model: keras.Model, cut: Lanes) -> None:
-        """Build the model, its metrics and loss, under the strategy's scope."""
         x, y, sample_weight = _batches.rows(cut.local[0], 0, 1)
         with self.strategy.scope():
             _keras_compat.symbolic_build(model, (x, y, sample_weight))
 
     def train_step(self, model: keras.Model, custom: bool, cut: Lanes) -> "ReplicaTrainStep":
-        """The train step on a distributed batch (`model.train_step` when `custom`)."""
         return ReplicaTrainStep(model, self.strategy, custom)
 
-    def guard(self, variables: Sequence[Any]) -> ReplicaGuard:
-        """A guard over every replica's copy of `variables`."""
-        return ReplicaGuard(variables)
-
     def accumulator(self, model: keras.Model) -> "ReplicaAccumulator":
-        """A gradient accumulator over the replicas (one all-reduce when applied)."""
         return ReplicaAccumulator(model, self.strategy)
 
     def test_step(self, model: keras.Model, cut: Lanes,
-                  exact: bool) -> Tuple[Callable[[Any], Any], ReplicaGuard]:
-        """Keras's `model.test_step` on a distributed batch (the reduced logs) and a guard over
-        the metric state, cached. Traced as Keras traces its own (per-output loss trackers count
-        a batch once); with `exact`, once per piece size (they weight a piece by its rows)."""
+                  exact: bool) -> Tuple[Callable[[Any], Any], VariableGuard]:
         if not exact:
             self.prepare(model, cut)
         key = ("evaluate", exact, step_variant(model), tuple(id(v) for v in model.metrics_variables),
                bool(getattr(model, "run_eagerly", False)), model.jit_compile)
         return _cache.per_model(model, key, lambda: (
-            self._test_step(model, exact), ReplicaGuard(model.metrics_variables)))
+            self._test_step(model, exact), VariableGuard(model.metrics_variables)))
 
     def _test_step(self, model: keras.Model, exact: bool) -> Callable[[Any], Any]:
         model_ref = weakref.ref(model)
@@ -619,7 +546,6 @@ class Replicated:
         return traced_as_keras(compile_step(model, step))
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
-        """`model.predict_step` on a distributed batch: each replica's outputs, cached."""
         key = ("predict", step_variant(model), bool(getattr(model, "run_eagerly", False)),
                model.jit_compile)
         return _cache.per_model(model, key, lambda: self._predict_step(model))
@@ -646,7 +572,7 @@ class Replicated:
 
 
 def training_layout(model: keras.Model) -> Optional[Replicated]:
-    """`Replicated` under `model`'s strategy, or None without one (see `check_strategy`)."""
+    """`Replicated` under `model`'s strategy, or None without one."""
     strategy = active_strategy(model)
     if strategy is None:
         return None
@@ -661,5 +587,5 @@ def step_variant(model: Any) -> Hashable:
 
 
 def piece_multiple() -> int:
-    """1: any piece size runs (tf.distribute splits uneven batches itself)."""
+    """1: tf.distribute splits uneven batches itself."""
     return 1

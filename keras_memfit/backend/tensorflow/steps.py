@@ -1,9 +1,9 @@
-"""Compiled predict and test steps, their traced outputs, and variable guards."""
+"""Compiled predict and test steps and their traced outputs."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import keras
 import numpy as np
@@ -62,43 +62,6 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
     if exact:
         return compiled(static_shapes=needs_static_batch(model))
     return traced_as_keras(compiled())
-
-
-class VariableGuard:
-    """A `Guard`: copies of some variables on their own devices, taken by one compiled call.
-
-    Take the snapshot before each attempt: a failed step may have updated some of them, or none.
-    """
-
-    def __init__(self, variables: Sequence[Any]) -> None:
-        self._variables = list(variables)
-        self._shadows = []
-        for v in self._variables:
-            with tf.device(v.value.device):
-                self._shadows.append(tf.Variable(v.value, trainable=False))
-        pairs = list(zip(self._shadows, self._variables))
-
-        @tf.function
-        def snapshot():
-            for shadow, v in pairs:
-                shadow.assign(v.value)
-
-        self._snapshot = snapshot if pairs else None
-
-    def snapshot(self) -> None:
-        if self._snapshot is not None:
-            self._snapshot()
-
-    def restore(self) -> None:
-        for shadow, v in zip(self._shadows, self._variables):
-            v.assign(shadow)
-
-
-def guard_variables(variables: Sequence[Any]) -> Any:
-    """A `VariableGuard`, or a `distribution.ReplicaGuard` for tf.distribute variables."""
-    if distribution.has_distributed(variables):
-        return distribution.ReplicaGuard(variables)
-    return VariableGuard(variables)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
