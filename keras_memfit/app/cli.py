@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 # The standard library (and numpy, when a file is checked) only: no TensorFlow.
-from keras_memfit.app import env, inputs, models, outputs, worker
+from keras_memfit.app import demo, env, inputs, models, outputs, worker
 from keras_memfit.app.errors import PredictError, WorkerError, one_line
 
 PROG = "keras-memfit"
@@ -53,21 +53,12 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 # demo
 # --------------------------------------------------------------------------
 def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
-    from keras_memfit.app.demo import (  # constants only: the demo imports no TensorFlow
-        DEFAULT_CPU_MEMORY_LIMIT_MB,
-        DEFAULT_EPOCHS,
-        DEFAULT_GPU_MEMORY_LIMIT_MB,
-        DEFAULT_TRAIN_SAMPLES,
-        FIT_BATCH_SIZE,
-        MIN_CPU_MEMORY_LIMIT_MB,
-    )
-
     parser = subparsers.add_parser(
         "demo",
         help="show plain fit and predict dying of OOM, MemFit and safe_predict recovering",
         description=(
             "On generated Kaggle Digit Recognizer data, under a memory limit: show "
-            f"a small CNN's model.fit(batch_size={FIT_BATCH_SIZE}) failing with a real "
+            f"a small CNN's model.fit(batch_size={demo.FIT_BATCH_SIZE}) failing with a real "
             "ResourceExhaustedError, then fit(..., callbacks=[MemFit()]) training at "
             "that batch to plain Keras's weights without the limit; show "
             "model.predict(x_test, batch_size=28000) failing, then "
@@ -83,16 +74,16 @@ def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
         "--memory-limit", type=_int_at_least(1), default=None, metavar="MB",
         help=(
             "device memory limit in MiB (default: "
-            f"{DEFAULT_CPU_MEMORY_LIMIT_MB} on CPU, at least {MIN_CPU_MEMORY_LIMIT_MB}; "
-            f"{DEFAULT_GPU_MEMORY_LIMIT_MB} on GPU)"
+            f"{demo.DEFAULT_CPU_MEMORY_LIMIT_MB} on CPU, at least {demo.MIN_CPU_MEMORY_LIMIT_MB}; "
+            f"{demo.DEFAULT_GPU_MEMORY_LIMIT_MB} on GPU)"
         ),
     )
     parser.add_argument(
-        "--epochs", type=_int_at_least(1), default=DEFAULT_EPOCHS,
+        "--epochs", type=_int_at_least(1), default=demo.DEFAULT_EPOCHS,
         help="training epochs (default: %(default)s)",
     )
     parser.add_argument(
-        "--train-samples", type=_int_at_least(100), default=DEFAULT_TRAIN_SAMPLES,
+        "--train-samples", type=_int_at_least(100), default=demo.DEFAULT_TRAIN_SAMPLES,
         metavar="N", help="generated training images (default: %(default)s)",
     )
     parser.add_argument(
@@ -110,8 +101,6 @@ def _add_demo(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from keras_memfit.app import demo
-
     try:
         demo.run_demo(
             args.output,
@@ -162,17 +151,11 @@ def _add_predict(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
     )
     parser.add_argument(
         "--argmax", action="store_true",
-        help=(
-            "write class labels: argmax over the last axis, computed on the device "
-            "so only labels cross to the host"
-        ),
+        help="write class labels: argmax over the last axis, on the device (only labels cross)",
     )
     parser.add_argument(
         "--batch-size", type=_int_at_least(1), default=None, metavar="N",
-        help=(
-            "largest batch to run (default: 32, as model.predict); lowered "
-            "automatically when it does not fit"
-        ),
+        help="largest batch to run (default: 32, as model.predict); lowered when it does not fit",
     )
     parser.add_argument(
         "--scale", type=_scale, default=None, metavar="S",
@@ -219,8 +202,11 @@ def _run_predict(args: argparse.Namespace) -> int:
     out_kind = _extension(out_path, outputs.OUTPUT_KINDS, "--out")
     models.check_model_file(model_path, args.model)
     if not os.path.isfile(input_path):
-        raise _Failure(f"cannot read {args.input}: no such file")
-    _check_output(out_path, (model_path, input_path))
+        raise PredictError(f"cannot read {args.input}: no such file")
+    worker.check_writable(out_path)
+    for other in (model_path, input_path):
+        if os.path.exists(out_path) and os.path.samefile(out_path, other):
+            raise UsageError(f"--out {out_path} would overwrite an input file")
     # Bad files fail here, before TensorFlow starts.
     inputs.open_input(input_path, header_only=True)
 
@@ -260,13 +246,6 @@ def _extension(path: str, allowed: Sequence[str], what: str) -> str:
     return ext
 
 
-def _check_output(path: str, inputs: Sequence[str]) -> None:
-    worker.check_writable(path)
-    for other in inputs:
-        if os.path.exists(path) and os.path.samefile(path, other):
-            raise UsageError(f"--out {path} would overwrite an input file")
-
-
 def _predict_summary(result: Dict[str, Any], args: argparse.Namespace, seconds: float) -> List[str]:
     """The few lines `keras-memfit predict` prints when it is done."""
     scale = f" (scaled by 1/{result['scale']:g})" if result["scale"] else ""
@@ -281,8 +260,7 @@ def _predict_summary(result: Dict[str, Any], args: argparse.Namespace, seconds: 
         f"(batches run: {result['batch_sizes']}); {ooms} OOM{'' if ooms == 1 else 's'} paid",
     ]
     adaptations = result["adaptations"]
-    for message in adaptations[:_MAX_ADAPTATIONS_SHOWN]:
-        lines.append(f"  adapted: {message}")
+    lines += [f"  adapted: {message}" for message in adaptations[:_MAX_ADAPTATIONS_SHOWN]]
     if len(adaptations) > _MAX_ADAPTATIONS_SHOWN:
         lines.append(f"  adapted: ... and {len(adaptations) - _MAX_ADAPTATIONS_SHOWN} more")
     if result["out_kind"] == ".csv":
@@ -354,10 +332,9 @@ def _run_report(args: argparse.Namespace) -> int:
         what="the report process",
     )
     if args.json:
-        sys.stdout.write(json.dumps(result["report"], indent=2, sort_keys=True) + "\n")
+        print(json.dumps(result["report"], indent=2, sort_keys=True), flush=True)
     else:
-        sys.stdout.write(result["table"].rstrip("\n") + "\n")
-    sys.stdout.flush()
+        print(result["table"].rstrip("\n"), flush=True)
     return 0
 
 
@@ -370,7 +347,6 @@ def _report_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
     Raises:
         PredictError: If the model does not load or cannot be reported on.
     """
-    import io
     import json
 
     import keras_memfit
@@ -392,10 +368,8 @@ def _report_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         raise PredictError(
             f"cannot report on model '{model.name}': {one_line(err)}"
         ) from err
-    text = io.StringIO()
-    report.summary(print_fn=lambda line="", *_, **__: text.write(f"{line}\n"))
     safe = json.loads(json.dumps(report.to_dict(), default=_jsonable))
-    return dict(table=text.getvalue(), report=safe)
+    return dict(table=str(report), report=safe)
 
 
 def _jsonable(value: Any) -> Any:
@@ -411,10 +385,6 @@ def _jsonable(value: Any) -> Any:
 # --------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------
-class _Failure(Exception):
-    """A command failed (exit status 1); its message is the one line shown."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The `keras-memfit` parser with every subcommand; its errors raise `UsageError`."""
     parser = _Parser(
@@ -438,20 +408,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         The exit status: 0 on success, 1 if the command failed, 2 for bad
         arguments, 130 if interrupted.
     """
-    args_list: List[str] = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
-            args = build_parser().parse_args(args_list)
+            args = build_parser().parse_args(argv)
         except SystemExit as exit_:  # --help and --version exit through here
             return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
         return int(args.handler(args))
     except UsageError as err:
         _error(str(err))
         return 2
-    except (_Failure, WorkerError) as err:
-        _error(str(err))
-        return 1
-    except (ValueError, OSError) as err:
+    except (WorkerError, ValueError, OSError) as err:
         _error(str(err) or type(err).__name__)
         return 1
     except KeyboardInterrupt:
@@ -461,5 +427,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _error(message: str) -> None:
     line = " ".join(message.split())  # exactly one line
-    sys.stderr.write(f"{PROG}: error: {line}\n")
-    sys.stderr.flush()
+    print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)

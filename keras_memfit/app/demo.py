@@ -17,20 +17,6 @@ from keras_memfit.app.env import gpu_visible
 from keras_memfit.app.errors import WorkerError
 from keras_memfit.app.worker import Reporter
 
-__all__ = [
-    "DEFAULT_CPU_MEMORY_LIMIT_MB",
-    "DEFAULT_EPOCHS",
-    "DEFAULT_GPU_MEMORY_LIMIT_MB",
-    "DEFAULT_TRAIN_SAMPLES",
-    "DemoError",
-    "FIT_BATCH_SIZE",
-    "DemoResult",
-    "MIN_CPU_MEMORY_LIMIT_MB",
-    "TEST_SAMPLES",
-    "build_cnn",
-    "run_demo",
-]
-
 # Too small for the plain calls; on the CPU large enough for the test set plain `predict`
 # converts to one tensor: below the minimum, TensorFlow crashes (SIGSEGV) instead of raising.
 DEFAULT_CPU_MEMORY_LIMIT_MB = 400
@@ -118,7 +104,6 @@ def run_demo(
     _check_int("seed", seed, 0)
     if device not in _DEVICES:
         raise ValueError(f"device must be one of {list(_DEVICES)}; received device={device!r}")
-    report = report or worker.stdout_reporter
     output = os.path.abspath(os.fspath(output))
     worker.check_writable(output, DemoError)
 
@@ -200,8 +185,7 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
     """The demo itself; returns the fields of `DemoResult`."""
     start = time.perf_counter()
     device, limit = config["device"], config["memory_limit_mb"]
-    verbose = config["verbose"]
-    step = say if verbose else (lambda line: None)
+    step = say if config["verbose"] else (lambda line: None)
     # On GPU, the child's entry (`worker.worker_main`) has set the limit already.
 
     import numpy as np

@@ -7,16 +7,6 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = [
-    "IMAGE_SIZE",
-    "KAGGLE_TEST_SAMPLES",
-    "KAGGLE_TRAIN_SAMPLES",
-    "generate_digits",
-    "load_digits",
-    "load_kaggle_csv",
-    "write_submission",
-]
-
 IMAGE_SIZE = 28
 KAGGLE_TRAIN_SAMPLES = 42000  # rows of Kaggle's train.csv
 KAGGLE_TEST_SAMPLES = 28000  # rows of Kaggle's test.csv
@@ -142,16 +132,13 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         header = f.readline().strip().split(",")
         body = f.read()
     pixel_header = [f"pixel{i}" for i in range(_PIXELS)]
-    if header == ["label"] + pixel_header:
-        columns, has_labels = _PIXELS + 1, True
-    elif header == pixel_header:
-        columns, has_labels = _PIXELS, False
-    else:
+    if header not in (["label"] + pixel_header, pixel_header):
         shown = ",".join(header[:3]) + (",..." if len(header) > 3 else "")
         raise ValueError(
             f"{os.fspath(path)} is not a Digit Recognizer CSV: its header starts "
             f"{shown!r}; expected 'label,pixel0,...,pixel783' or 'pixel0,...,pixel783'"
         )
+    columns = len(header)
     lines = body.count("\n") + (0 if not body or body.endswith("\n") else 1)
     text = body.replace("\r", "").replace("\n", ",").strip(",")
     values = (
@@ -164,7 +151,7 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         )
     table = values.reshape(-1, columns)
     labels = None
-    if has_labels:
+    if columns > _PIXELS:  # a label column first
         labels, table = table[:, 0].copy(), table[:, 1:]
         _check_labels(labels, f"{os.fspath(path)}: label")
     if table.size and (table.min() < 0 or table.max() > 255):

@@ -12,15 +12,6 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = [
-    "CAP_VARIABLES",
-    "capped_cpu_env",
-    "configure_gpu",
-    "gpu_visible",
-    "host_tensor",
-    "worker_environment",
-]
-
 # keras_memfit/app/env.py -> the folder holding the keras_memfit package.
 _PACKAGE_PARENT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["PredictError", "WorkerError", "one_line"]
-
 
 class WorkerError(RuntimeError):
     """Work in the child process failed, in one line; `stderr`: the child's ("" if raised here)."""

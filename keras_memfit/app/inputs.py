@@ -10,8 +10,6 @@ from typing import Any, List, Tuple
 
 from keras_memfit.app.errors import PredictError, one_line
 
-__all__ = ["CSV_SCALE", "INPUT_KINDS", "InputFile", "arrange_inputs", "open_input"]
-
 INPUT_KINDS = (".npy", ".npz", ".csv")
 CSV_SCALE = 255.0  # what the Kaggle notebooks divide pixels by
 _PIXELS = 784  # pixel0..pixel783 in Kaggle's Digit Recognizer CSVs
@@ -163,10 +161,7 @@ def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
         names = [[getattr(t, "name", f"input_{i}")] for i, t in enumerate(specs)]
     shown = [n[0] for n in names]
     if source.kind == ".npz":
-        chosen = []
-        for aliases in names:
-            found = next((a for a in aliases if a in source.arrays), None)
-            chosen.append(found)
+        chosen = [next((a for a in aliases if a in source.arrays), None) for aliases in names]
         if None in chosen:
             if len(specs) == 1 and len(source.names) == 1:
                 chosen = [source.names[0]]

@@ -7,8 +7,6 @@ from typing import Any, Optional
 
 from keras_memfit.app.errors import PredictError, one_line
 
-__all__ = ["check_model_file", "load_model"]
-
 
 def check_model_file(path: str, shown: str) -> None:
     """Raise `PredictError` (naming `shown`) unless `path` can be a saved model; no TensorFlow."""

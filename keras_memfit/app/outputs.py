@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from keras_memfit.app.errors import PredictError, one_line
-
-__all__ = ["OUTPUT_KINDS", "temporary_path", "write_csv", "writing"]
 
 OUTPUT_KINDS = (".npy", ".csv")
 _CSV_CHUNK_ROWS = 8192  # rows formatted at once when writing a CSV
 
 
-class writing:
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
     """Turns an OSError while writing `path` into a one-line PredictError."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, err: Any, traceback: Any) -> None:
-        if isinstance(err, OSError):
-            raise PredictError(f"cannot write {self.path}: {one_line(err)}") from err
+    try:
+        yield
+    except OSError as err:
+        raise PredictError(f"cannot write {path}: {one_line(err)}") from err
 
 
 def temporary_path(out_path: str) -> str:

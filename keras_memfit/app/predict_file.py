@@ -11,8 +11,6 @@ from keras_memfit.app.inputs import arrange_inputs, open_input
 from keras_memfit.app.models import load_model
 from keras_memfit.app.outputs import temporary_path, write_csv, writing
 
-__all__ = ["predict_work"]
-
 
 def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
     """`keras-memfit predict`'s work (imports TensorFlow): what the CLI's summary needs.
@@ -81,7 +79,6 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
             if os.path.exists(temporary + suffix):
                 os.remove(temporary + suffix)
 
-    used = records.usual_size(sizes)
     keras_sizes = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
     return dict(
         model=model.name, samples=n, input=os.path.basename(config["input"]),
@@ -89,7 +86,7 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         argmax=bool(config["argmax"]), shape=list(shape), dtype=str(row.dtype),
         device="GPU" if backend().list_accelerators() else "CPU",
         memory_limit_mb=config["memory_limit_mb"], batch_size=batch_size,
-        batch_size_used=used, batch_sizes=records.describe_sizes(sizes),
+        batch_size_used=records.usual_size(sizes), batch_sizes=records.describe_sizes(sizes),
         adapted=sizes != keras_sizes,
         ooms_paid=logged.warnings, adaptations=logged.messages,
         predict_seconds=predict_seconds,

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from typing import Any, Callable, Iterator, List, Optional, Sequence
-
-__all__ = ["LogRecords", "batch_sizes", "describe_sizes", "usual_size"]
 
 Reporter = Callable[[str], None]
 
@@ -19,14 +18,9 @@ def usual_size(sizes: Sequence[int]) -> int:
 def describe_sizes(sizes: Sequence[int]) -> str:
     """Batch sizes run, consecutive equal sizes run-length encoded: "16, 64, 755 x 36, 648"."""
     parts: List[str] = []
-    i = 0
-    while i < len(sizes):
-        j = i
-        while j + 1 < len(sizes) and sizes[j + 1] == sizes[i]:
-            j += 1
-        count = j - i + 1
-        parts.append(f"{sizes[i]} x {count}" if count > 1 else str(sizes[i]))
-        i = j + 1
+    for size, run in itertools.groupby(sizes):
+        count = len(list(run))
+        parts.append(f"{size} x {count}" if count > 1 else str(size))
     return ", ".join(parts)
 
 

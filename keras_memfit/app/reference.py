@@ -13,8 +13,6 @@ import numpy as np
 from keras_memfit.app import env as _env
 from keras_memfit.app import worker
 
-__all__ = ["max_difference", "relative_difference", "start_fit"]
-
 
 def start_fit(
     model: Any, x: Any, y: Any, *, seed: int, **fit_kwargs: Any

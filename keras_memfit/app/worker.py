@@ -20,17 +20,6 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from keras_memfit.app import env as _env
 from keras_memfit.app.errors import WorkerError
 
-__all__ = [
-    "Reporter",
-    "WorkerError",
-    "check_writable",
-    "main",
-    "resolve_target",
-    "run_worker",
-    "stdout_reporter",
-    "worker_main",
-]
-
 MODULE = "keras_memfit.app.worker"  # what the child runs with `python -m`
 
 Reporter = Callable[[str], None]
@@ -39,8 +28,7 @@ Work = Callable[[Dict[str, Any], Reporter], Dict[str, Any]]
 
 def stdout_reporter(line: str) -> None:
     """Print `line` (without its newline) to stdout and flush: the default reporter."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    print(line, flush=True)
 
 
 # --------------------------------------------------------------------------
@@ -70,13 +58,11 @@ def run_worker(
     """
     report = report or stdout_reporter
     if env is None:
-        limit = config.get("memory_limit_mb")
-        env = _env.worker_environment(config["device"], None if limit is None else int(limit))
+        env = _env.worker_environment(config["device"], config.get("memory_limit_mb"))
     with tempfile.TemporaryDirectory(prefix="keras_memfit_worker_") as tmp:
         result_path = os.path.join(tmp, "result.json")
-        stderr_path = os.path.join(tmp, "stderr.txt")
         command = [sys.executable, "-m", MODULE, target, json.dumps(config), result_path]
-        with open(stderr_path, "w+", encoding="utf-8", errors="replace") as stderr:
+        with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr:
             proc = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd,
                 encoding="utf-8", errors="replace",
@@ -87,8 +73,8 @@ def run_worker(
                 killed.set()
                 proc.kill()
 
-            timer = None if timeout is None else threading.Timer(timeout, kill)
-            if timer is not None:
+            timer = threading.Timer(timeout, kill)
+            if timeout is not None:
                 timer.start()
             try:
                 for line in proc.stdout:
@@ -100,11 +86,14 @@ def run_worker(
                 raise
             finally:
                 proc.stdout.close()
-                if timer is not None:
-                    timer.cancel()
+                timer.cancel()
             stderr.seek(0)
             errors = stderr.read()
-        result = _read_json(result_path)
+        try:
+            with open(result_path, encoding="utf-8") as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = None
     if killed.is_set():
         raise WorkerError(f"{what} timed out after {timeout:g} s", errors)
     if result is not None and "error" in result:
@@ -130,14 +119,6 @@ def _crash_message(code: int, errors: str, what: str, segv_hint: Optional[str] =
     return f"{what} failed (exit code {code}): {last}"
 
 
-def _read_json(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def check_writable(path: str, error: type = WorkerError) -> None:
     """Raise `error` with one line unless a file can be written at `path` (absolute)."""
     folder = os.path.dirname(path)
@@ -154,6 +135,7 @@ def check_writable(path: str, error: type = WorkerError) -> None:
 # --------------------------------------------------------------------------
 def worker_main(target: str, config_json: str, result_path: str) -> int:
     """The child: run the work (GPU limited first), write its result or `{"error": ...}`; 0 or 1."""
+    code = 1
     try:
         config = json.loads(config_json)
         if config.get("device") == "gpu" and config.get("memory_limit_mb") is not None:
@@ -161,12 +143,11 @@ def worker_main(target: str, config_json: str, result_path: str) -> int:
         result = resolve_target(target)(config, stdout_reporter)
         code = 0
     except WorkerError as err:
-        result, code = {"error": " ".join(str(err).split())}, 1
+        result = {"error": " ".join(str(err).split())}
     except Exception as err:  # reported by the parent as one line
         traceback.print_exc()
         message = str(getattr(err, "message", None) or err).strip().splitlines()
         result = {"error": f"{type(err).__name__}: {message[0] if message else ''}"}
-        code = 1
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(result, f)
     return code
