@@ -16,6 +16,29 @@ from keras_memfit.backend.jax.steps import _compile
 TRAIN_STATE = _state.GROUPS["train"]
 
 
+def gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
+                          data, weight: Any = None, loss_factor: Any = None) -> tuple:
+    """Keras's JAX `train_step` without its update: `(grads, logs, non_trainable, metrics)`;
+    the gradients of the loss times `weight`, the metrics of the loss times `loss_factor`."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+    def loss_fn(trainable):
+        loss, aux = model.compute_loss_and_updates(
+            trainable, non_trainable, metrics, x, y, sample_weight,
+            training=True, optimizer_variables=optimizer,
+        )
+        return (loss if weight is None else loss * weight.astype(loss.dtype)), aux
+
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    unscaled_loss, y_pred, non_trainable, metrics = aux
+    if loss_factor is not None:
+        unscaled_loss = unscaled_loss * loss_factor.astype(unscaled_loss.dtype)
+    logs, metrics = JAXTrainer._update_metrics_variables(
+        model, metrics, unscaled_loss, x, y, y_pred, sample_weight
+    )
+    return grads, logs, non_trainable, metrics
+
+
 def accumulation_programs(
     model: keras.Model, wrap: Optional[Callable[[Callable], Callable]] = None,
 ) -> Tuple[Any, Any]:
@@ -23,22 +46,8 @@ def accumulation_programs(
     model_ref = weakref.ref(model)
 
     def add_fn(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor):
-        model = model_ref()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-
-        def weighted_loss(trainable):
-            loss, aux = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics, x, y, sample_weight,
-                training=True, optimizer_variables=optimizer,
-            )
-            return loss * weight.astype(loss.dtype), aux
-
-        (_, aux), grads = jax.value_and_grad(weighted_loss, has_aux=True)(trainable)
-        unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
-        _, new_metrics = JAXTrainer._update_metrics_variables(
-            model, new_metrics, unscaled_loss * loss_factor.astype(unscaled_loss.dtype),
-            x, y, y_pred, sample_weight,
-        )
+        grads, _, new_non_trainable, new_metrics = gradients_and_metrics(
+            model_ref(), trainable, non_trainable, optimizer, metrics, data, weight, loss_factor)
         sums = [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
         return sums, new_non_trainable, new_metrics
 
@@ -71,11 +80,10 @@ class GradientAccumulator:
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
         model = self._model_ref()
-        sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
+        self._sums, new_non_trainable, new_metrics = jax.block_until_ready(self._add(
             self._sums, *_state.get(model, TRAIN_STATE), data,
             jnp.asarray(weight, jnp.float32), jnp.asarray(loss_factor, jnp.float32),
         ))
-        self._sums = sums
         _state.put(model, ("non_trainable", "metrics"), (new_non_trainable, new_metrics))
 
     def held(self) -> Optional[str]:

@@ -25,9 +25,7 @@ from keras_memfit.backend.jax import state as _state
 def data_parallel() -> Optional[Any]:
     """The active single-process `keras.distribution.DataParallel`, or None."""
     distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
-        return None
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 or not isinstance(distribution, keras.distribution.DataParallel):
         return None
     return distribution
 
@@ -59,25 +57,19 @@ def step_variant(model: keras.Model) -> Hashable:
 
 def piece_multiple() -> int:
     """The batch axis's devices (several processes: this process's local devices), else 1."""
-    if jax.process_count() > 1:
-        several = keras.distribution.distribution()
-        if not isinstance(several, keras.distribution.DataParallel):
-            return 1
-        mesh = several.device_mesh.backend_mesh
-        return max(1, len(mesh.local_devices))
-    distribution = data_parallel()
-    if distribution is None:
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
         return 1
     mesh = distribution.device_mesh
+    if jax.process_count() > 1:
+        return max(1, len(mesh.backend_mesh.local_devices))
     return int(mesh.shape[list(mesh.axis_names).index(distribution.batch_dim_name)])
 
 
 def check_trainable(model: keras.Model) -> None:
     """Raise `NotImplementedError` under a distribution other than `DataParallel`."""
     distribution = keras.distribution.distribution()
-    if distribution is None:
-        return
-    if not isinstance(distribution, keras.distribution.DataParallel):
+    if distribution is not None and not isinstance(distribution, keras.distribution.DataParallel):
         raise NotImplementedError(
             "MemFit on JAX trains under keras.distribution.DataParallel only; received "
             f"model '{model.name}' under {type(distribution).__name__}. Train under "
@@ -141,14 +133,24 @@ def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], 
 
 
 # ------------------------------------------------------------------ steps
-class ShardedStep:
-    """A predict or test step whose pieces are laid out over the devices (`__wrapped__`)."""
+class _Sharded:
+    """A step or accumulator (`__wrapped__`) laid out over the devices; other members are its."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.__wrapped__ = wrapped
+        self._distribution = data_parallel()
+        self._multiple = piece_multiple()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+
+class ShardedStep(_Sharded):
+    """A predict or test step whose pieces are laid out over the devices."""
 
     def __init__(self, step: Callable[[Any], Any], combine: Callable[[Any, Any], Any]) -> None:
-        self.__wrapped__ = step
-        self._distribution = data_parallel()
+        super().__init__(step)
         self._combine = combine
-        self._multiple = piece_multiple()
 
     def __call__(self, data: Any) -> Any:
         return self.start(data).wait()
@@ -195,43 +197,21 @@ def last_logs(first: Any, second: Any) -> Any:
     return second
 
 
-class ShardedTrainStep:
+class ShardedTrainStep(_Sharded):
     """A `TrainStep` whose pieces are laid out over the devices; one update per piece."""
 
-    def __init__(self, step: Any) -> None:
-        self.__wrapped__ = step
-        self._distribution = data_parallel()
-        self._multiple = piece_multiple()
-
-    @property
-    def snapshots_itself(self) -> bool:
-        return self.__wrapped__.snapshots_itself
-
-    @property
-    def last_outcome(self) -> Any:
-        return self.__wrapped__.last_outcome
-
-    def _laid_out(self, data: Any) -> Any:
-        if batch_rows(data) % self._multiple:
-            return _replicate(data, self._distribution)
-        return _lay_out(data, self._distribution)
-
     def __call__(self, data: Any) -> Any:
-        return self.__wrapped__(self._laid_out(data))
+        lay_out = _replicate if batch_rows(data) % self._multiple else _lay_out
+        return self.__wrapped__(lay_out(data, self._distribution))
 
 
-class ShardedAccumulator:
+class ShardedAccumulator(_Sharded):
     """An `Accumulator` whose micro-batches are laid out over the devices, in two parts where
     the rows are not a multiple, each weighted within the micro-batch."""
 
     def __init__(self, accumulator: Any) -> None:
-        self.__wrapped__ = accumulator
-        self._distribution = data_parallel()
-        self._multiple = piece_multiple()
+        super().__init__(accumulator)
         self._how: Optional[str] = None  # the model's weighting, at the first micro-batch
-
-    def reset(self) -> None:
-        self.__wrapped__.reset()
 
     def add(self, data: Any, weight: float, loss_factor: float) -> None:
         if self._how is None:
@@ -242,12 +222,6 @@ class ShardedAccumulator:
             if part is not None:
                 w, f = _reductions.weights(self._how, as_chunk(part), whole)
                 self.__wrapped__.add(put(part, self._distribution), weight * w, loss_factor * f)
-
-    def held(self) -> Optional[str]:
-        return self.__wrapped__.held()
-
-    def apply(self) -> None:
-        self.__wrapped__.apply()
 
 
 def training_layout(model: keras.Model) -> None:

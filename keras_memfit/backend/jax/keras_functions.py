@@ -11,38 +11,30 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import keras
 
 from keras_memfit._internal import batches as _batches
-from keras_memfit.backend.base import KerasCall, check_step_kind
+from keras_memfit.backend.base import KerasCall
 from keras_memfit.backend.jax import processes as _processes
 from keras_memfit.backend.jax import state as _state
-
-
-_STATE_KEYS = {
-    "train": ("trainable_variables", "non_trainable_variables", "optimizer_variables",
-              "metrics_variables"),
-    "test": ("trainable_variables", "non_trainable_variables", "metrics_variables"),
-    "predict": ("trainable_variables", "non_trainable_variables"),
-}
 
 
 def _publish(model: keras.Model, kind: str, state: tuple) -> None:
     """Make `state` what Keras's `jax_state_sync` writes back before Keras sets it (after the
     function returned) and after a raise; untracked, so that Keras does not wrap the lists."""
-    object.__setattr__(model, "_jax_state", dict(zip(_STATE_KEYS[kind], state)))
+    keys = [f"{group}_variables" for group in _state.GROUPS[kind]]
+    object.__setattr__(model, "_jax_state", dict(zip(keys, state)))
 
 
 class _StateCall(KerasCall):
     """`function(state, iterator) -> (result, state)`; batches are pulled one at a time."""
 
     def __init__(self, model: keras.Model, kind: str, state: tuple, iterator: Any) -> None:
-        check_step_kind(kind)
-        groups = _state.GROUPS[kind]
+        self._threaded = _state.threaded(model, kind, state)
+        groups = self._threaded.names
         if len(state) != len(groups):
             raise ValueError(
                 f"keras_memfit's {kind}_function expects Keras's JAX {kind} state of "
                 f"{len(groups)} variable lists; received {len(state)}"
             )
         self._model, self._kind, self._iterator = model, kind, iterator
-        self._threaded = _state.threaded(model, kind, state)
         self._several = _processes.multi_process()
         self.state: Optional[tuple] = None
 

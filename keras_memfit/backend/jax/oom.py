@@ -7,7 +7,10 @@ only under an address-space limit (`RLIMIT_AS`).
 from __future__ import annotations
 
 import re
+import resource
 from typing import Tuple
+
+import jax
 
 _RESOURCE_EXHAUSTED = re.compile(
     r"RESOURCE_EXHAUSTED:.*Out of memory (allocating|while trying to allocate) \d+ bytes",
@@ -25,48 +28,29 @@ _TPU_ALLOCATION = re.compile(
 _RUNTIME_ERROR_NAMES = ("JaxRuntimeError", "XlaRuntimeError")
 
 
-def _runtime_error_class() -> type:
-    import jax
-
-    return jax.errors.JaxRuntimeError
-
-
 def is_jax_runtime_error(exc: BaseException) -> bool:
-    """Whether `exc` is JAX's runtime error (jaxlib's old one by class name: its module is gone)."""
-    if isinstance(exc, _runtime_error_class()):
-        return True
+    """Whether `exc` is JAX's runtime error, by class name (jaxlib's old one's module is gone)."""
     return isinstance(exc, RuntimeError) and any(
         cls.__name__ in _RUNTIME_ERROR_NAMES for cls in type(exc).__mro__
     )
 
 
-def _message(exc: BaseException) -> str:
-    return str(exc)
-
-
 def is_allocation_oom(exc: BaseException) -> bool:
     """XLA's allocator ran out: `RESOURCE_EXHAUSTED: Out of memory ...`."""
-    return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(_message(exc)))
+    return is_jax_runtime_error(exc) and bool(_RESOURCE_EXHAUSTED.search(str(exc)))
 
 
 def is_dispatch_oom(exc: BaseException) -> bool:
     """A computation using a failed one's output: `INTERNAL: Error dispatching computation`."""
-    return is_jax_runtime_error(exc) and bool(_DISPATCH.search(_message(exc)))
+    return is_jax_runtime_error(exc) and bool(_DISPATCH.search(str(exc)))
 
 
 def is_tpu_allocation_oom(exc: BaseException) -> bool:
     """TPU: `RESOURCE_EXHAUSTED: ... Allocation (size=N) would exceed memory`."""
-    return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(_message(exc)))
-
-
-_YNNPACK = "YNNPACK operation failed"
+    return is_jax_runtime_error(exc) and bool(_TPU_ALLOCATION.search(str(exc)))
 
 
 def _address_space_limited() -> bool:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return False
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     return soft != resource.RLIM_INFINITY
 
@@ -75,7 +59,7 @@ def is_ynnpack_oom_under_address_limit(exc: BaseException) -> bool:
     """`INTERNAL: YNNPACK operation failed`, only under an `RLIMIT_AS` limit."""
     return (
         is_jax_runtime_error(exc)
-        and _YNNPACK in _message(exc)
+        and "YNNPACK operation failed" in str(exc)
         and _address_space_limited()
     )
 
@@ -90,8 +74,8 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error_bases() -> Tuple[type, ...]:
-    return (_runtime_error_class(),)
+    return (jax.errors.JaxRuntimeError,)
 
 
 def init_oom_error(err: BaseException, message: str) -> None:
-    _runtime_error_class().__init__(err, message)
+    jax.errors.JaxRuntimeError.__init__(err, message)

@@ -20,10 +20,6 @@ from keras_memfit.backend.jax import state as _state
 from keras_memfit.backend.jax.accumulation import TRAIN_STATE, accumulation_programs
 
 
-def _is_float(value: Any) -> bool:
-    return jnp.issubdtype(value.dtype, jnp.floating)
-
-
 def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable], Callable]:
     """A `wrap` for `accumulation_programs`: `add` on every device of `mesh`, each on its own row;
     with `tail` (rows replicated) only the first device keeps what it added."""
@@ -120,15 +116,13 @@ class ProcessAccumulator:
         sums, self._sums = self._sums, None
         values = [processes.map_per_device(
             lambda i, s: s * jnp.asarray(1.0 / total, s.dtype), s) for s in sums]
-        like = list(trainable)
         values += [processes.map_per_device(lambda i, new, old: new - old, new, old)
                    for new, old in zip(self._metrics, self._metrics_before)]
-        like += list(metrics)
-        floats = [i for i, v in enumerate(non_trainable) if _is_float(v)]
+        floats = [i for i, v in enumerate(non_trainable) if jnp.issubdtype(v.dtype, jnp.floating)]
         values += [processes.map_per_device(
             lambda i, v: v * jnp.asarray(shares[i], v.dtype), self._non_trainable[j])
             for j in floats]
-        like += [non_trainable[i] for i in floats]
+        like = list(trainable) + list(metrics) + [non_trainable[i] for i in floats]
         self.update_began = True
         summed = processes.all_sum(values, like)
         n_t, n_m = len(trainable), len(metrics)

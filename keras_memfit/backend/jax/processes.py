@@ -7,9 +7,11 @@ client is JAX private API, read only in `_client`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -68,27 +70,16 @@ def _client() -> Any:
     return client
 
 
-class _Agreement:
-    """The rounds of agreement of this process (the same sequence on every process)."""
-
-    def __init__(self) -> None:
-        self.round = 0
-        self.failed_posted = False
-
-    def key(self, round_: int, process: int) -> str:
-        return f"{_PREFIX}/agree/{round_}/{process}"
+# The rounds of agreement of this process (the same sequence on every process).
+_AGREEMENT = types.SimpleNamespace(round=0, failed_posted=False)
 
 
-_AGREEMENT = _Agreement()
+def _agreement_key(round_: int, process: int) -> str:
+    return f"{_PREFIX}/agree/{round_}/{process}"
 
 
 def _failure_key(process: int) -> str:
     return f"{_PREFIX}/failed/{process}"
-
-
-def _describe(exc: BaseException) -> str:
-    text = repr(exc)
-    return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 def post_failure(exc: BaseException) -> None:
@@ -97,7 +88,9 @@ def post_failure(exc: BaseException) -> None:
         return
     _AGREEMENT.failed_posted = True
     try:
-        _client().key_value_set(_failure_key(jax.process_index()), _describe(exc))
+        text = repr(exc)
+        text = text if len(text) <= 2000 else text[:2000] + "..."
+        _client().key_value_set(_failure_key(jax.process_index()), text)
     except Exception as err:  # noqa: BLE001 - the original error matters, not this one
         logger.warning("could not tell the other JAX processes of this failure: %r", err)
 
@@ -144,19 +137,16 @@ def agree(rows: int, what: str) -> List[int]:
     client = _client()
     me, count = jax.process_index(), jax.process_count()
     round_ = _AGREEMENT.round
-    client.key_value_set(_AGREEMENT.key(round_, me), str(int(rows)))
+    client.key_value_set(_agreement_key(round_, me), str(int(rows)))
     deadline = time.monotonic() + timeout_s()
     out: List[int] = []
     for process in range(count):
-        if process == me:
-            out.append(int(rows))
-            continue
-        out.append(int(_wait_for(client, _AGREEMENT.key(round_, process), process, deadline,
-                                 what)))
+        key = _agreement_key(round_, process)
+        out.append(int(rows if process == me else _wait_for(client, key, process, deadline, what)))
     _AGREEMENT.round = round_ + 1
     if round_ > 0:  # every peer posted this round: each has read the last one
         try:
-            client.key_value_delete(_AGREEMENT.key(round_ - 1, me))
+            client.key_value_delete(_agreement_key(round_ - 1, me))
         except Exception as err:  # noqa: BLE001 - a key left over costs a few bytes
             logger.debug("could not delete an agreement key: %r", err)
     return out
@@ -274,13 +264,10 @@ def local_rows(tree: Any) -> Any:
     def one(leaf: Any) -> Any:
         if not _is_global(leaf):
             return leaf
-        shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
-        starts, parts = set(), []
-        for shard in shards:  # replicated over local devices: each block once
-            start = shard.index[0].start or 0
-            if start not in starts:
-                starts.add(start)
-                parts.append(np.asarray(shard.data))
+        blocks: Dict[int, Any] = {}  # first row -> data; replicated over local devices: once
+        for shard in leaf.addressable_shards:
+            blocks.setdefault(shard.index[0].start or 0, shard.data)
+        parts = [np.asarray(blocks[start]) for start in sorted(blocks)]
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     return jax.tree_util.tree_map(one, tree)
@@ -298,16 +285,11 @@ def as_global(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     return out
 
 
-_SUMS: Dict[Tuple[Any, ...], Any] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sum_program(shardings: Tuple[Any, ...]) -> Any:
-    program = _SUMS.get(shardings)
-    if program is None:
-        program = _SUMS[shardings] = jax.jit(
-            lambda stacked: [x.sum(axis=0) for x in stacked], out_shardings=list(shardings)
-        )
-    return program
+    return jax.jit(
+        lambda stacked: [x.sum(axis=0) for x in stacked], out_shardings=list(shardings)
+    )
 
 
 def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
@@ -319,7 +301,6 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
     stacked_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
     first = local_device()
-    devices = mesh.devices.size
     stacked = []
     for value, ref in zip(values, like):
         value = value if isinstance(value, jax.Array) else jnp.asarray(value)
@@ -342,7 +323,7 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
                 f"all_sum takes arrays of shape {shape} or one row per local device of it; "
                 f"received shape {tuple(value.shape)}")
         stacked.append(jax.make_array_from_single_device_arrays(
-            (devices,) + shape, stacked_sharding, shards))
+            (mesh.devices.size,) + shape, stacked_sharding, shards))
     return _sum_program(tuple(ref.sharding for ref in like))(stacked)
 
 

@@ -13,6 +13,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from keras_memfit.backend.base import check_step_kind
+
 GROUPS: Dict[str, Tuple[str, ...]] = {
     "train": ("trainable", "non_trainable", "optimizer", "metrics"),
     "test": ("trainable", "non_trainable", "metrics"),
@@ -25,26 +27,18 @@ _lists: "weakref.WeakKeyDictionary[Any, Dict[str, List[Any]]]" = weakref.WeakKey
 
 
 def variables(model: Any, group: str) -> List[Any]:
-    if group == "trainable":
-        return list(model.trainable_variables)
-    if group == "non_trainable":
-        return list(model.non_trainable_variables)
     if group == "optimizer":
         return list(model.optimizer.variables) if model.optimizer is not None else []
-    if group == "metrics":
-        return list(model.metrics_variables)
-    raise ValueError(f"unknown state group {group!r}; expected one of {GROUPS['train']}")
+    if group not in GROUPS["train"]:
+        raise ValueError(f"unknown state group {group!r}; expected one of {GROUPS['train']}")
+    return list(getattr(model, f"{group}_variables"))  # trainable, non_trainable, metrics
 
 
 def read(variables_: Sequence[Any]) -> List[Any]:
     """The current values of Keras variables, without Keras's checks (also where detached)."""
     if in_stateless_scope():
         return [v.value for v in variables_]
-    out = []
-    for v in variables_:
-        value = v._value
-        out.append(v.value if value is None else value)
-    return out
+    return [v.value if v._value is None else v._value for v in variables_]
 
 
 def write(variables_: Sequence[Any], values: Sequence[Any]) -> None:
@@ -86,9 +80,8 @@ class Threaded:
 
     def holds(self, names: Sequence[str]) -> bool:
         """Whether the tuple (not the variables) holds every group in `names`."""
-        if self.materialized:
-            return False
-        return names is self.names or all(n in self._values for n in names)
+        return not self.materialized and (
+            names is self.names or all(n in self._values for n in names))
 
     def get(self, names: Sequence[str]) -> List[List[Any]]:
         # New lists, shared with nothing: each array's reference count tells who holds it.
@@ -127,9 +120,7 @@ class Threaded:
 
     def state(self) -> Tuple[List[Any], ...]:
         """The state tuple to hand back to Keras."""
-        if self.materialized:
-            return tuple([read(self._variables[name]) for name in self.names])
-        return tuple(map(self._values.__getitem__, self.names))
+        return tuple(map(self.snapshot().__getitem__, self.names))
 
     def finish(self) -> Tuple[List[Any], ...]:
         """`state()`, then the variables detached again where Keras had detached them."""
@@ -143,8 +134,7 @@ class Threaded:
 
 def threaded(model: Any, kind: str, state: Sequence[Any]) -> ContextManager[Threaded]:
     """Run keras_memfit's steps on Keras's state tuple for the block."""
-    if kind not in GROUPS:
-        raise ValueError(f"kind must be one of {list(GROUPS)}; received kind={kind!r}")
+    check_step_kind(kind)
     return Threaded(model, kind, state)
 
 
@@ -154,9 +144,15 @@ def active() -> Optional[Threaded]:
     return call if call is not None and not call.materialized else None
 
 
-def _current(model: Any, names: Sequence[str]) -> Optional[Threaded]:
+def _call_on(model: Any) -> Optional[Threaded]:
+    """The call in progress on this thread, if it is on `model`."""
     call = getattr(_local, "call", None)
-    if call is None or call.model is not model:
+    return call if call is not None and call.model is model else None
+
+
+def _current(model: Any, names: Sequence[str]) -> Optional[Threaded]:
+    call = _call_on(model)
+    if call is None:
         return None
     if not call.holds(names):
         call.materialize()  # e.g. metrics asked for during a predict call
@@ -170,13 +166,11 @@ def refresh(model: Any) -> None:
 
 
 def _variables_of(model: Any, name: str) -> List[Any]:
-    call = getattr(_local, "call", None)
-    taken = call.taken_variables(name) if call is not None and call.model is model else None
+    call = _call_on(model)
+    taken = call.taken_variables(name) if call is not None else None
     if taken is not None:
         return taken  # materialized: the lists it took
-    lists = _lists.get(model)
-    if lists is None:
-        lists = _lists[model] = {}
+    lists = _lists.setdefault(model, {})
     found = lists.get(name)
     if found is None:
         found = lists[name] = variables(model, name)
@@ -203,6 +197,6 @@ def put(model: Any, names: Sequence[str], values: Sequence[Sequence[Any]]) -> No
 
 def materialize(model: Any) -> None:
     """Inside a threaded call on `model`, move the state into the variables (else nothing)."""
-    call = getattr(_local, "call", None)
-    if call is not None and call.model is model:
+    call = _call_on(model)
+    if call is not None:
         call.materialize()

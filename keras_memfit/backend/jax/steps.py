@@ -7,7 +7,7 @@ puts the old one back if the computation failed.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import keras
@@ -17,9 +17,10 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import NO_SPEC, model_of, spec_of_two_sizes
 from keras_memfit.backend.jax import distribution
 from keras_memfit.backend.jax import state as _state
+from keras_memfit.backend.jax.memory import compiles_per_shape
 
-PREDICT_STATE = ("trainable", "non_trainable")
-TEST_STATE = ("trainable", "non_trainable", "metrics")
+PREDICT_STATE = _state.GROUPS["predict"]
+TEST_STATE = _state.GROUPS["test"]
 
 
 # The pass off on the CPU: else XLA merges `jax.checkpoint`'s recomputation back (docs/training.md).
@@ -28,22 +29,16 @@ COMPILER_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"}}
 
 def _compile(model: keras.Model, fn: Callable, donate_argnums: Tuple[int, ...] = ()) -> Callable:
     """`fn` jitted as Keras compiles steps, donating only `donate_argnums`; eager: `fn`."""
-    if getattr(model, "run_eagerly", False) or not getattr(model, "jit_compile", True):
+    if not compiles_per_shape(model):
         return fn
     options = COMPILER_OPTIONS.get(jax.default_backend())
     return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options)
 
 
-def values(variables: Sequence[Any]) -> List[Any]:
-    return _state.read(variables)
-
-
-def assign(variables: Sequence[Any], new_values: Sequence[Any]) -> None:
-    _state.write(variables, new_values)
-
-
 class _Step:
     """A compiled step over the model's state, held weakly (`traced`: False when run eagerly)."""
+
+    names: Tuple[str, ...]
 
     def __init__(self, model: keras.Model, fn: Callable) -> None:
         self._model_ref = weakref.ref(model)
@@ -57,43 +52,40 @@ class _Step:
     def __call__(self, data: Any) -> Any:
         return self.start(data).wait()
 
-    def _start(self, names: Sequence[str], data: Any) -> "Started":
+    def start(self, data: Any) -> "Started":
         """Start the step on the state groups `names`; it returns its output, then `names[1:]`."""
         model = self.model()
-        state = _state.get(model, names)
+        state = _state.get(model, self.names)
         result = self._compiled(*state, data)
-        written = names[1:]
+        written = self.names[1:]
         _state.put(model, written, result[1:])
-        return Started(model, written, state[1:], result, result[0])
+        return Started(model, written, state[1:], result)
 
 
-class Started:
+class Started(NamedTuple):
     """A `StartedPiece`: `before` holds the values of `names` it replaced."""
 
-    __slots__ = ("_model", "_names", "_before", "_result", "_output")
-
-    def __init__(self, model: keras.Model, names: Sequence[str], before: Sequence[Any],
-                 result: Any, output: Any) -> None:
-        self._model = model
-        self._names = names
-        self._before = before
-        self._result = result
-        self._output = output
+    model: keras.Model
+    names: Sequence[str]
+    before: Sequence[Any]
+    result: Any
 
     def wait(self) -> Any:
         try:
-            jax.block_until_ready(self._result)
+            jax.block_until_ready(self.result)
         except BaseException:
             self.undo()
             raise
-        return self._output
+        return self.result[0]
 
     def undo(self) -> None:
-        _state.put(self._model, self._names, self._before)
+        _state.put(self.model, self.names, self.before)
 
 
 class PredictStep(_Step):
     """`x -> outputs`: the model's `predict_step` (then `postprocess`), compiled."""
+
+    names = PREDICT_STATE
 
     def __init__(self, model: keras.Model, postprocess: Optional[Callable]) -> None:
         model_ref = weakref.ref(model)
@@ -106,17 +98,12 @@ class PredictStep(_Step):
 
         super().__init__(model, predict_fn)
 
-    def start(self, x: Any) -> "Started":
-        return self._start(PREDICT_STATE, x)
-
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)` by tracing only."""
-        model = self.model()
         state = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state.get(model, PREDICT_STATE)
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state.get(self.model(), self.names)
         )
-        first = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None)
-        rows = int(first.shape[0])
+        rows = distribution.batch_rows(x)
 
         def at(n: int) -> Any:
             xs = keras.tree.map_structure(  # None: an optional input left out
@@ -135,6 +122,8 @@ class PredictStep(_Step):
 class TestStep(_Step):
     """`(x, y, sample_weight) -> logs`: the model's `test_step`, compiled."""
 
+    names = TEST_STATE
+
     def __init__(self, model: keras.Model) -> None:
         model_ref = weakref.ref(model)
 
@@ -144,18 +133,19 @@ class TestStep(_Step):
 
         super().__init__(model, test_fn)
 
-    def start(self, data: Any) -> "Started":
-        return self._start(TEST_STATE, data)
+
+def _laid_out(step: _Step, combine: Callable[[Any, Any], Any]) -> Any:
+    """`step`; under `DataParallel` its pieces laid out over the devices."""
+    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
+        return distribution.ShardedStep(step, combine)
+    return step
 
 
 def make_predict_step(
     model: keras.Model, postprocess: Optional[Callable] = None
 ) -> Union[PredictStep, distribution.ShardedStep]:
     """A `PredictStep`; under `DataParallel` its pieces laid out over the devices."""
-    step = PredictStep(model, postprocess)
-    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
-        return distribution.ShardedStep(step, distribution.concatenate_outputs)
-    return step
+    return _laid_out(PredictStep(model, postprocess), distribution.concatenate_outputs)
 
 
 # Keras's JAX trainer compiles with static shapes: per-output losses weigh a batch by its rows.
@@ -167,10 +157,7 @@ def make_test_step(
     model: keras.Model, exact: bool = False
 ) -> Union[TestStep, distribution.ShardedStep]:
     """A `TestStep` (`exact` changes nothing); under `DataParallel` laid out over the devices."""
-    step = TestStep(model)
-    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
-        return distribution.ShardedStep(step, distribution.last_logs)
-    return step
+    return _laid_out(TestStep(model), distribution.last_logs)
 
 
 class VariableGuard:
@@ -178,22 +165,21 @@ class VariableGuard:
 
     def __init__(self, variables: Sequence[Any]) -> None:
         self._variables = list(variables)
-        self._saved: Optional[List[Any]] = None
         self._call: Optional[_state.Threaded] = None
-        self._saved_state: Optional[Any] = None
+        self._saved: Optional[Any] = None  # the call's snapshot, or the variables' values
 
     def snapshot(self) -> None:
         self._call = _state.active()
         if self._call is not None:
-            self._saved_state = self._call.snapshot()
+            self._saved = self._call.snapshot()
         else:
-            self._saved = values(self._variables)
+            self._saved = _state.read(self._variables)
 
     def restore(self) -> None:
         if self._call is not None:
-            self._call.restore(self._saved_state)
+            self._call.restore(self._saved)
         elif self._saved is not None:
-            assign(self._variables, self._saved)
+            _state.write(self._variables, self._saved)
 
 
 def guard_variables(variables: Sequence[Any]) -> VariableGuard:

@@ -7,6 +7,7 @@ in-place *update program* (ARCHITECTURE.md). The factories choose the variant of
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import weakref
@@ -14,12 +15,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import keras
-from keras.src.backend.jax.trainer import JAXTrainer
 
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit.backend.base import StepOutcome
-from keras_memfit.backend.jax.accumulation import TRAIN_STATE, GradientAccumulator
+from keras_memfit.backend.jax.accumulation import (
+    TRAIN_STATE, GradientAccumulator, gradients_and_metrics,
+)
 from keras_memfit.backend.jax.oom import is_oom_error
 from keras_memfit.backend.jax import distribution, process_training
 from keras_memfit.backend.jax import memory as _memory
@@ -48,21 +50,6 @@ def oom_raises_at_dispatch() -> bool:
     return OOM_RAISES_AT_DISPATCH.get(jax.devices()[0].platform) is True
 
 
-def _gradients_and_metrics(model: keras.Model, trainable, non_trainable, optimizer, metrics,
-                           data) -> tuple:
-    """Keras's JAX `train_step` without its update: `(grads, logs, non_trainable, metrics)`."""
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
-        trainable, non_trainable, metrics, x, y, sample_weight,
-        training=True, optimizer_variables=optimizer,
-    )
-    unscaled_loss, y_pred, non_trainable, metrics = aux
-    logs, metrics = JAXTrainer._update_metrics_variables(
-        model, metrics, unscaled_loss, x, y, y_pred, sample_weight
-    )
-    return grads, logs, non_trainable, metrics
-
-
 def _nbytes(tree: Any) -> int:
     return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree)
                if hasattr(leaf, "dtype") and hasattr(leaf, "size"))
@@ -81,19 +68,13 @@ def _signature(data: Any) -> Tuple[Any, ...]:
 
 def _first_array(tree: Any) -> Any:
     """One array of `tree`, or `tree`."""
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array):
-            return leaf
-    return tree
+    return next((leaf for leaf in jax.tree_util.tree_leaves(tree)
+                 if isinstance(leaf, jax.Array)), tree)
 
 
 def _wait(outputs: Any, compiled: bool = True) -> None:
     """Wait for `outputs`; of a compiled program, for one array (all are ready together)."""
-    first = _first_array(outputs) if compiled else outputs
-    if isinstance(first, jax.Array):
-        first.block_until_ready()
-    else:
-        jax.block_until_ready(first)
+    jax.block_until_ready(_first_array(outputs) if compiled else outputs)
 
 
 class TrainStep:
@@ -106,46 +87,42 @@ class TrainStep:
     snapshots_itself = True
 
     def __init__(self, model: keras.Model, custom: bool = False) -> None:
-        self._model_ref = weakref.ref(model)
-        model_ref = self._model_ref
+        model_ref = self._model_ref = weakref.ref(model)
         self._custom = custom
         self._waits_for_gradients = not oom_raises_at_dispatch()
         self.last_outcome: Optional[StepOutcome] = None
-        if custom:
-            def whole_fn(trainable, non_trainable, optimizer, metrics, data):
-                return model_ref().train_step(
-                    (trainable, non_trainable, optimizer, metrics), data)
 
-            self._whole = _compile(model, whole_fn)
-            self._compiled = self._whole is not whole_fn
+        # Keras's own step: a model's own `train_step` run whole, without donation; Keras's
+        # default one donating the whole state, only where the two programs would not fit.
+        def keras_fn(state, data):
+            return model_ref().train_step(state, data)
+
+        if custom:
+            self._whole = _compile(model, keras_fn)
             return
 
         def grad_fn(trainable, non_trainable, optimizer, metrics, data):
-            return _gradients_and_metrics(
+            return gradients_and_metrics(
                 model_ref(), trainable, non_trainable, optimizer, metrics, data)
 
         # The arguments in the order of the outputs: each donated buffer is reused for its own.
         def update_fn(trainable, optimizer, grads):
             return model_ref().optimizer.stateless_apply(optimizer, grads, trainable)
 
-        # Keras's own step, donating the whole state: only where the two programs would not fit.
-        def fused_fn(state, data):
-            return model_ref().train_step(state, data)
-
         self._gradients = _compile(model, grad_fn)
         self._compiled = self._gradients is not grad_fn
         self._update = _compile(model, update_fn, donate_argnums=(0, 1))
-        self._fused = _compile(model, fused_fn, donate_argnums=(0,))
+        self._fused = _compile(model, keras_fn, donate_argnums=(0,))
         self._update_bytes: Optional[int] = None
         # data signature -> "split", "tight" or "fused" (`_choose`)
         self._mode_for: Dict[Tuple[Any, ...], str] = {}
         self._last_update: Any = None  # an output of the last update program
 
     def __call__(self, data: Any) -> Dict[str, Any]:
-        if self._custom:
-            return self._call_whole(data)
-        self._wait_for_update()
         model = self._model_ref()
+        if self._custom:
+            return self._call_keras(model, self._whole, _state.get(model, TRAIN_STATE), data)
+        self._wait_for_update()
         current = _state.get(model, TRAIN_STATE)
         mode = "split"
         if self._compiled:
@@ -154,7 +131,7 @@ class TrainStep:
             if mode is None:
                 mode = self._mode_for[key] = self._choose(model, current, data)
             if mode == "fused":
-                return self._call_fused(model, current, data)
+                return self._call_keras(model, self._fused, current, data)
         trainable, _, optimizer, _ = current
         if mode == "tight":
             gc.collect()
@@ -192,10 +169,8 @@ class TrainStep:
     def _choose(self, model: keras.Model, current: List[List[Any]], data: Any) -> str:
         """How this input shape runs, from XLA's buffer analysis against the free memory: "split"
         (the two programs), "tight" (the same, collecting garbage first) or "fused" (Keras's)."""
-        if keras.distribution.distribution() is not None:
-            return "split"
         device = _memory.compute_device()
-        if _memory.free_bytes(device) is None:
+        if keras.distribution.distribution() is not None or _memory.free_bytes(device) is None:
             return "split"
         gc.collect()  # what the last steps freed, before the free memory is read
         try:
@@ -234,11 +209,11 @@ class TrainStep:
             (arrived + _new_bytes(fused)) / 2**20)
         return "fused"
 
-    def _call_fused(self, model: keras.Model, current: List[List[Any]],
+    def _call_keras(self, model: keras.Model, program: Callable, current: List[List[Any]],
                     data: Any) -> Dict[str, Any]:
-        """Keras's own step on the donated state, waited for so that its OOM is reported here."""
+        """Keras's own step, waited for so that its OOM is reported here."""
         try:
-            logs, state = jax.block_until_ready(self._fused(tuple(current), data))
+            logs, state = jax.block_until_ready(program(tuple(current), data))
         except Exception:
             lost = any(getattr(a, "is_deleted", lambda: False)()
                        for group in current for a in group)
@@ -257,17 +232,6 @@ class TrainStep:
         except Exception:
             self.last_outcome = StepOutcome.UPDATE_BEGAN
             raise
-
-    def _call_whole(self, data: Any) -> Dict[str, Any]:
-        model = self._model_ref()
-        current = _state.get(model, TRAIN_STATE)
-        try:
-            logs, state = jax.block_until_ready(self._whole(*current, data))
-        except Exception:
-            self.last_outcome = StepOutcome.UNTOUCHED
-            raise
-        _state.put(model, TRAIN_STATE, state)
-        return logs
 
 
 def check_training_mode(model: keras.Model, mode: str) -> None:
@@ -319,10 +283,8 @@ def make_custom_train_step(model: keras.Model, data: Any) -> Any:
     """The model's own `train_step` run whole (`data` unused: Keras's `fit` built the model)."""
     check_training_mode(model, "accumulate")
     _state.refresh(model)
-    step = TrainStep(model, custom=True)
-    if distribution.variant() is distribution.Variant.DATA_PARALLEL:
-        return distribution.ShardedTrainStep(step)
-    return step
+    whole = functools.partial(TrainStep, custom=True)  # under several processes too
+    return _as_variant(model, whole, distribution.ShardedTrainStep, whole)
 
 
 def make_accumulator(model: keras.Model) -> Any:
