@@ -76,29 +76,10 @@ class CallRecorder:
         return outputs
 
 
-def traced_calls(
-    records: List[Dict[str, Any]],
-    tensors: Callable[[int, str], Tuple[TracedTensor, ...]],
-) -> Tuple[TracedCall, ...]:
-    """The calls below the model's own (depth 0), one level up, as `TracedCall`s."""
-    calls: List[TracedCall] = []
-    remap: Dict[int, int] = {}
-    for index, entry in enumerate(records):
-        if entry["depth"] == 0:
-            continue
-        remap[index] = len(calls)
-        calls.append(TracedCall(
-            entry["op"], remap.get(entry["parent"]),
-            tensors(index, "inputs"), tensors(index, "outputs"),
-        ))
-    return tuple(calls)
-
-
 def _merge(a: List[Info], b: List[Info]) -> Tuple[TracedTensor, ...]:
     """`a`'s tensors, with None for the dimensions that differ in `b` (the batch's)."""
     out = []
-    for (key, shape, dtype), other in zip(a, b):
-        other_shape = other[1]
+    for (key, shape, dtype), (_, other_shape, _) in zip(a, b):
         if len(other_shape) != len(shape):
             other_shape = (None,) * len(shape)
         out.append(TracedTensor(
@@ -130,9 +111,20 @@ def trace_at_two_batches(model: keras.Model, record: Callable[[int], CallRecorde
             f"sizes {BATCHES[0]} and {BATCHES[1]} (received {len(records)} and "
             f"{len(others)} calls); memory_report needs one call graph for every batch size"
         )
+    return trace_of(first, second)
 
-    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
-        return _merge(records[index][which], others[index][which])
 
-    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs),
-                 traced_calls(records, tensors))
+def trace_of(first: CallRecorder, second: Optional[CallRecorder] = None) -> Trace:
+    """The calls below the model's own (depth 0), one level up; None where `second` differs."""
+    second = first if second is None else second
+    calls: List[TracedCall] = []
+    remap: Dict[int, int] = {}
+    for index, (entry, other) in enumerate(zip(first.records, second.records)):
+        if entry["depth"] == 0:
+            continue
+        remap[index] = len(calls)
+        calls.append(TracedCall(
+            entry["op"], remap.get(entry["parent"]),
+            _merge(entry["inputs"], other["inputs"]), _merge(entry["outputs"], other["outputs"]),
+        ))
+    return Trace(_merge(first.inputs, second.inputs), tuple(first.outputs), tuple(calls))

@@ -23,7 +23,7 @@ from keras_memfit.backend.tensorflow.memory import (
     compiles_per_shape, compute_device, conv_columns, memory_limit, memory_stats, reset_peak,
 )
 from keras_memfit.backend.tensorflow.steps import (
-    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE,
+    KERAS_BEGINS_BATCH_BEFORE_FETCH, KERAS_COUNTS_EACH_BATCH_ONCE, guard_variables,
     make_predict_step, make_test_step, output_spec, prepare_test,
 )
 from keras_memfit.backend.tensorflow.training import (
@@ -38,7 +38,6 @@ from keras_memfit.backend.tensorflow.devices import (
 )
 from keras_memfit.backend.tensorflow.tracing import trace_layer_calls
 from keras_memfit.backend.tensorflow.distribution import (
-    distribution_of, guard_variables, piece_multiple, replica_devices, step_variant,
-    training_layout,
+    distribution_of, piece_multiple, replica_devices, step_variant, training_layout,
 )
 from keras_memfit.backend.tensorflow import placement

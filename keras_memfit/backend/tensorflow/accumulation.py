@@ -95,6 +95,12 @@ def kept_rows_text(optimizer: Any, kept: Sequence[Tuple[Sequence[Any], Any]]) ->
             f"because {type(optimizer).__name__} updates them row by row")
 
 
+def _zeros_like(weight: Any) -> tf.Variable:
+    """A sum of zeros on `weight`'s device, of no static shape."""
+    with tf.device(weight.device):
+        return tf.Variable(tf.zeros_like(weight), shape=tf.TensorShape(None), trainable=False)
+
+
 class AccumulationSteps:
     """A model's compiled accumulation steps and their sums (no static shape), kept across fits.
 
@@ -162,21 +168,14 @@ class AccumulationSteps:
                 total.assign(tf.zeros_like(w.value))
         made = len(self.sums)
         for w, sparse in zip(self.weights[made:], self.sparse[made:]):
-            if sparse:
-                self.sums.append(None)
-                continue
-            with tf.device(w.value.device):
-                self.sums.append(tf.Variable(
-                    tf.zeros_like(w.value), shape=tf.TensorShape(None), trainable=False))
+            self.sums.append(None if sparse else _zeros_like(w.value))
 
     def sparse_sum(self, i: int) -> tf.Variable:
         """Weight `i`'s dense sum of sparse gradients, zeroed (made the first time)."""
         weight = self.weights[i].value
         total = self.sparse_sums.get(i)
         if total is None:
-            with tf.device(weight.device):
-                total = self.sparse_sums[i] = tf.Variable(
-                    tf.zeros_like(weight), shape=tf.TensorShape(None), trainable=False)
+            total = self.sparse_sums[i] = _zeros_like(weight)
         else:
             total.assign(tf.zeros_like(weight))
         return total
@@ -218,13 +217,9 @@ class GradientAccumulator:
         if not self._filled:
             steps.fill(self._model(), data)
             self._filled = True
-        signature, held = steps.holds.hold(data)
-        try:  # the weights are cast to the loss dtype inside
+        with steps.holds.holding(data):  # the weights are cast to the loss dtype inside
             slices = steps.add(
                 data, tf.constant(weight, tf.float64), tf.constant(loss_factor, tf.float64))
-        finally:
-            held.clear()  # before a retry resets the sums
-        steps.holds.ran(signature)
         self._keep(slices)
 
     def _keep(self, slices: Sequence[tf.IndexedSlices]) -> None:

@@ -57,12 +57,10 @@ def _fits(data: Any, spec: Any) -> bool:
         tf.nest.assert_same_structure(data, spec)
     except (ValueError, TypeError):
         return False
-    for value, leaf in zip(tf.nest.flatten(data), tf.nest.flatten(spec)):
-        if (value is None) != (leaf is None):
-            return False
-        if value is not None and not leaf.is_compatible_with(value):
-            return False
-    return True
+    return all(
+        (value is None) == (leaf is None) and (value is None or leaf.is_compatible_with(value))
+        for value, leaf in zip(tf.nest.flatten(data), tf.nest.flatten(spec))
+    )
 
 
 def relaxed_spec(value: Any) -> Any:

@@ -6,16 +6,9 @@ from typing import Any, Callable, List
 
 import keras
 import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
 
 from keras_memfit._internal import keras_compat as _keras_compat
-
-
-def unscale_loss_for_distribution(loss: Any) -> Any:
-    """The loss without the strategy's scaling, as Keras's train step (Keras >= 3.8)."""
-    from keras.src.losses import loss as loss_module
-
-    unscale = getattr(loss_module, "unscale_loss_for_distribution", None)
-    return loss if unscale is None else unscale(loss)
 
 
 def _rows(x: Any) -> Any:
@@ -32,7 +25,7 @@ def forward_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> tupl
 
 
 def track_loss(model: keras.Model, loss: Any, x: Any) -> None:
-    """Update the loss tracker as Keras's train step does."""
+    """Update the loss tracker as Keras's train step does (the loss unscaled by the strategy)."""
     _keras_compat.loss_tracker(model).update_state(
         unscale_loss_for_distribution(loss), sample_weight=_rows(x)
     )
@@ -46,6 +39,12 @@ def loss_and_gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any) -
     weights = model.trainable_weights
     gradients = tape.gradient(scaled, weights) if weights else []
     return y_pred, loss, gradients
+
+
+def ordered_after(op: Any, data: Any) -> Any:
+    """`data`, read only once `op` ran."""
+    with tf.control_dependencies([op]):
+        return keras.tree.map_structure(lambda t: None if t is None else tf.identity(t), data)
 
 
 def _tensors(gradient: Any) -> List[Any]:

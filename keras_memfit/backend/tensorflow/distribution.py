@@ -28,18 +28,14 @@ from keras_memfit.backend.tensorflow.accumulation import (
 from keras_memfit.backend.tensorflow.compiling import (
     compile_step, needs_static_batch, traced_as_keras,
 )
-from keras_memfit.backend.tensorflow.default_step import flagged_train_step
+from keras_memfit.backend.tensorflow.default_step import flagged_train_step, ordered_after
 
 _HOST = "/CPU:0"
 
 
-def _distribute_strategy(model: keras.Model) -> Any:
-    return getattr(model, "_distribute_strategy", None)
-
-
 def active_strategy(model: Any) -> Optional[tf.distribute.Strategy]:
     """The `tf.distribute` strategy `model` runs under (as Keras's trainer finds it), or None."""
-    strategy = _distribute_strategy(model)
+    strategy = getattr(model, "_distribute_strategy", None)
     if strategy is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
     return strategy
@@ -127,43 +123,18 @@ def distribute(strategy: tf.distribute.Strategy, data: Any) -> Any:
     return strategy.experimental_distribute_values_from_function(share)
 
 
-def _is_per_replica(value: Any) -> bool:
-    return isinstance(value, tf.distribute.DistributedValues)
-
-
-def _concat(parts: Sequence[Any]) -> Any:
-    """Replicas' outputs as one, in replica order (Keras's `reduce_per_replica` "concat")."""
-    if isinstance(parts[0], tf.SparseTensor):
-        return tf.sparse.concat(axis=0, sp_inputs=list(parts))
-    if parts[0].shape.rank == 0:
-        return tf.stack(parts)
-    return tf.concat(list(parts), axis=0)
-
-
-def combine(strategy: tf.distribute.Strategy, outputs: Any, how: str) -> Any:
-    """Each per-replica leaf of `outputs` made one on the host: `how` is "concat" or "mean"."""
-
-    def one(value: Any) -> Any:
-        if not _is_per_replica(value):
-            return value
-        parts = strategy.experimental_local_results(value)
-        if how == "concat":
-            return _concat(parts)
-        return tf.reduce_mean(tf.stack(list(parts)), axis=0)
-
-    with tf.device(_HOST):
-        return tf.nest.map_structure(one, outputs)
-
-
 def distributed_step(
     model: keras.Model,
-    strategy: tf.distribute.MirroredStrategy,
     fn: Callable[[Any], Any],
     *,
     how: str,
     static_shapes: bool = False,
 ) -> Callable[[Any], Any]:
-    """`fn` on every replica's share, outputs combined as `how` says; compiled as Keras's own."""
+    """`fn` compiled as Keras's own; under a `MirroredStrategy` on every replica's share, outputs
+    combined as `how` ("concat" or "mean") says."""
+    strategy = strategy_of(model)
+    if strategy is None:
+        return compile_step(model, fn, static_shapes=static_shapes)
     eager = bool(getattr(model, "run_eagerly", False))
     inner = fn
     if not eager and model.jit_compile:
@@ -171,7 +142,8 @@ def distributed_step(
 
     def step(data: Any) -> Any:
         outputs = strategy.run(inner, args=(distribute(strategy, data),))
-        return combine(strategy, outputs, how)
+        with tf.device(_HOST):  # each per-replica output made one, as Keras's own loops do
+            return reduce_per_replica(outputs, strategy, how)
 
     if eager:
         return step
@@ -213,10 +185,6 @@ class VariableGuard:
             return
         for copy, value in zip(self._copies, self._saved):
             copy.assign(value)
-
-
-def guard_variables(variables: Sequence[Any]) -> VariableGuard:
-    return VariableGuard(variables)
 
 
 _SUPPORTED = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
@@ -263,6 +231,15 @@ def _local(strategy: tf.distribute.Strategy, value: Any) -> tuple:
     return tuple(strategy.experimental_local_results(value))
 
 
+def _per_replica(strategy: tf.distribute.Strategy, structure: Any) -> List[Any]:
+    """A structure of distributed values as each replica's own structure, in replica order."""
+    per_leaf = [_local(strategy, leaf) for leaf in keras.tree.flatten(structure)]
+    return [
+        keras.tree.pack_sequence_as(structure, [values[r] for values in per_leaf])
+        for r in range(strategy.num_replicas_in_sync)
+    ]
+
+
 def _sync_on_read(strategy: tf.distribute.Strategy, initial: Any, dtype: Any = None) -> Any:
     with strategy.scope():
         return tf.Variable(
@@ -289,11 +266,7 @@ class ReplicaTrainStep:
             model = model_ref()
             if custom:
                 return model.train_step(data)
-            reset = started.assign(0)
-            with tf.control_dependencies([reset]):
-                data = keras.tree.map_structure(
-                    lambda t: None if t is None else tf.identity(t), data
-                )
+            data = ordered_after(started.assign(0), data)
             return flagged_train_step(model, data, lambda: started.assign(1), strict=True)
 
         def step(data):
@@ -329,7 +302,7 @@ class ReplicaAccumulator:
         model, strategy, traced = self._model(), self._strategy, self._traced
         model_ref, weights = self._model, self._weights
         keeps_rows = not sums_sparse_exactly(model.optimizer)
-        local = keras.tree.map_structure(lambda v: _local(strategy, v)[0], data)
+        local = _per_replica(strategy, data)[0]
         sparse = sparse_gradients(model, local) if keeps_rows else [False] * len(self._weights)
         sums = self._sums = [
             None if kept else _sync_on_read(strategy, tf.zeros_like(w.value))
@@ -470,16 +443,9 @@ class Replicated:
 
     def local(self, batch: Any) -> List[tuple]:
         """Each replica's rows of a distributed Keras batch, as chunks."""
-        chunk = tuple(keras.utils.unpack_x_y_sample_weight(batch))
-        leaves = keras.tree.flatten(chunk)
-        per_leaf = [_local(self.strategy, leaf) for leaf in leaves]
-        return [
-            keras.tree.pack_sequence_as(chunk, [values[r] for values in per_leaf])
-            for r in range(self.count)
-        ]
+        return _per_replica(self.strategy, tuple(keras.utils.unpack_x_y_sample_weight(batch)))
 
-    def distribute(self, chunks: Sequence[Any]) -> Any:
-        chunks = list(chunks)
+    def distribute(self, chunks: List[Any]) -> Any:
         leaves = [keras.tree.flatten(c) for c in chunks]
         devices = self.strategy.extended.worker_devices
 
@@ -502,8 +468,7 @@ class Replicated:
             lambda context: tf.constant(values[context.replica_id_in_sync_group], tf.float64)
         )
 
-    def copies(self, variable: Any) -> Sequence[Any]:
-        return variable_copies(variable)
+    copies = staticmethod(variable_copies)
 
     def cut(self, batch: Any) -> Optional[Lanes]:
         local = self.local(batch)
@@ -541,9 +506,8 @@ class Replicated:
             outputs = strategy.run(lambda d: model_ref().test_step(d), args=(data,))
             return reduce_per_replica(outputs, strategy, "auto")
 
-        if exact:
-            return compile_step(model, step, static_shapes=needs_static_batch(model))
-        return traced_as_keras(compile_step(model, step))
+        compiled = compile_step(model, step, static_shapes=exact and needs_static_batch(model))
+        return compiled if exact else traced_as_keras(compiled)
 
     def predict_step(self, model: keras.Model) -> Callable[[Any], List[Any]]:
         key = ("predict", step_variant(model), bool(getattr(model, "run_eagerly", False)),
@@ -558,17 +522,7 @@ class Replicated:
             return strategy.run(lambda d: model_ref().predict_step(d), args=(data,))
 
         compiled = compile_step(model, step)
-
-        def run(data):
-            outputs = compiled(data)
-            flat = keras.tree.flatten(outputs)
-            per_leaf = [_local(strategy, leaf) for leaf in flat]
-            return [
-                keras.tree.pack_sequence_as(outputs, [values[r] for values in per_leaf])
-                for r in range(self.count)
-            ]
-
-        return run
+        return lambda data: _per_replica(strategy, compiled(data))
 
 
 def training_layout(model: keras.Model) -> Optional[Replicated]:

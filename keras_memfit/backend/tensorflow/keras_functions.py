@@ -35,8 +35,6 @@ def keras_batch_spec(model: keras.Model) -> Optional[Any]:
 
 def _as_tf_sparse(value: Any) -> Any:
     """A scipy or JAX sparse matrix as a `tf.SparseTensor`, as Keras's adapter makes it."""
-    if value is None:
-        return None
     if data_adapter_utils.is_scipy_sparse(value):
         return data_adapter_utils.scipy_sparse_to_tf_sparse(value)
     if data_adapter_utils.is_jax_sparse(value):

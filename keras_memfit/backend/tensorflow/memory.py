@@ -124,11 +124,9 @@ def _nvml_limit(physical: Any) -> Optional[Tuple[int, bool]]:
 def _other_processes_bytes(processes: Any) -> Optional[int]:
     """Bytes the GPU's other processes use, or None when that cannot be told."""
     processes = list(processes)
-    mine = [p for p in processes if p.pid == os.getpid()]
-    if not mine and len(processes) > 1:
-        return None
-    if not mine:
-        return 0  # in a container NVML may report host pids: a lone process is this one
+    if not any(p.pid == os.getpid() for p in processes):
+        # In a container NVML may report host pids: a lone process is this one.
+        return 0 if len(processes) <= 1 else None
     used = [p.usedGpuMemory for p in processes if p.pid != os.getpid()]
     if any(u is None for u in used):
         return None

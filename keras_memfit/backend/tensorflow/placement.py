@@ -59,9 +59,7 @@ def follow_variable_devices(optimizer: Any) -> None:
 
     def update_step_on_device(gradient, variable, *args, **kwargs):
         device = variable_device(variable)
-        if device is None:
-            return update_step(gradient, variable, *args, **kwargs)
-        with tf.device(device):
+        with contextlib.nullcontext() if device is None else tf.device(device):
             return update_step(gradient, variable, *args, **kwargs)
 
     # Bypass Keras's attribute tracking.
@@ -96,8 +94,6 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-
-
 def _pinning_new_ops(device: str) -> Iterator[None]:
     """Give the graph ops created inside with no device (`colocate_with` drops the scope) one.
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import keras
 import numpy as np
@@ -13,7 +14,7 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend.base import NO_SPEC, Spec
 from keras_memfit.backend.tensorflow import distribution
 from keras_memfit.backend.tensorflow.compiling import (
-    compile_step, needs_static_batch, relaxed_spec, traced_as_keras,
+    needs_static_batch, relaxed_spec, traced_as_keras,
 )
 
 
@@ -29,10 +30,7 @@ def make_predict_step(
             outputs = postprocess(outputs)
         return outputs
 
-    strategy = distribution.strategy_of(model)
-    if strategy is not None:
-        return distribution.distributed_step(model, strategy, predict_step, how="concat")
-    return compile_step(model, predict_step)
+    return distribution.distributed_step(model, predict_step, how="concat")
 
 
 # Keras's own `evaluate` on TensorFlow runs its test step on a tf.data
@@ -50,29 +48,23 @@ def make_test_step(model: keras.Model, exact: bool = False) -> Callable:
     def test_step(data):
         return model_ref().test_step(data)
 
-    strategy = distribution.strategy_of(model)
-
-    def compiled(static_shapes: bool = False) -> Callable:
-        if strategy is not None:
-            return distribution.distributed_step(
-                model, strategy, test_step, how="mean", static_shapes=static_shapes
-            )
-        return compile_step(model, test_step, static_shapes=static_shapes)
-
-    if exact:
-        return compiled(static_shapes=needs_static_batch(model))
-    return traced_as_keras(compiled())
+    step = distribution.distributed_step(
+        model, test_step, how="mean", static_shapes=exact and needs_static_batch(model)
+    )
+    return step if exact else traced_as_keras(step)
 
 
 def prepare_test(model: keras.Model, batch: Any) -> None:
     """Under a `MirroredStrategy`, inside its scope, so the metrics get one copy per replica."""
     x, y, sample_weight = batch
     strategy = distribution.strategy_of(model)
-    if strategy is None:
+    with contextlib.nullcontext() if strategy is None else strategy.scope():
         _keras_compat.symbolic_build(model, (x, y, sample_weight))
-        return
-    with strategy.scope():
-        _keras_compat.symbolic_build(model, (x, y, sample_weight))
+
+
+def guard_variables(variables: Sequence[Any]) -> distribution.VariableGuard:
+    """Every copy of each variable (one per replica under a strategy): `VariableGuard`."""
+    return distribution.VariableGuard(variables)
 
 
 def output_spec(step: Callable, x: Any) -> Optional[Any]:

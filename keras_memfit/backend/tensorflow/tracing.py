@@ -8,17 +8,8 @@ import keras
 import tensorflow as tf
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.backend._layer_calls import CallRecorder, traced_calls
-from keras_memfit.backend.base import Trace, TracedTensor
-
-
-def _model_input_specs(model: keras.Model) -> Tuple[Any, bool]:
-    """`(structure of tf.TensorSpec, positional)` to call `model` with, batch dimension unknown."""
-    struct, positional = _keras_compat.input_structure(model)
-    spec = keras.tree.map_structure(
-        lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), tf.as_dtype(t.dtype)), struct
-    )
-    return spec, positional
+from keras_memfit.backend._layer_calls import CallRecorder, trace_of
+from keras_memfit.backend.base import Trace
 
 
 def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], str]]:
@@ -30,7 +21,10 @@ def _tensor_info(value: Any) -> Optional[Tuple[str, Tuple[Optional[int], ...], s
 
 def trace_layer_calls(model: keras.Model) -> Trace:
     """Traced in a throw-away `tf.function` within a `keras.StatelessScope`."""
-    spec, positional = _model_input_specs(model)
+    struct, positional = _keras_compat.input_structure(model)
+    spec = keras.tree.map_structure(  # the batch dimension unknown
+        lambda t: tf.TensorSpec((None,) + tuple(t.shape[1:]), tf.as_dtype(t.dtype)), struct
+    )
     flat_spec = keras.tree.flatten(spec)
     recorder = CallRecorder(_tensor_info)
 
@@ -39,13 +33,4 @@ def trace_layer_calls(model: keras.Model) -> Trace:
 
     with recorder.patched():
         tf.function(forward, autograph=False).get_concrete_function(*flat_spec)
-    records = recorder.records
-
-    def tensors(index: int, which: str) -> Tuple[TracedTensor, ...]:
-        return tuple(TracedTensor(*info) for info in records[index][which])
-
-    return Trace(
-        tuple(TracedTensor(*info) for info in recorder.inputs),
-        tuple(recorder.outputs),
-        traced_calls(records, tensors),
-    )
+    return trace_of(recorder)

@@ -17,6 +17,7 @@ from keras_memfit.backend.tensorflow.accumulation import AccumulationSteps, Grad
 from keras_memfit.backend.tensorflow.default_step import (
     flagged_train_step,
     loss_and_gradients,
+    ordered_after,
     track_loss,
 )
 from keras_memfit.backend.tensorflow.xla_holds import XlaHolds
@@ -95,47 +96,36 @@ class TrainStep:
                 self._model(), self.update_began, self.generation,
                 list(zip(self._shadows, self._guarded)), strict,
             )
-        self._trace(step, data)
-        signature, held = self._holds.hold((strict, data))
-        try:
-            logs = step(data)
-        except Exception:
-            held.clear()  # the values go before the state is read or restored
-            self.last_outcome = self._settle()
-            raise
-        except BaseException:  # KeyboardInterrupt: whatever ran, ran
-            self._completed = int(self.generation.numpy())
-            raise
-        held.clear()
-        self._holds.ran(signature)
-        self._completed += 1
-        return logs
+        return self._run(step, (strict, data), data)
 
     def _call_split(self, data: Any) -> Dict[str, Any]:
         """The gradient call (small state held), then the in-place update call."""
         if self._split_steps is None:
             self._split_steps = _make_split_steps(
                 self._model(), self.generation, list(zip(self._shadows, self._guarded)))
-        self._trace(self._split_steps[0], data)
         gradient_step, update_step = self._split_steps
-        _, held = self._holds.hold(data)
-        try:
-            gradients, logs = gradient_step(data)
-        except Exception:
-            held.clear()
-            self.last_outcome = self._settle()
-            raise
-        except BaseException:
-            self._completed = int(self.generation.numpy())
-            raise
-        held.clear()
-        self._completed += 1
+        gradients, logs = self._run(gradient_step, data, data)
         try:
             update_step(gradients)
         except Exception:
             self.last_outcome = StepOutcome.UPDATE_BEGAN  # its donated buffers may be gone
             raise
         return logs
+
+    def _run(self, step: Callable, held_for: Any, data: Any) -> Any:
+        """`step(data)`, traced as Keras's; after a failure `last_outcome` says how far it got."""
+        self._trace(step, data)
+        try:
+            with self._holds.holding(held_for):
+                result = step(data)
+        except Exception:
+            self.last_outcome = self._settle()
+            raise
+        except BaseException:  # KeyboardInterrupt: whatever ran, ran
+            self._completed = int(self.generation.numpy())
+            raise
+        self._completed += 1
+        return result
 
     def _trace(self, step: Callable, data: Any) -> None:
         """`trace_as_keras` on Keras's current batch spec, once per step and spec."""
@@ -183,8 +173,7 @@ def _after_snapshot(data: Any, generation: Any, pairs: Sequence[Tuple[Any, Any]]
     reads = [shadow.assign(v.value) for shadow, v in pairs]
     with tf.control_dependencies(reads):
         bumped = generation.assign_add(1)
-    with tf.control_dependencies([bumped]):
-        return keras.tree.map_structure(lambda t: None if t is None else tf.identity(t), data)
+    return ordered_after(bumped, data)
 
 
 def _make_train_step(
@@ -245,13 +234,8 @@ class CustomTrainStep:
         )
 
     def __call__(self, data: Any) -> Dict[str, Any]:
-        signature, held = self._holds.hold(data)
-        try:
-            logs = self._step(data)
-        finally:
-            held.clear()
-        self._holds.ran(signature)
-        return logs
+        with self._holds.holding(data):
+            return self._step(data)
 
 
 def checkpoint(fn: Callable) -> Callable:

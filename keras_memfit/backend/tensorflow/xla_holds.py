@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -41,17 +42,19 @@ class XlaHolds:
         self._small, self._large = small, large
         self._ran: set = set()
 
-    def hold(self, data: Any) -> Tuple[Optional[Tuple[Any, ...]], List[Any]]:
-        """The signature of a call on `data` and the values to hold while it runs."""
+    @contextlib.contextmanager
+    def holding(self, data: Any) -> Iterator[None]:
+        """Hold the values a call on `data` must keep while the block runs; note its success."""
         if not self.active:
-            return None, []
+            yield
+            return
         signature = _signature(data)
         variables = list(self._small())
         if signature not in self._ran:
             variables += list(self._large())
-        return signature, held_values(variables)
-
-    def ran(self, signature: Optional[Tuple[Any, ...]]) -> None:
-        """Record that a call at `signature` succeeded."""
-        if signature is not None:
-            self._ran.add(signature)
+        held = held_values(variables)
+        try:
+            yield
+        finally:
+            held.clear()  # the values go before the state is read or restored
+        self._ran.add(signature)

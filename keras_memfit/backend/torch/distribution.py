@@ -8,10 +8,16 @@ import keras
 import torch
 
 
+def _process_group() -> Any:
+    """`torch.distributed` where a process group is initialized, else None."""
+    dist = getattr(torch, "distributed", None)
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def check_not_distributed(what: str) -> None:
     """Raise `NotImplementedError` naming `what` when `torch.distributed` is in use."""
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    dist = _process_group()
+    if dist is not None:
         raise NotImplementedError(
             f"{what} on the torch backend runs in one process on one device; received a "
             f"model in a torch.distributed process group (world size "
@@ -29,10 +35,8 @@ def training_layout(model: keras.Model) -> None:
 
 def distribution_of(model: keras.Model) -> Optional[str]:
     """"torch.distributed (world size N)" when a process group is initialized, else None."""
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return f"torch.distributed (world size {dist.get_world_size()})"
-    return None
+    dist = _process_group()
+    return None if dist is None else f"torch.distributed (world size {dist.get_world_size()})"
 
 
 def replica_devices(model: Any) -> Tuple[str, ...]:

@@ -51,7 +51,7 @@ class AfterOOM:
 
 
 class _Step:
-    """A step over a model held weakly (run eagerly; `output_spec` traces on "meta")."""
+    """A subclass's `_run` on a model held weakly (eagerly; `output_spec` traces on "meta")."""
 
     def __init__(self, model: keras.Model) -> None:
         self._model_ref = weakref.ref(model)
@@ -65,9 +65,6 @@ class _Step:
         except Exception:
             self._after_oom.failed()
             raise
-
-    def _run(self, model: keras.Model, data: Any) -> Any:
-        raise NotImplementedError
 
 
 class PredictStep(_Step):
@@ -86,14 +83,13 @@ class PredictStep(_Step):
     def spec(self, x: Any) -> Any:
         """Output structure of `self(x)`, traced on the "meta" device."""
         model = model_of(self._model_ref)
-        mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
-                   for v in model.variables]
+        mapping = meta_variables(model)
 
         def at(n: int) -> Any:
             with torch.no_grad(), device_scope("meta"):
                 xs = keras.tree.map_structure(
                     lambda a: None if a is None else torch.empty(
-                        (n,) + tuple(a.shape[1:]), dtype=_torch_dtype(a.dtype), device="meta"),
+                        (n,) + tuple(a.shape[1:]), dtype=torch_dtype(a.dtype), device="meta"),
                     x,
                 )
                 with keras.StatelessScope(state_mapping=mapping):
@@ -105,10 +101,17 @@ class PredictStep(_Step):
             if isinstance(leaf, torch.Tensor) else None)
 
 
-def _torch_dtype(dtype: Any) -> Any:
+def torch_dtype(dtype: Any) -> Any:
+    """A torch or Keras dtype as torch's."""
     if isinstance(dtype, torch.dtype):
         return dtype
     return to_torch_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def meta_variables(model: keras.Model) -> List[tuple]:
+    """`model`'s variables paired with empty tensors on "meta", for a `StatelessScope`."""
+    return [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
+            for v in model.variables]
 
 
 class TestStep(_Step):

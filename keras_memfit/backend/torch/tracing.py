@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import keras
 import torch
@@ -12,14 +13,9 @@ from keras.src.backend.torch.core import device_scope
 from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit.backend._layer_calls import CallRecorder, Info, trace_at_two_batches
 from keras_memfit.backend.base import Trace
+from keras_memfit.backend.torch.steps import meta_variables, torch_dtype
 
 logger = logging.getLogger("keras_memfit")
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype:
-    from keras.src.backend.torch.core import to_torch_dtype
-
-    return to_torch_dtype(keras.backend.standardize_dtype(dtype))
 
 
 def _record_forward(model: keras.Model, batch: int, meta: bool) -> CallRecorder:
@@ -39,37 +35,26 @@ def _record_forward(model: keras.Model, batch: int, meta: bool) -> CallRecorder:
         return key, tuple(int(d) for d in value.shape), dtype
 
     recorder = CallRecorder(describe)
-    device = "meta" if meta else None
+
+    def on_device() -> ContextManager[Any]:
+        return device_scope("meta") if meta else contextlib.nullcontext()
 
     def tensor(t: Any) -> Any:
-        return torch.zeros((batch,) + tuple(t.shape[1:]), dtype=_torch_dtype(t.dtype),
-                           device=device)
+        zeros = torch.zeros((batch,) + tuple(t.shape[1:]), dtype=torch_dtype(t.dtype),
+                            device="meta" if meta else None)
+        return zeros if meta else keras.ops.convert_to_tensor(zeros.numpy())
 
-    mapping = []
-    if meta:
-        mapping = [(v, torch.empty(tuple(v.shape), dtype=v.value.dtype, device="meta"))
-                   for v in model.variables]
+    mapping = meta_variables(model) if meta else []
     with torch.no_grad():
-        if meta:
-            with device_scope("meta"):
-                inputs = keras.tree.map_structure(tensor, struct)
-        else:
-            inputs = keras.tree.map_structure(
-                lambda t: keras.ops.convert_to_tensor(tensor(t).numpy()), struct)
+        with on_device():
+            inputs = keras.tree.map_structure(tensor, struct)
         recorder.inputs = recorder.infos(inputs)
         # Keras reads variables from the innermost StatelessScope only: the meta mapping must be it.
-        with recorder.patched(), keras.StatelessScope(state_mapping=mapping):
-            if meta:
-                with device_scope("meta"):
-                    outputs = _call(model, inputs, positional)
-            else:
-                outputs = _call(model, inputs, positional)
+        with recorder.patched(), keras.StatelessScope(state_mapping=mapping), on_device():
+            outputs = model(inputs, training=False) if positional else model(
+                **inputs, training=False)
         recorder.outputs = [info[0] for info in recorder.infos(outputs)]
     return recorder
-
-
-def _call(model: keras.Model, inputs: Any, positional: bool) -> Any:
-    return model(inputs, training=False) if positional else model(**inputs, training=False)
 
 
 def _record(model: keras.Model, batch: int) -> CallRecorder:

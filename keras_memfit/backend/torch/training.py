@@ -34,6 +34,21 @@ def _forward_loss(
     return y_pred, loss
 
 
+def _backward(
+    model: keras.Model, data: Any, tensors: Sequence[Any], weight: Optional[float] = None,
+    loss_factor: float = 1.0,
+) -> tuple:
+    """`(x, y, y_pred, sample_weight)` of Keras's step, after `backward()` (times `weight`)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
+    _drop_grads(tensors)
+    y_pred, loss = _forward_loss(model, x, y, sample_weight, loss_factor)
+    if model.optimizer is not None:
+        loss = model.optimizer.scale_loss(loss)
+    if tensors:
+        (loss if weight is None else loss * weight).backward()
+    return x, y, y_pred, sample_weight
+
+
 def drop_gradients(weights: Sequence[Any]) -> None:
     """Free the gradients `backward()` left on `weights` (`.grad = None`)."""
     _drop_grads([w.value for w in weights])
@@ -82,14 +97,8 @@ class TrainStep:
         random_state = _random_state()
         began = False
         try:
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
-            _drop_grads(tensors)
-            y_pred, loss = _forward_loss(model, x, y, sample_weight)
-            if model.optimizer is not None:
-                loss = model.optimizer.scale_loss(loss)
+            x, y, y_pred, sample_weight = _backward(model, data, tensors)
             if weights:
-                loss.backward()
-                del loss
                 gradients = [t.grad for t in tensors]
                 began = True
                 with torch.no_grad():
@@ -162,14 +171,9 @@ class GradientAccumulator:
         weights = model.trainable_weights
         self._after_oom.before_call()
         try:
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_tensors(data))
-            drop_gradients(weights)
-            y_pred, loss = _forward_loss(model, x, y, sample_weight, loss_factor)
-            scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
-            del loss
+            tensors = [w.value for w in weights]
+            x, y, y_pred, sample_weight = _backward(model, data, tensors, weight, loss_factor)
             if weights:
-                (scaled * weight).backward()
-                del scaled
                 self._add_gradients(weights)
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         except Exception:
