@@ -42,10 +42,7 @@ def _known_dense(leaf: Any) -> bool:
 
 def leaves(structure: Any) -> List[Any]:
     """`keras.tree.flatten(structure)`, skipping `keras.tree` for known dense arrays and None."""
-    if type(structure) is tuple:
-        for part in structure:
-            if part is not None and not _known_dense(part):
-                return keras.tree.flatten(structure)
+    if type(structure) is tuple and all(p is None or _known_dense(p) for p in structure):
         return list(structure)
     if _known_dense(structure):
         return [structure]
@@ -64,9 +61,7 @@ def form_of(batch: Any) -> int:
 
 def as_batch(chunk: tuple, form: int) -> Any:
     """An `(x, y, sample_weight)` chunk (or a piece of it) back as a Keras batch of `form`."""
-    if form == 0:
-        return chunk[0]
-    return tuple(chunk[:form])
+    return chunk[0] if form == 0 else tuple(chunk[:form])
 
 
 def _rank(leaf: Any) -> Optional[int]:
@@ -126,11 +121,7 @@ def unsplittable(chunk: tuple) -> Optional[str]:
 
 def first_unsplittable(chunks: Iterable[tuple]) -> Optional[str]:
     """`unsplittable` of the first of `chunks` that has such an input, else None."""
-    for chunk in chunks:
-        found = unsplittable(chunk)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(unsplittable, chunks) if found is not None), None)
 
 
 def splittable_rows(chunk: tuple) -> Optional[int]:

@@ -68,12 +68,9 @@ def layer_and_operation_classes() -> Tuple[Type[Any], Type[Any]]:
 
 def input_structure(model: keras.Model) -> Tuple[Any, bool]:
     """`(inputs, positional)`, KerasTensors: call `model(inputs)` if positional, else `**inputs`."""
-    struct = None
-    functional = getattr(model, "_functional", None)  # Sequential
-    for source in (model, functional):
-        struct = getattr(source, "_inputs_struct", None) if source is not None else None
-        if struct is not None:
-            break
+    struct = getattr(model, "_inputs_struct", None)
+    if struct is None:  # a Sequential's is its `_functional`'s
+        struct = getattr(getattr(model, "_functional", None), "_inputs_struct", None)
     if struct is not None:
         return keras.tree.map_structure(
             lambda t: keras.KerasTensor(_lengths.filled(model, t.shape), dtype=t.dtype), struct
@@ -178,9 +175,8 @@ def functional_graph(model: Any) -> Optional[FunctionalGraph]:
     nodes = []
     for depth in sorted(functional._nodes_by_depth, reverse=True):
         for node in functional._nodes_by_depth[depth]:
-            if node.operation is None or node.is_input:
-                continue
-            if any(id(t) not in computed for t in node.input_tensors):
+            if node.operation is None or node.is_input or any(
+                    id(t) not in computed for t in node.input_tensors):
                 continue
             nodes.append(GraphNode(node.operation, tuple(node.input_tensors),
                                    tuple(node.outputs)))
@@ -235,11 +231,7 @@ def loss_tracker(model: keras.Model) -> Any:
 
 def assert_same_structure(a: Any, b: Any) -> None:
     """Raise ValueError (TypeError on some Keras) unless `a`, `b` nest alike; leaf types ignored."""
-    version = keras_version()
-    if version and version < (3, 8):
-        keras.tree.assert_same_structure(a, b, check_types=False)
-    else:
-        keras.tree.assert_same_structure(a, b)
+    keras.tree.assert_same_structure(a, b)  # Keras >= 3.8 (pyproject.toml) ignores leaf types
 
 
 _UNTRACKED_SETATTR: dict = {}  # class -> whether Keras's __setattr__ only tracks, then object's
@@ -257,7 +249,4 @@ def set_function(obj: Any, name: str, function: Any) -> None:
             own == [Layer, object]
             and (hook is None or hook is getattr(Operation, "_setattr_hook", None))
         )
-    if plain:
-        object.__setattr__(obj, name, function)
-    else:
-        setattr(obj, name, function)
+    (object.__setattr__ if plain else setattr)(obj, name, function)

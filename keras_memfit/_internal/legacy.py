@@ -16,11 +16,8 @@ _LEGACY_MODULES = (
 
 def is_legacy_keras(obj: Any) -> bool:
     """Whether `obj` is a Keras 2 (`tf_keras`) object (a model, a layer, a callback...)."""
-    for cls in type(obj).__mro__:
-        module = getattr(cls, "__module__", "") or ""
-        if (module + ".").startswith(_LEGACY_MODULES):
-            return True
-    return False
+    modules = ((getattr(cls, "__module__", "") or "") + "." for cls in type(obj).__mro__)
+    return any(module.startswith(_LEGACY_MODULES) for module in modules)
 
 
 def legacy_keras_error(obj: Any) -> Optional[str]:

@@ -34,24 +34,12 @@ def train_state_variables(model: keras.Model) -> List[Any]:
     for layer in _keras_compat.all_layers(model):
         if not layer.trainable:
             frozen.update(id(v) for v in layer.weights)
-    chosen, seen = [], set()
-
-    def add(v):
-        if id(v) not in seen:
-            seen.add(id(v))
-            chosen.append(v)
-
-    for v in model.metrics_variables:
-        add(v)
-    for v in model.non_trainable_variables:
-        if id(v) not in frozen:
-            add(v)
+    chosen = list(model.metrics_variables)
+    chosen += [v for v in model.non_trainable_variables if id(v) not in frozen]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
-        for v in optimizer.variables:
-            if int(np.prod(v.shape)) <= 1:
-                add(v)
-    return chosen
+        chosen += [v for v in optimizer.variables if int(np.prod(v.shape)) <= 1]
+    return list({id(v): v for v in chosen}.values())  # each once, in that order
 
 
 def slot_variables(optimizer: Any, variable: Any) -> List[Any]:

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit._internal.batches import leaves
+from keras_memfit._internal.batches import leaves, num_rows
 
 ROWS = "rows"
 ONE = "one"
@@ -25,15 +25,11 @@ _HOW = {
 
 def loss_reductions(model: keras.Model) -> List[Optional[str]]:
     """One reduction per compiled loss; strings and plain functions: "sum_over_batch_size"."""
-    reductions = []
-    for loss in keras.tree.flatten(getattr(model, "loss", None)):
-        if loss is None:
-            continue
-        if isinstance(loss, keras.losses.Loss):
-            reductions.append(loss.reduction)
-        else:  # strings and plain functions are wrapped with Keras's default
-            reductions.append("sum_over_batch_size")
-    return reductions
+    return [
+        loss.reduction if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+        for loss in keras.tree.flatten(getattr(model, "loss", None))
+        if loss is not None
+    ]
 
 
 def _regularized(model: keras.Model) -> bool:
@@ -76,13 +72,9 @@ def _names(reductions: List[Optional[str]]) -> str:
     return ", ".join(sorted({repr(r) for r in reductions}))
 
 
-def _rows(chunk: tuple) -> int:
-    return next(int(leaf.shape[0]) for leaf in leaves(chunk[0]) if leaf is not None)
-
-
 def sample_weight_sum(chunk: tuple) -> Optional[float]:
     """The sum of `chunk`'s sample weights, or None without any."""
-    found = [leaf for leaf in leaves(chunk[2]) if leaf is not None] if chunk[2] is not None else []
+    found = [leaf for leaf in leaves(chunk[2]) if leaf is not None]
     if not found:
         return None
     return float(sum(np.sum(keras.ops.convert_to_numpy(leaf), dtype=np.float64)
@@ -94,7 +86,7 @@ def weights(how: str, part: tuple, whole: tuple) -> Tuple[float, float]:
 
     `loss_factor` is `weight x whole's rows / part's rows`, so the tracker logs Keras's loss.
     """
-    rows, total = _rows(part), _rows(whole)
+    rows, total = num_rows(part[0]), num_rows(whole[0])
     if not rows:
         return 0.0, 0.0
     if how == ROWS:

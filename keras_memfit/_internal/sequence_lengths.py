@@ -36,9 +36,7 @@ def sequence_length(model: Any) -> Optional[int]:
 def filled(model: Any, shape: Sequence[Optional[int]]) -> Tuple[Optional[int], ...]:
     """`shape` with its unknown dimensions after the batch's set to `sequence_length`."""
     shape = tuple(shape)
-    if not shape or all(d is not None for d in shape[1:]):
-        return shape
-    length = sequence_length(model)
+    length = sequence_length(model) if None in shape[1:] else None
     if length is None:
         return shape
     return shape[:1] + tuple(length if d is None else d for d in shape[1:])

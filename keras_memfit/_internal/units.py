@@ -31,9 +31,8 @@ def format_shape(shape: tuple) -> str:
     """`(26, 26, 32)` -> "(26, 26, 32)", `(None, 8)` -> "(?, 8)"; several shapes joined by ", "."""
     if shape and isinstance(shape[0], tuple):
         return ", ".join(format_shape(s) for s in shape)
-    if len(shape) == 1:
-        return f"({'?' if shape[0] is None else shape[0]},)"
-    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+    dims = ", ".join("?" if d is None else str(d) for d in shape)
+    return f"({dims},)" if len(shape) == 1 else f"({dims})"
 
 
 def format_table(

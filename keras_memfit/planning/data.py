@@ -6,6 +6,7 @@ and generators yield one chunk per batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Any, Iterable, Iterator, Optional, Tuple
@@ -21,29 +22,20 @@ from keras_memfit._internal.batches import num_rows, rows, splittable
 DEFAULT_BATCH_SIZE = 32  # what model.predict / model.evaluate use
 
 
+@dataclasses.dataclass(eq=False)
 class Chunks:
-    """The input as chunks of rows (`batched_arrays`: sparse arrays Keras batched)."""
+    """The input as chunks of rows."""
 
-    def __init__(
-        self,
-        chunks: Iterator[Any],
-        num_samples: Optional[int],
-        from_arrays: bool,
-        batched_arrays: bool = False,
-    ):
-        self.chunks = chunks
-        self.num_samples = num_samples
-        self.from_arrays = from_arrays
-        self.batched_arrays = batched_arrays
-        self.num_batches: Optional[int] = None  # Keras's count, once iteration began
+    chunks: Iterator[Any]
+    num_samples: Optional[int]
+    from_arrays: bool
+    num_batches: Optional[int] = None  # Keras's count, once iteration began
 
 
 def _is_array_leaf(value: Any) -> bool:
-    if value is None:
+    if value is None or isinstance(value, np.ndarray) or keras.ops.is_tensor(value):
         return True
-    if isinstance(value, np.ndarray) or keras.ops.is_tensor(value) or is_sparse(value):
-        return True
-    if is_foreign_tf_tensor(value):
+    if is_sparse(value) or is_foreign_tf_tensor(value):
         return True
     return hasattr(value, "to_numpy") and hasattr(value, "shape")  # pandas
 
@@ -51,9 +43,7 @@ def _is_array_leaf(value: Any) -> bool:
 def is_array_like(x: Any) -> bool:
     """Whether `x` is an array, a tensor or a (nested) list/tuple/dict of them."""
     leaves = keras.tree.flatten(x)
-    return bool(leaves) and all(_is_array_leaf(leaf) for leaf in leaves) and any(
-        leaf is not None for leaf in leaves
-    )
+    return all(_is_array_leaf(leaf) for leaf in leaves) and any(leaf is not None for leaf in leaves)
 
 
 def _to_array(value: Any) -> Any:
@@ -91,29 +81,18 @@ def from_input(
 ) -> Chunks:
     """Chunks of `(x,)` (predict) or `(x, y, sample_weight)` (evaluate) rows."""
     if is_array_like(x):
-        x = keras.tree.map_structure(_to_array, x)
-        y = keras.tree.map_structure(_to_array, y) if y is not None else None
-        sample_weight = (
-            keras.tree.map_structure(_to_array, sample_weight)
-            if sample_weight is not None else None
-        )
+        batch_size = batch_size or DEFAULT_BATCH_SIZE
+        x, y, sample_weight = keras.tree.map_structure(_to_array, (x, y, sample_weight))
         chunk = (x, y, sample_weight) if with_targets else (x,)
         n = _check_cardinality(chunk)
         if steps is not None:
-            n = min(n, steps * (batch_size or DEFAULT_BATCH_SIZE))
+            n = min(n, steps * batch_size)
         if not splittable(chunk):
             # Sparse rows cannot be sliced here: Keras batches it; each batch runs whole.
-            adapter = _keras_compat.data_adapter(
-                x, y, sample_weight, batch_size=batch_size or DEFAULT_BATCH_SIZE
-            )
-            batches = _iterate_adapter(adapter)
-            if steps is not None:
-                batches = itertools.islice(batches, steps)
-            source = Chunks(
-                (_unpack(b, with_targets) for b in batches), n, False, batched_arrays=True
-            )
-            source.num_batches = adapter.num_batches
-            return source
+            adapter = _keras_compat.data_adapter(x, y, sample_weight, batch_size=batch_size)
+            batches = itertools.islice(_iterate_adapter(adapter), steps)  # steps=None: all
+            return Chunks((_unpack(b, with_targets) for b in batches), n, False,
+                          adapter.num_batches)
         if steps is not None:
             chunk = rows(chunk, 0, n)
         return Chunks(iter([chunk]), n, True)
@@ -125,15 +104,8 @@ def from_input(
                 f"x of type {type(x).__name__}. Include it in the batches that x yields."
             )
     source = Chunks(iter(()), None, False)
-
-    def chunks() -> Iterator[Tuple]:
-        iterator = _iterate_batches(x, source)
-        if steps is not None:
-            iterator = itertools.islice(iterator, steps)
-        for batch in iterator:
-            yield _unpack(batch, with_targets)
-
-    source.chunks = chunks()
+    batches = itertools.islice(_iterate_batches(x, source), steps)  # nothing read until used
+    source.chunks = (_unpack(b, with_targets) for b in batches)
     return source
 
 

@@ -53,6 +53,7 @@ class BatchPlanner:
         self._backend = _backend.get()
         self.phase = phase
         self.requested = requested
+        self._largest = math.inf if requested is None else requested
         self.events = events if events is not None else []
         self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
         self.stateful = stateful_layers(model)  # its batches run as Keras runs them, whole
@@ -60,10 +61,11 @@ class BatchPlanner:
         self._memory = ReplicaMemory(self._backend, devices)
         key = signature if len(devices) == 1 else (signature, devices)
         self._k = knowledge_for(model, phase, key)
-        self._device = self._memory.name
+        self.device = self._memory.name
         self._limit = self._memory.limit
+        self._exact = self._limit is not None and self._limit[1]  # a limit that is known
         self._stats_ok = self._memory.stats() is not None
-        self._reads_baseline = self._stats_ok and not self._exact_limit()
+        self._reads_baseline = self._stats_ok and not self._exact
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
         self._baseline: Optional[int] = None
@@ -84,13 +86,9 @@ class BatchPlanner:
         fresh = k.largest_ok == 0 and k.smallest_failed is None and k.bytes_per_sample is None
         # XLA never probes: each probe size would compile the step again.
         self._probe_after_oom = fresh and self._stats_ok and not self._xla and not self.stateful
-        self._probe_first = self._probe_after_oom and probe == "first" and self._exact_limit()
+        self._probe_first = self._probe_after_oom and probe == "first" and self._exact
         self._analytic = analytic_estimate(model, phase) if self._probe_first else None
         self._size = self._initial_size()
-
-    @property
-    def device(self) -> str:
-        return self._device
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the fullest replica where its limit is known, else None."""
@@ -106,11 +104,11 @@ class BatchPlanner:
         """The size to try next (`math.inf` when unbounded); `rows`: those left in the chunk."""
         if self._probe_first:
             self._probe_first = False
-            if self._near(min(rows or math.inf, self.requested_or_inf())):
+            if self._near(min(rows or math.inf, self._largest)):
                 self._probes = list(PROBE_SIZES)
                 self._probe_after_oom = False
         if (self._even and self._size < (rows or 0) and not self._probes
-                and self._size < self.requested_or_inf()):
+                and self._size < self._largest):
             self._even = False
             self._size = max(self._granular(even_size(rows, self._size)), 1)
         size = self._probes[0] if self._probes else self._size
@@ -135,25 +133,21 @@ class BatchPlanner:
 
     def _initial_size(self) -> float:
         cap = self.ceiling()
-        if (self._exact_limit() and self._k.bytes_per_sample and not math.isinf(cap)
-                and cap < self.requested_or_inf()):
+        if (self._exact and self._k.bytes_per_sample and not math.isinf(cap)
+                and cap < self._largest):
             self._record("estimate", self.requested, int(cap), self._estimate_reason())
         return cap
 
     def ceiling(self) -> float:
         """The largest size the planner would currently use."""
         k = self._k
-        cap = self.requested_or_inf()
+        cap = self._largest
         if k.smallest_failed is not None:
             cap = min(cap, k.smallest_failed - 1)
         if k.growth_frozen and k.largest_ok:
             cap = min(cap, k.largest_ok)
-        if self._exact_limit() and self._xla:
-            cap = min(cap, self._xla_estimate(cap) or math.inf)
-        elif self._exact_limit():
-            estimate = self.estimate()
-            if estimate is not None:
-                cap = min(cap, estimate)
+        if self._exact:
+            cap = min(cap, (self._xla_estimate(cap) if self._xla else self.estimate()) or math.inf)
         cap = min(cap, self._learned_estimate(1.0) or math.inf)
         return max(1, cap)
 
@@ -173,21 +167,16 @@ class BatchPlanner:
 
     def _nothing_fits(self) -> bool:
         k = self._k
-        free = self._memory.free(self._limit[0]) if self._limit is not None else None
+        free = self._memory.free(self._limit[0])  # the limit is known (`ceiling`)
         return free is not None and free - k.fixed_extra < k.bytes_per_sample
-
-    def _exact_limit(self) -> bool:
-        return self._limit is not None and self._limit[1]
 
     def estimate(self, limit: Optional[int] = None, margin: float = MARGIN) -> Optional[int]:
         """Largest batch estimated to fit within `margin` of the free memory, or None."""
         k = self._k
-        if not k.bytes_per_sample:
-            return None
-        if limit is None:
-            if self._limit is None:
-                return None
+        if limit is None and self._limit is not None:
             limit = self._limit[0]
+        if not k.bytes_per_sample or limit is None:
+            return None
         free = self._memory.free(limit)
         if free is None:
             return None
@@ -198,14 +187,15 @@ class BatchPlanner:
         free = self._memory.free()
         reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
         if self._limit and free is not None:
-            reason += f", {free / 2**20:.0f} MiB free on {self._device}"
+            reason += f", {free / 2**20:.0f} MiB free on {self.device}"
         return reason
 
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
         """Call right before running a piece."""
-        if self._reads_baseline:
-            self._note_baseline()
+        if self._reads_baseline:  # what is held before the piece, for `failed`
+            stats = self._memory.stats()
+            self._baseline = stats[0] if stats is not None else None
         if self._probes:
             self._note_floor()
             self._memory.begin_measure()
@@ -219,11 +209,9 @@ class BatchPlanner:
             self._take_probe(size)
             return
         self._growing = False
-        if self._batch_rows is not None:  # MemFit: growth counts batches (finish_batch)
-            return
-        if self._xla:  # a grown size and its remainder would compile again
-            return
-        if not full or self._size >= self.requested_or_inf():
+        # MemFit's growth counts batches (finish_batch); under XLA a grown size and its
+        # remainder would compile again.
+        if self._batch_rows is not None or self._xla or not full or self._size >= self._largest:
             return
         self._streak += 1
         if self._streak < GROW_AFTER:
@@ -274,22 +262,22 @@ class BatchPlanner:
         self._growing = True
         self._even = False  # already even over the batch
 
-    def requested_or_inf(self) -> float:
-        return math.inf if self.requested is None else self.requested
-
     def failed(self, size: int) -> bool:
         """Call after a piece ran out of memory; False: no smaller size will be tried."""
         if self.stateful:
             return False
         k = self._k
         self._note_floor()
-        self._learn_budget()
+        # Where the limit is unknown, the first OOM proves a budget: the peak at the failure
+        # over what was held before the piece (at the failure, its buffers still count).
+        if not self._exact and self._baseline is not None:
+            k.learned_budget = max(k.learned_budget, k.limit_floor - self._baseline)
         k.smallest_failed = size if k.smallest_failed is None else min(k.smallest_failed, size)
         self._streak = 0
         if size <= self._multiple:
             return False
         self._probes = []
-        limit = self._limit[0] if self._exact_limit() else (k.limit_floor or None)
+        limit = self._limit[0] if self._exact else (k.limit_floor or None)
         self._calibrate(size, limit)
         k.xla_cap = None  # estimated again from the corrected estimate
         self._even = self._xla
@@ -330,51 +318,30 @@ class BatchPlanner:
         if growth is not None:
             self._samples.append((size, growth))
         self._probes.pop(0)
-        sizes = {s for s, _ in self._samples}
-        if self._probes and len(sizes) < 2:
-            return
+        if self._probes and len({s for s, _ in self._samples}) < 2:
+            return  # one more probe, at another size
         self._probes = []
-        self._fit_probes()
+        if self._samples:
+            (s1, m1), (s2, m2) = self._samples[0], self._samples[-1]
+            per_sample = m2 / s2 if s2 else 0.0
+            if s2 != s1:
+                per_sample = max(per_sample, (m2 - m1) / (s2 - s1))
+            if per_sample > 0:
+                self._k.bytes_per_sample = per_sample
         # After an OOM where the limit is unknown: within MARGIN of what it proved.
         self._size = min(self._initial_size(), self._learned_estimate(MARGIN) or math.inf)
-
-    def _fit_probes(self) -> None:
-        k = self._k
-        if not self._samples:
-            return
-        (s1, m1), (s2, m2) = self._samples[0], self._samples[-1]
-        per_sample = m2 / s2 if s2 else 0.0
-        if s2 != s1:
-            per_sample = max(per_sample, (m2 - m1) / (s2 - s1))
-        if per_sample > 0:
-            k.bytes_per_sample = per_sample
 
     def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
         """Correct the estimate so that `failed_size` no longer fits."""
         k = self._k
         free = self._memory.free(limit) if limit is not None else None
-        if free is None or not k.bytes_per_sample:
-            return
-        free -= k.fixed_extra
-        if free > 0:
-            k.bytes_per_sample = max(k.bytes_per_sample, free / failed_size)
+        if free is not None and k.bytes_per_sample and free > k.fixed_extra:
+            k.bytes_per_sample = max(k.bytes_per_sample, (free - k.fixed_extra) / failed_size)
 
     # ------------------------------------------------- unknown-limit learning
-    # The first OOM proves a budget: the peak at the failure over what was held before
-    # the piece (held at the failure, the failed piece's buffers would still count).
-    def _note_baseline(self) -> None:
-        stats = self._memory.stats()
-        self._baseline = stats[0] if stats is not None else None
-
-    def _learn_budget(self) -> None:
-        if self._exact_limit() or self._baseline is None:
-            return
-        k = self._k
-        k.learned_budget = max(k.learned_budget, k.limit_floor - self._baseline)
-
     def _learned_estimate(self, margin: float) -> Optional[int]:
         k = self._k
-        if self._exact_limit() or not k.learned_budget or not k.bytes_per_sample:
+        if self._exact or not k.learned_budget or not k.bytes_per_sample:
             return None
         return max(1, int(k.learned_budget * margin // k.bytes_per_sample))
 

@@ -133,8 +133,7 @@ def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, siz
             raise update_error(model, piece, planner.device, UPDATE_BEGAN, rows) from exc
         if guard is not None:
             guard.restore()
-        if not planner.failed(size):
-            raise _final_error(model, phase, piece, planner, detail) from exc
+        _failed(model, phase, piece, planner, size, detail, exc)
         drop_frames(exc)
         return SPLIT
     planner.succeeded(size, full=size >= planned)
@@ -165,10 +164,6 @@ class _PieceLoop:
         self.step, self.guard, self.start, self.cut = step, guard, start, cut
         self.ahead: List[_Ahead] = []  # started, not waited for yet, oldest first
 
-    def failed(self, planner: BatchPlanner, piece: Any, size: int, exc: BaseException) -> None:
-        if not planner.failed(size):
-            raise _final_error(self.model, self.phase, piece, planner, self.detail) from exc
-
     def rows(self, chunk: Any, planner: BatchPlanner,
              accumulation: Optional[Accumulation] = None) -> Iterator[Piece]:
         """All of `chunk`'s rows in pieces, in order."""
@@ -178,9 +173,7 @@ class _PieceLoop:
             planned = planner.next_size(n - offset)
             if accumulation is not None and offset == 0 and planned < n:
                 yield from self.wait_all()
-                result, parts = _all_or_nothing(
-                    self.model, self.phase, chunk, planner, accumulation, self.detail
-                )
+                result, parts = self._all_or_nothing(chunk, n, planner, accumulation)
                 yield Piece(n, chunk, result, parts)
                 return
             size = int(min(planned, n - offset))
@@ -210,7 +203,7 @@ class _PieceLoop:
             self.start = None  # one piece at a time from now on
             drop_frames(exc)  # before the earlier rows are handed on
             yield from self.wait_all()  # the earlier rows first
-            self.failed(planner, piece, size, exc)
+            _failed(self.model, self.phase, piece, planner, size, self.detail, exc)
             return False
         self.ahead.append(_Ahead(planner, piece, size, planned, started))
         if len(self.ahead) > AHEAD:
@@ -231,7 +224,8 @@ class _PieceLoop:
             if not is_retryable_oom(exc):
                 raise
             self.start = None  # one piece at a time from now on
-            self.failed(oldest.planner, oldest.piece, oldest.size, exc)
+            _failed(self.model, self.phase, oldest.piece, oldest.planner, oldest.size,
+                    self.detail, exc)
             drop_frames(exc)
             for again in [oldest] + newer:
                 yield from self.rows(again.piece, again.planner)
@@ -245,44 +239,35 @@ class _PieceLoop:
         if newer:
             newer[0].started.undo()  # the state from before all of them
 
-
-def _all_or_nothing(
-    model: Any,
-    phase: str,
-    chunk: Any,
-    planner: BatchPlanner,
-    accumulation: Accumulation,
-    detail: str,
-) -> Tuple[Any, int]:
-    """Run `chunk` by `accumulation`, starting over smaller after an OOM."""
-    n = _batches.num_rows(chunk)
-    guard = accumulation.guard
-    while True:
-        accumulation.begin()
-        guard.snapshot()
-        offset = size = parts = 0
-        try:
-            while offset < n:
-                planned = planner.next_size(n - offset)
-                size = int(min(planned, n - offset))
-                piece = _batches.rows(chunk, offset, offset + size)
-                planner.started(size)
-                accumulation.add(piece)
-                planner.succeeded(size, full=size >= planned)
-                offset += size
-                parts += 1
-        except Exception as exc:
-            guard.restore()
-            if not is_retryable_oom(exc):
+    def _all_or_nothing(self, chunk: Any, n: int, planner: BatchPlanner,
+                        accumulation: Accumulation) -> Tuple[Any, int]:
+        """Run the `n` rows of `chunk` by `accumulation`, starting over smaller after an OOM."""
+        guard = accumulation.guard
+        while True:
+            accumulation.begin()
+            guard.snapshot()
+            offset = size = parts = 0
+            try:
+                while offset < n:
+                    planned = planner.next_size(n - offset)
+                    size = int(min(planned, n - offset))
+                    piece = _batches.rows(chunk, offset, offset + size)
+                    planner.started(size)
+                    accumulation.add(piece)
+                    planner.succeeded(size, full=size >= planned)
+                    offset += size
+                    parts += 1
+            except Exception as exc:
+                guard.restore()
+                if not is_retryable_oom(exc):
+                    raise
+                _failed(self.model, self.phase, chunk, planner, size, self.detail, exc)
+                drop_frames(exc)
+                continue
+            except BaseException:  # KeyboardInterrupt: leave the chunk undone
+                guard.restore()
                 raise
-            if not planner.failed(size):
-                raise _final_error(model, phase, chunk, planner, detail) from exc
-            drop_frames(exc)
-            continue
-        except BaseException:  # KeyboardInterrupt: leave the chunk undone
-            guard.restore()
-            raise
-        return accumulation.finish(), parts
+            return accumulation.finish(), parts
 
 
 def drop_frames(exc: BaseException) -> None:
@@ -305,12 +290,14 @@ def update_error(model: Any, chunk: Any, device: Optional[str], cause: str, rows
     )
 
 
-def _final_error(
-    model: Any, phase: str, chunk: Any, planner: BatchPlanner, detail: str
-) -> OutOfMemoryError:
-    """The error for a single sample (a stateful model: `chunk`) that does not fit."""
+def _failed(model: Any, phase: str, chunk: Any, planner: BatchPlanner, size: int, detail: str,
+            exc: BaseException) -> None:
+    """Tell `planner` that `size` rows ran out of memory; raise if one sample (a stateful
+    model: `chunk`) does not fit."""
+    if planner.failed(size):
+        return
     stateful = planner.stateful  # its batches are never split
-    return OutOfMemoryError(
+    raise OutOfMemoryError(
         getattr(model, "name", type(model).__name__),
         phase,
         _batches.shapes(_batches.rows(chunk[0], 0, 1)),
@@ -320,4 +307,4 @@ def _final_error(
         rows=_batches.num_rows(chunk) if stateful else None,
         can_place=can_place(model),
         stateful=stateful,
-    )
+    ) from exc

@@ -35,14 +35,10 @@ def batch_dependent_layers(model: keras.Model) -> List[Any]:
         if isinstance(layer, keras.layers.BatchNormalization):
             if layer.trainable:
                 found.append(layer)
-        elif _seed_generators(layer) and _draws(layer):
+        elif any(isinstance(value, keras.random.SeedGenerator)
+                 for value in vars(layer).values()) and _draws(layer):
             found.append(layer)
     return found
-
-
-def _seed_generators(layer: Any) -> List[Any]:
-    return [value for value in vars(layer).values()
-            if isinstance(value, keras.random.SeedGenerator)]
 
 
 def _draws(layer: Any) -> bool:
@@ -113,11 +109,6 @@ def _forward(model: keras.Model, x: Any) -> List[np.ndarray]:
     return arrays
 
 
-def coupled(model: keras.Model, x: Any) -> bool:
-    """`couples_rows`, checked once per model (later calls reuse the answer)."""
-    return bool(_cache.per_model(model, "couples_rows", lambda: couples_rows(model, x)))
-
-
 class SplitWarnings:
     """The WARNINGs MemFit logs once per run, when it first splits a batch."""
 
@@ -137,7 +128,8 @@ class SplitWarnings:
         """A batch with inputs `x` is run as pieces: warn if the model couples its rows."""
         if not self._coupling:
             self._coupling = True
-            if coupled(self.model, x):
+            # Checked once per model: later runs reuse the answer.
+            if _cache.per_model(self.model, "couples_rows", lambda: couples_rows(self.model, x)):
                 warn_coupling(self.model)
 
 

@@ -107,10 +107,8 @@ def _segments(model: keras.Model, analysis: ModelAnalysis, rows: Sequence[Row]) 
             inner[p] = nested
         if nested or _embeds(row.op):
             alone.add(p)
-    last: Dict[str, int] = {}  # tensor key -> the position of its last consumer
-    for p, index in enumerate(graph.top):
-        for key in graph.consumed(index):
-            last[key] = p
+    # tensor key -> the position of its last consumer
+    last = {key: p for p, index in enumerate(graph.top) for key in graph.consumed(index)}
     last.update((key, n) for key in graph.outputs)
     seen = set(graph.input_keys)
     tensors = []
@@ -136,13 +134,11 @@ def _segments(model: keras.Model, analysis: ModelAnalysis, rows: Sequence[Row]) 
 
 
 def check_setting(remat: Any) -> None:
-    if remat == "auto" or remat is False:
-        return
-    if isinstance(remat, (list, tuple)) and remat and all(isinstance(n, str) for n in remat):
-        return
-    raise ValueError(
-        f'remat must be "auto", False or a list of layer names; received remat={remat!r}'
-    )
+    names = isinstance(remat, (list, tuple)) and remat and all(isinstance(n, str) for n in remat)
+    if not (remat == "auto" or remat is False or names):
+        raise ValueError(
+            f'remat must be "auto", False or a list of layer names; received remat={remat!r}'
+        )
 
 
 class Rematerialization:
@@ -151,7 +147,6 @@ class Rematerialization:
     def __init__(self, model: keras.Model, setting: Setting) -> None:
         self.model = model
         self.setting = setting
-        self._found: Optional[Found] = None
         self._counts: Dict[Hashable, int] = (
             _COUNTS.setdefault(model, {}) if setting == "auto" else {})
         self._forced: Optional[List[Block]] = None
@@ -176,17 +171,13 @@ class Rematerialization:
         if self._forced is not None:
             return self._forced
         count = self._counts.get(signature, 0)
-        if not count:
-            return []
-        return self._candidates()[:count]
+        return self._candidates()[:count] if count else []
 
     def _analysed(self, x: Any = None) -> Found:
         """The analysis's findings, made once per model (`x`: batch inputs)."""
-        if self._found is None:
-            if self.model not in _BLOCKS:
-                _BLOCKS[self.model] = _find(self.model, x)
-            self._found = _BLOCKS[self.model]
-        return self._found
+        if self.model not in _BLOCKS:
+            _BLOCKS[self.model] = _find(self.model, x)
+        return _BLOCKS[self.model]
 
     def _candidates(self, x: Any = None) -> List[Block]:
         return self._analysed(x).blocks
@@ -348,9 +339,8 @@ def _call_in_parts(owner: Any, recomputed: Sequence[Tuple[int, int]], trained: b
         position = stop
     if position < len(nodes):
         parts.append((position, len(nodes), False))
-    last: Dict[int, int] = {}  # id of a tensor -> the position of its last consumer
-    for position, node in enumerate(nodes):
-        last.update((id(t), position) for t in node.inputs)
+    # id of a tensor -> the position of its last consumer
+    last = {id(t): position for position, node in enumerate(nodes) for t in node.inputs}
     last.update((id(t), len(nodes)) for t in keras.tree.flatten(graph.outputs))
     values = {id(t): t for t in keras.tree.flatten(graph.inputs)}
     for start, stop, recompute in parts:

@@ -87,11 +87,8 @@ class Run:
         self.stateful = _model_state.stateful_layers(model)  # its batches go to Keras's steps
         self._split_warnings = SplitWarnings(model)  # once per run, at the first split
         self.events: List[Event] = []
-        self.epoch = 0
         self.step = 0
-        self.epoch_ooms = 0
-        self.epoch_split = 1
-        self.epoch_remat = 0
+        self.start_epoch(0)
         self._unlocated: List[Event] = []  # the planners' events, not yet located
         self._planners: Dict[Tuple[str, Hashable], BatchPlanner] = {}
         self._train_parts: Optional[TrainParts] = None
@@ -109,10 +106,6 @@ class Run:
 
     def _cut(self, batch: Any) -> Optional[Cut]:
         return None if self.stateful else self.layout.cut(batch)
-
-    def _cuts(self, batches: List[Any]) -> Optional[List[Cut]]:
-        cuts = [self._cut(batch) for batch in batches]
-        return None if None in cuts else cuts
 
     # ---------------------------------------------------------------- train
     def train(self, batches: Iterable[Any]) -> Any:
@@ -146,14 +139,13 @@ class Run:
                 if exc.cause != ONE_SAMPLE or self._pieces_run:
                     raise
                 drop_frames(exc)  # the failed piece's buffers, freed before anything else
-                beyond = self._layer_beyond_free(exc, cut)
+                beyond = self._layer_beyond_free(exc, cut, planner)
                 if beyond is not None:
                     raise beyond
                 if not self.remat.escalate(cut.signature, cut.x):
                     raise self._remat_error(exc, cut)
             finally:
-                if self._unlocated:
-                    self._note_events(cut.lanes)
+                self._note_events(cut.lanes)
             self._remat_event(cut)
 
     def _remat_event(self, cut: Cut) -> None:
@@ -177,19 +169,15 @@ class Run:
             return exc
         saving = self.remat.saving(cut.signature)
         freed = f", estimated to free {saving / 2**20:.1f} MiB per sample," if saving else ""
-        error = OutOfMemoryError(
-            exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_SAMPLE,
-            detail=(f"MemFit already recomputed {len(names)} layer(s) in the backward pass "
-                    f"({', '.join(names)}){freed} and found no more to recompute."),
-            can_place=exc.can_place,
-        )
-        error.__cause__ = exc.__cause__
-        return error
+        return _instead(exc, ONE_SAMPLE, (
+            f"MemFit already recomputed {len(names)} layer(s) in the backward pass "
+            f"({', '.join(names)}){freed} and found no more to recompute."),
+            can_place=exc.can_place)
 
-    def _layer_beyond_free(self, exc: OutOfMemoryError, cut: Cut) -> Optional[OutOfMemoryError]:
+    def _layer_beyond_free(self, exc: OutOfMemoryError, cut: Cut,
+                           planner: BatchPlanner) -> Optional[OutOfMemoryError]:
         """The error where one layer's own backward pass needs more than is free, or None."""
-        planner = self._planners.get(self._planner_key("train", cut))
-        free = None if planner is None else planner.free_bytes()
+        free = planner.free_bytes()
         if self.remat.setting != "auto" or free is None:
             return None
         columns = _backend.get().conv_columns(self.model, planner.device)
@@ -199,21 +187,15 @@ class Run:
         layer = need.layer
         matrix = (f", and its convolution's column matrix of {need.columns / 2**20:.1f} MiB"
                   if need.columns else "")
-        error = OutOfMemoryError(
-            exc.model_name, exc.phase, exc.batch_shape, exc.device, cause=ONE_LAYER,
-            layer=layer.name,
-            detail=(f"Estimated: {need.total / 2**20:.1f} MiB for '{layer.name}' "
-                    f"({type(layer).__name__}: its inputs, outputs and their gradients"
-                    f"{matrix}), {free / 2**20:.1f} MiB free on {planner.device}."),
-        )
-        error.__cause__ = exc.__cause__
-        return error
+        return _instead(exc, ONE_LAYER, (
+            f"Estimated: {need.total / 2**20:.1f} MiB for '{layer.name}' "
+            f"({type(layer).__name__}: its inputs, outputs and their gradients"
+            f"{matrix}), {free / 2**20:.1f} MiB free on {planner.device}."), layer=layer.name)
 
     def _train_pieces(self, parts: TrainParts, cut: Cut, planner: BatchPlanner,
                       guard: Optional[Guard]) -> Any:
-        accumulation = None
-        if self.mode == "accumulate":
-            accumulation = self._accumulation(parts, cut, planner)
+        accumulate = self.mode == "accumulate"
+        accumulation = self._accumulation(parts, cut, planner) if accumulate else None
         logs, count = None, 0
         for piece in run_in_pieces(
             self.model, "train", [cut.chunk], parts.step, requested=None, planner=planner,
@@ -223,9 +205,7 @@ class Run:
             count += piece.parts
             self._pieces_run += 1
         self.epoch_split = max(self.epoch_split, count)
-        self._note_pieces("train", count, cut.rows)
-        if count > 1:
-            self._split_warnings.split(cut.x)
+        self._note_pieces("train", count, cut)
         return logs
 
     def _accumulation(self, parts: TrainParts, cut: Cut, planner: BatchPlanner) -> Accumulation:
@@ -233,7 +213,6 @@ class Run:
         model = self.model
         if self._weighting is None:
             self._weighting = _reductions.weighting(model)[0]
-        how = self._weighting
 
         def begin() -> None:
             try:
@@ -249,7 +228,7 @@ class Run:
             parts.counted.begin()
 
         def add(piece: tuple) -> None:
-            parts.accumulator.add(*cut.micro_batch(piece, how))
+            parts.accumulator.add(*cut.micro_batch(piece, self._weighting))
 
         def finish() -> Any:
             try:
@@ -288,17 +267,11 @@ class Run:
                 model.jit_compile,
                 self._remat_names,
             )
-
-            def build() -> TrainParts:
-                return TrainParts(
-                    step=layout.train_step(model, custom, cut),
-                    guard=_backend.get().guard_variables(
-                        _model_state.train_state_variables(model)
-                    ),
-                    counted=CountedOnce(model, copies=layout.copies),
-                )
-
-            self._train_parts = _cache.per_model(model, key, build)
+            self._train_parts = _cache.per_model(model, key, lambda: TrainParts(
+                step=layout.train_step(model, custom, cut),
+                guard=_backend.get().guard_variables(_model_state.train_state_variables(model)),
+                counted=CountedOnce(model, copies=layout.copies),
+            ))
         return self._train_parts
 
     # ------------------------------------------------------------- evaluate
@@ -316,7 +289,13 @@ class Run:
             step, guard = self.layout.test_step(self.model, cut, exact=False)
             self._test_parts = (step, guard, SplitBatches(self.model, False, self.layout.copies))
         step, guard, split = self._test_parts
-        run = self._test_runner(step, split, cut)
+        split.begin_batch(cut.lanes)
+
+        def make_exact(first: tuple) -> Callable[[tuple], Any]:  # a split batch's pieces
+            exact = self.layout.test_step(self.model, cut, exact=True)[0]
+            return lambda piece: exact(cut.batch(piece))
+
+        run = split.step(lambda piece: step(cut.batch(piece)), make_exact)
         planner = self._planner("evaluate", cut)
         count = 0
         try:
@@ -328,35 +307,17 @@ class Run:
                 logs = piece.result
                 count += 1
             planner.finish_batch()
-            self._note_pieces("evaluate", count, cut.rows)
-            if count > 1:
-                self._split_warnings.split(cut.x)
+            self._note_pieces("evaluate", count, cut)
         finally:
             self._note_events(cut.lanes)
         return logs
-
-    def _test_runner(
-        self, step: Callable[[Any], Any], split: SplitBatches, cut: Cut
-    ) -> Callable[[tuple], Any]:
-        """`step` on a piece of `cut`; a split batch's pieces run the exact test step."""
-
-        def run(piece: tuple) -> Any:
-            return step(cut.batch(piece))
-
-        split.begin_batch(cut.lanes)
-
-        def make_exact(first: tuple) -> Callable[[tuple], Any]:  # at the first split
-            exact = self.layout.test_step(self.model, cut, exact=True)[0]
-            return lambda piece: exact(cut.batch(piece))
-
-        return split.step(run, make_exact)
 
     # -------------------------------------------------------------- predict
     def predict(self, batches: Iterable[Any]) -> Any:
         """Predict each Keras batch; the outputs in input order."""
         batches = list(batches)
-        cuts = self._cuts(batches)
-        if cuts is None:
+        cuts = [self._cut(batch) for batch in batches]
+        if None in cuts:
             return self.pass_on("predict", batches)
         if self._predict_step is None:
             self._predict_step = self.layout.predict_step(self.model)
@@ -373,9 +334,7 @@ class Run:
                     )
                 ]
                 planner.finish_batch()
-                self._note_pieces("predict", len(results), cut.rows)
-                if len(results) > 1:
-                    self._split_warnings.split(cut.x)
+                self._note_pieces("predict", len(results), cut)
             finally:
                 self._note_events(cut.lanes)
             outputs.append(cut.join(results))
@@ -392,35 +351,36 @@ class Run:
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            raise _cannot_split_error(
-                self.model, kind, self.layout.unsplittable(batches), self.stateful) from exc
+            raise OutOfMemoryError(
+                self.model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT,
+                received=self.layout.unsplittable(batches), stateful=self.stateful,
+            ) from exc
 
     # --------------------------------------------------------------- shared
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
         """The planner of `phase` at `cut`'s signature, told that a batch begins."""
-        key = self._planner_key(phase, cut)
-        planner = self._planners.get(key)
-        if planner is None:
-            planner = self._planners[key] = BatchPlanner(
-                self.model, phase, key[1], None, self._unlocated, probe="after_oom"
-            )
-        planner.start_batch(cut.lanes)
-        return planner
-
-    def _planner_key(self, phase: str, cut: Cut) -> Tuple[str, Hashable]:
         signature = cut.signature
         if phase == "train" and self._remat_names:  # another step: memory planned afresh
             signature = (signature, self._remat_names)
-        return phase, signature
+        planner = self._planners.get((phase, signature))
+        if planner is None:
+            planner = self._planners[phase, signature] = BatchPlanner(
+                self.model, phase, signature, None, self._unlocated, probe="after_oom"
+            )
+        planner.start_batch(cut.lanes)
+        return planner
 
     @property
     def adapted(self) -> bool:
         """Whether anything was adapted: an event, or a batch run as pieces."""
         return bool(self.events or self.most_pieces)
 
-    def _note_pieces(self, phase: str, pieces: int, rows: int) -> None:
-        if pieces > 1 and pieces >= self.most_pieces.get(phase, (0, 0))[0]:
-            self.most_pieces[phase] = (pieces, rows)
+    def _note_pieces(self, phase: str, pieces: int, cut: Cut) -> None:
+        """Note a batch run as `pieces` pieces (more than one: warn once if rows couple)."""
+        if pieces > 1:
+            if pieces >= self.most_pieces.get(phase, (0, 0))[0]:
+                self.most_pieces[phase] = (pieces, cut.rows)
+            self._split_warnings.split(cut.x)
 
     def _note_events(self, batch_rows: Optional[int]) -> None:
         """Locate the planners' new events at the current epoch and step."""
@@ -434,9 +394,9 @@ class Run:
         self._unlocated.clear()
 
 
-def _cannot_split_error(
-    model: keras.Model, kind: str, received: Optional[str], stateful: Tuple[str, ...]
-) -> OutOfMemoryError:
-    return OutOfMemoryError(
-        model.name, _PHASE_OF_KIND.get(kind, kind), cause=CANNOT_SPLIT, received=received,
-        stateful=stateful)
+def _instead(exc: OutOfMemoryError, cause: str, detail: str, **more: Any) -> OutOfMemoryError:
+    """The error raised instead of `exc` (its model, phase, batch shape, device, cause)."""
+    error = OutOfMemoryError(exc.model_name, exc.phase, exc.batch_shape, exc.device,
+                             cause=cause, detail=detail, **more)
+    error.__cause__ = exc.__cause__
+    return error

@@ -49,9 +49,8 @@ def pad_history(history: Any) -> None:
     """Give a `keras.callbacks.History` MemFit's entries for the earlier epochs."""
     if not isinstance(history, keras.callbacks.History) or not history.history:
         return
-    epochs = max(
-        len(values) for key, values in history.history.items() if key not in EPOCH_ENTRIES
-    ) if set(history.history) - set(EPOCH_ENTRIES) else 0
+    lengths = [len(values) for key, values in history.history.items() if key not in EPOCH_ENTRIES]
+    epochs = max(lengths, default=0)
     for key, value in EPOCH_ENTRIES.items():
         values = history.history.setdefault(key, [])
         values.extend([value] * (epochs - len(values)))
