@@ -71,7 +71,6 @@ class MemFit(keras.callbacks.Callback):
         self.plan = None
         self._placed: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()
         self._originals: Dict[str, Any] = {}
-        self._wrappers: Dict[str, Any] = {}
         self._built: Dict[str, Any] = {}  # the functions made for the current call
         self._run: Optional[Run] = None
         self._kept_events: List[Any] = []  # the last call's, across pickling
@@ -89,7 +88,7 @@ class MemFit(keras.callbacks.Callback):
         state = dict(self.__dict__)
         state["_kept_events"] = list(self._run.events) if self._run else self._kept_events
         state.update(
-            _run=None, _originals={}, _wrappers={}, _built={}, _placed=None, _in_fit=False
+            _run=None, _originals={}, _built={}, _placed=None, _in_fit=False
         )
         return state
 
@@ -105,7 +104,11 @@ class MemFit(keras.callbacks.Callback):
 
     # Keras 2's CallbackList calls these; Keras 3 never does.
     def _implements_train_batch_hooks(self) -> bool:
-        raise TypeError(_keras2_message(self._model))
+        raise TypeError(_legacy.legacy_keras_error(self._model) or (
+            "MemFit is a Keras 3 callback and was called by tf_keras (Keras 2), which "
+            "keras_memfit does not support. Build the model with Keras 3 (`import keras`) "
+            "and unset TF_USE_LEGACY_KERAS."
+        ))
 
     _implements_test_batch_hooks = _implements_train_batch_hooks
     _implements_predict_batch_hooks = _implements_train_batch_hooks
@@ -165,31 +168,28 @@ class MemFit(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if not self._in_fit:
-            self._start_standalone()
+            _backend.get()  # raises NotImplementedError for unsupported backends
+            self._start()
+
+    on_predict_begin = on_test_begin
 
     def on_test_batch_begin(self, batch, logs=None):
         self._install("test", self._run.test)
 
     def on_test_end(self, logs=None):
-        self._uninstall("test_function")
-        if not self._in_fit:
-            self._summarize("evaluate")
-
-    def on_predict_begin(self, logs=None):
-        if not self._in_fit:
-            self._start_standalone()
+        self._end("test", "evaluate")
 
     def on_predict_batch_begin(self, batch, logs=None):
         self._install("predict", self._run.predict)
 
     def on_predict_end(self, logs=None):
-        self._uninstall("predict_function")
-        if not self._in_fit:
-            self._summarize("predict")
+        self._end("predict", "predict")
 
-    def _start_standalone(self) -> None:
-        _backend.get()  # raises NotImplementedError for unsupported backends
-        self._start()
+    def _end(self, kind: str, call: str) -> None:
+        """Put Keras's `<kind>_function` back; outside `fit`, log the call's summary."""
+        self._uninstall(f"{kind}_function")
+        if not self._in_fit:
+            self._summarize(call)
 
     def _summarize(self, call: str) -> None:
         if self._run is not None and self._run.adapted:
@@ -207,20 +207,18 @@ class MemFit(keras.callbacks.Callback):
         if self.mode != "accumulate":
             return self.mode, None
         if not _model_state.has_default_train_step(model):
-            return "shrink", (
-                f"MemFit(mode='accumulate') cannot split the custom train_step of "
-                f"{type(model).__name__} into accumulated micro-batches, so it trains as "
-                "MemFit(mode='shrink'): a batch that does not fit runs as smaller "
-                "batches, one optimizer step each. Pass MemFit(mode='shrink') to say so."
-            )
-        how, why = _reductions.weighting(model)
-        if how is None:
-            return "shrink", (
-                f"MemFit(mode='accumulate') cannot weight the micro-batches exactly: {why}. "
-                "So it trains as MemFit(mode='shrink'): a batch that does not fit runs as "
-                "smaller batches, one optimizer step each. Pass MemFit(mode='shrink') to say so."
-            )
-        return self.mode, None
+            why = (f"cannot split the custom train_step of {type(model).__name__} into "
+                   "accumulated micro-batches, so")
+        else:
+            how, reason = _reductions.weighting(model)
+            if how is not None:
+                return self.mode, None
+            why = f"cannot weight the micro-batches exactly: {reason}. So"
+        return "shrink", (
+            f"MemFit(mode='accumulate') {why} it trains as MemFit(mode='shrink'): a batch that "
+            "does not fit runs as smaller batches, one optimizer step each. Pass "
+            "MemFit(mode='shrink') to say so."
+        )
 
     def _place_model(self) -> None:
         model = self.model
@@ -237,46 +235,38 @@ class MemFit(keras.callbacks.Callback):
 
     # ------------------------------------------------- installing functions
     def _install(self, kind: str, run_batches: Callable[[Iterable[Any]], Any]) -> None:
+        """Install MemFit's `model.<kind>_function`, which uninstalls itself when it ends."""
         name = f"{kind}_function"
         if name in self._originals:
             return
         # Not `self.model`: on JAX it syncs Keras's state into the variables at each step.
         model = self._model
-        installed = self._built.get(name)
-        if installed is None:  # once per call and kind: Keras looks it up at every step
-            installed = self._built[name] = self._build(model, name, kind, run_batches)
+        if name not in self._built:  # once per call and kind: Keras looks it up at every step
+            backend = _backend.get()
+            model_ref = weakref.ref(model)  # the model holds the function
+
+            def installed(*args):
+                try:
+                    with backend.keras_call(model_ref(), kind, *args) as call:
+                        result = run_batches(call.batches)
+                    return call.returned(result)
+                except BaseException as exc:
+                    if not backend.is_end_of_data(exc):  # the end of an epoch is no error
+                        self._in_fit = False
+                    raise
+                finally:
+                    self._uninstall(name)
+
+            self._built[name] = installed
         self._originals[name] = getattr(model, name, None)
-        self._wrappers[name] = installed
-        _keras_compat.set_function(model, name, installed)
-
-    def _build(
-        self, model: Any, name: str, kind: str, run_batches: Callable[[Iterable[Any]], Any]
-    ) -> Callable[..., Any]:
-        """MemFit's `model.<kind>_function`; it uninstalls itself when it returns or raises."""
-        backend = _backend.get()
-        model_ref = weakref.ref(model)  # the model holds the function
-
-        def installed(*args):
-            try:
-                with backend.keras_call(model_ref(), kind, *args) as call:
-                    result = run_batches(call.batches)
-                return call.returned(result)
-            except BaseException as exc:
-                if not backend.is_end_of_data(exc):  # the end of an epoch is no error
-                    self._in_fit = False
-                raise
-            finally:
-                self._uninstall(name)
-
-        return installed
+        _keras_compat.set_function(model, name, self._built[name])
 
     def _uninstall(self, name: str) -> None:
         if name not in self._originals:
             return
         original = self._originals.pop(name)
-        wrapper = self._wrappers.pop(name)
         model = self._model  # not self.model: see _install
-        if getattr(model, name, None) is wrapper:
+        if getattr(model, name, None) is self._built.get(name):
             _keras_compat.set_function(model, name, original)
 
     def _uninstall_all(self) -> None:
@@ -285,14 +275,6 @@ class MemFit(keras.callbacks.Callback):
 
 
 _PLACE_KEYS = ("budget", "cpu_layers", "accelerator")
-
-
-def _keras2_message(model: Any) -> str:
-    return _legacy.legacy_keras_error(model) or (
-        "MemFit is a Keras 3 callback and was called by tf_keras (Keras 2), which "
-        "keras_memfit does not support. Build the model with Keras 3 (`import keras`) "
-        "and unset TF_USE_LEGACY_KERAS."
-    )
 
 
 def _place_options(place: Any) -> Optional[Dict[str, Any]]:

@@ -69,9 +69,14 @@ def safe_generate(
             f"{type(causal_lm).__name__}.generate: "
             f"{[p for p in accepted if p not in ('inputs', 'max_length')]}"
         )
-    chunks, scalar, _ = _generation.prompt_chunks(inputs)
+    chunks, scalar = _generation.prompt_chunks(inputs)
 
-    outputs = _generation.GeneratedOutputs()
+    def generate(x: Any) -> Any:
+        return causal_lm.generate(
+            _generation.to_generate_input(x), max_length=max_length, **generate_kwargs
+        )
+
+    outputs = []
     # What a compiled generate loop's shape depends on besides the rows.
     settings = (max_length, repr(sorted(generate_kwargs.items())))
     planners: Dict[Hashable, Tuple[BatchPlanner, _generation.ShapeKeeper]] = {}
@@ -84,26 +89,12 @@ def safe_generate(
                 _generation.ShapeKeeper(causal_lm, signature),
             )
         planner, keeper = planners[signature]
-
-        def step(piece: Any, keeper: _generation.ShapeKeeper = keeper) -> Any:
-            padded, own = keeper.pad(piece[0])
-            rows = _batches.num_rows((padded,))
-            try:
-                result = causal_lm.generate(
-                    _generation.to_generate_input(padded), max_length=max_length,
-                    **generate_kwargs,
-                )
-            except Exception:
-                keeper.failed(rows, own)
-                raise
-            keeper.ran(rows)
-            return _generation.take_rows(result, own)
-
         for piece in run_in_pieces(
-            causal_lm, _PHASE, [chunk], step, requested=batch_size, planner=planner,
+            causal_lm, _PHASE, [chunk], lambda piece, keeper=keeper: keeper.run(piece[0], generate),
+            requested=batch_size, planner=planner,
             detail="Each prompt runs to max_length tokens: use a shorter max_length.",
         ):
-            outputs.add(piece.result)
+            outputs.append(piece.result)
             done += piece.rows
     logger.debug("safe_generate: %d prompts generated", done)
-    return outputs.result(scalar)
+    return _generation.joined_outputs(outputs, scalar)

@@ -330,26 +330,21 @@ class _OutOfMemoryErrorBody:
         )
 
 
-def _make_out_of_memory_error() -> type:
-    """`OutOfMemoryError`: the body above on the active backend's OOM error bases."""
-    bases = _backend.get().oom_error_bases()
-    return type(
-        "OutOfMemoryError",
-        (_OutOfMemoryErrorBody, *bases),
-        {
-            "__module__": __name__,
-            "__qualname__": "OutOfMemoryError",
-            "__doc__": _OutOfMemoryErrorBody.__doc__,
-        },
-    )
-
-
 if TYPE_CHECKING:
     OutOfMemoryError = _OutOfMemoryErrorBody
 else:
 
     def __getattr__(name: str) -> Any:
+        """`OutOfMemoryError`, made on first use on the active backend's OOM error bases."""
         if name == "OutOfMemoryError":
-            cls = globals()["OutOfMemoryError"] = _make_out_of_memory_error()
+            cls = globals()["OutOfMemoryError"] = type(
+                "OutOfMemoryError",
+                (_OutOfMemoryErrorBody, *_backend.get().oom_error_bases()),
+                {
+                    "__module__": __name__,
+                    "__qualname__": "OutOfMemoryError",
+                    "__doc__": _OutOfMemoryErrorBody.__doc__,
+                },
+            )
             return cls
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -117,8 +117,8 @@ def place(
             "backend: it cannot keep a layer on another device than the model's. Run "
             "the model without place(), or use KERAS_BACKEND=tensorflow for place()."
         )
-    all_layers = [layer for layer in _keras_compat.all_layers(model) if layer is not model]
-    pinned = None if cpu_layers is None else _resolve_layers(model, all_layers, cpu_layers)
+    pinned = None if cpu_layers is None else _resolve_layers(model, cpu_layers)
+    reason = "layers given by cpu_layers"
     if accelerator is None:
         global _said_no_accelerator
         if not _said_no_accelerator:
@@ -127,15 +127,10 @@ def place(
                 "model already runs on the CPU. Pass accelerator= to name another device."
             )
             _said_no_accelerator = True
-        plan = _plan(ModelAnalysis(model, ByteCounter()), host, None, [], False,
-                     "no accelerator: TensorFlow sees no GPU; nothing changed")
-        if verbose:
-            plan.summary()
-        else:  # the warning above said so, once per process
-            logger.debug("%s", plan)
-        return plan
-
-    analysis = _analyse(model)
+        analysis = ModelAnalysis(model, ByteCounter())
+        pinned, reason = [], "no accelerator: TensorFlow sees no GPU; nothing changed"
+    else:
+        analysis = _analyse(model)
     sizes = placement_choice.layer_bytes(analysis, model.layers)
     if pinned is None:
         if not model.built:
@@ -150,11 +145,15 @@ def place(
         pinned, reason = placement_choice.choose(
             analysis, model.layers, sizes, budget, weight_share=WEIGHT_SHARE,
             oversized_bytes=OVERSIZED_BYTES, dominant_share=DOMINANT_SHARE)
+    if accelerator is not None:
+        _apply(model, be.placement, be.variable_device, host, accelerator, pinned)
+    plan = _plan(analysis, host, accelerator, pinned, reason, sizes)
+    if verbose:
+        plan.summary()
+    elif accelerator is None:  # the warning above said so, once per process
+        logger.debug("%s", plan)
     else:
-        reason = "layers given by cpu_layers"
-    _apply(model, be.placement, be.variable_device, host, accelerator, pinned)
-    plan = _plan(analysis, host, accelerator, pinned, True, reason, sizes)
-    _show(plan, verbose)
+        logger.info("%s", plan)
     return plan
 
 
@@ -183,13 +182,6 @@ def _analyse(model: keras.Model) -> ModelAnalysis:
     return ModelAnalysis(model, ByteCounter())
 
 
-def _show(plan: PlacementPlan, verbose: bool) -> None:
-    if verbose:
-        plan.summary()
-    else:
-        logger.info("%s", plan)
-
-
 def _resolve_accelerator(be: Any, accelerator: Optional[str], host: str) -> Optional[str]:
     if accelerator is None:
         found = be.list_accelerators()
@@ -208,7 +200,7 @@ def _resolve_accelerator(be: Any, accelerator: Optional[str], host: str) -> Opti
     return name
 
 
-def _resolve_layers(model, all_layers, cpu_layers) -> List[keras.layers.Layer]:
+def _resolve_layers(model, cpu_layers) -> List[keras.layers.Layer]:
     if isinstance(cpu_layers, (str, keras.layers.Layer)):
         cpu_layers = [cpu_layers]
     try:
@@ -218,15 +210,12 @@ def _resolve_layers(model, all_layers, cpu_layers) -> List[keras.layers.Layer]:
             "cpu_layers must be a list of layer names or layers; received "
             f"cpu_layers={cpu_layers!r}"
         ) from None
+    all_layers = [layer for layer in _keras_compat.all_layers(model) if layer is not model]
     by_name = {layer.name: layer for layer in all_layers}
-    ids = {id(layer) for layer in all_layers}
     chosen = []
     for item in cpu_layers:
-        if isinstance(item, keras.layers.Layer) and id(item) in ids:
-            layer = item
-        elif isinstance(item, str) and item in by_name:
-            layer = by_name[item]
-        else:
+        layer = by_name.get(item) if isinstance(item, str) else item
+        if not any(layer is known for known in all_layers):
             names = sorted(by_name)
             shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
             raise ValueError(
@@ -244,27 +233,20 @@ def _plan(
     host: str,
     accelerator: Optional[str],
     pinned: List[Any],
-    applied: bool,
     reason: str,
-    sizes: Optional[Dict[str, int]] = None,
+    sizes: Dict[str, int],
 ) -> PlacementPlan:
-    """The `PlacementPlan` of pinning `pinned`, from the model's analysis."""
-    model = analysis.model
-    sizes = placement_choice.layer_bytes(analysis, model.layers) if sizes is None else sizes
-    names = [layer.name for layer in pinned]
+    """The `PlacementPlan` of pinning `pinned` (none without an accelerator)."""
     total = sum(sizes.values())
     on_host = sum(analysis.weights_bytes(layer.weights) for layer in pinned)
-    if accelerator is None or not pinned:
-        device_bytes = {accelerator or host: total}
-        crossing = 0
-    else:
+    if pinned:
         device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
-        crossing = analysis.crossing(pinned)
-    applied = applied and accelerator is not None and bool(names)
+    else:
+        device_bytes = {accelerator or host: total}
     return PlacementPlan(
-        cpu_layers=names, accelerator=accelerator, host=host, device_bytes=device_bytes,
-        crossing_bytes_per_sample=crossing, applied=applied, reason=reason,
-        layer_bytes=dict(sizes),
+        cpu_layers=[layer.name for layer in pinned], accelerator=accelerator, host=host,
+        device_bytes=device_bytes, crossing_bytes_per_sample=analysis.crossing(pinned),
+        applied=bool(pinned), reason=reason, layer_bytes=dict(sizes),
     )
 
 
@@ -280,10 +262,7 @@ def _on_device(placer, device: str, method: Callable) -> Callable:
 
 def _undo(model) -> None:
     """Remove the wrappers a previous `place` installed."""
-    state = model.__dict__.get(_STATE)
-    if not state:
-        return
-    for obj, attr, original in state["wrapped"]:
+    for obj, attr, original in model.__dict__.get(_STATE) or ():
         if original is None:
             obj.__dict__.pop(attr, None)
         else:
@@ -295,32 +274,30 @@ def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
     _undo(model)
     wrapped = []
 
-    def wrap(obj, attr, device):
-        original = obj.__dict__.get(attr)
-        wrapped.append((obj, attr, original))
-        object.__setattr__(obj, attr, _on_device(placer, device, getattr(obj, attr)))
+    def wrap(obj, attr, replacement):
+        wrapped.append((obj, attr, obj.__dict__.get(attr)))
+        object.__setattr__(obj, attr, replacement)
 
     # Inner scopes win: the model's ops on the accelerator, pinned layers on the host.
-    wrap(model, "call", accelerator)
+    wrap(model, "call", _on_device(placer, accelerator, model.call))
     for layer in pinned:  # forward and backward on the host
-        wrapped.append((layer, "call", layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", functools.wraps(layer.call)(
-            placer.call_on_device(host, layer.call)))
+        wrap(layer, "call", functools.wraps(layer.call)(placer.call_on_device(host, layer.call)))
     # Variables not created yet, where they belong: a scope around `call` or `build` is lost
     # when Keras lifts a creation out of the traced graph.
     pinned_layers = {id(sub) for layer in pinned
                      for sub in _keras_compat.all_layers(layer)}
     for layer in _keras_compat.all_layers(model):
         device = host if id(layer) in pinned_layers else accelerator
-        wrapped.append((layer, "add_weight", layer.__dict__.get("add_weight")))
-        object.__setattr__(layer, "add_weight", placer.creating_on(device, layer.add_weight))
+        wrap(layer, "add_weight", placer.creating_on(device, layer.add_weight))
 
     pinned_ids = {id(v) for layer in pinned for v in layer.weights}
-    moved = 0
-    for v in model.weights:
-        moved += placer.move_variable(v, host if id(v) in pinned_ids else accelerator)
+    moved = sum(
+        placer.move_variable(v, host if id(v) in pinned_ids else accelerator)
+        for v in model.weights
+    )
 
-    def follow(optimizer):
+    def follow():
+        optimizer = getattr(model, "optimizer", None)
         placer.follow_variable_devices(optimizer)
         if optimizer is not None and optimizer.built:
             for v in model.trainable_variables:
@@ -328,24 +305,24 @@ def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
                 for slot in _model_state.slot_variables(optimizer, v):
                     placer.move_variable(slot, device)
 
-    follow(getattr(model, "optimizer", None))
-
+    follow()
     compile_method = model.compile
 
     @functools.wraps(compile_method)
     def compile(*args, **kwargs):
         compile_method(*args, **kwargs)
-        follow(getattr(model, "optimizer", None))
+        follow()
         if pinned:
             _no_xla(model)
 
-    wrapped.append((model, "compile", model.__dict__.get("compile")))
-    object.__setattr__(model, "compile", compile)
-    state = {"wrapped": wrapped}
-    object.__setattr__(model, _STATE, state)
+    wrap(model, "compile", compile)
+    object.__setattr__(model, _STATE, wrapped)
     if pinned:
         _no_xla(model)
-    _reset_functions(model)
+    for attr in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    _cache.forget(model)
     logger.info(
         "place(): %d layer(s) on the host, %d variable(s) moved",
         len(pinned), moved,
@@ -363,10 +340,3 @@ def _no_xla(model) -> None:
             "device and cannot span the host and the accelerator", model.name,
         )
     model.jit_compile = False
-
-
-def _reset_functions(model) -> None:
-    for attr in ("train_function", "test_function", "predict_function"):
-        if hasattr(model, attr):
-            setattr(model, attr, None)
-    _cache.forget(model)

@@ -75,20 +75,16 @@ def safe_predict(
     )
     requested = _loop.requested_size(source, batch_size, max_batch_size)
 
-    backend = _backend.get()
     step = _steps.predict_step(model, postprocess)
     writer = _outputs.OutputWriter(source.num_samples, out)
 
     first = next(source.chunks, None)
-    if first is not None:
-        spec = _backend.NO_SPEC  # a stateful layer cannot be traced at a batch of unknown size
-        if not _model_state.stateful_layers(model):
-            spec = backend.output_spec(step, first[0])
+    # A stateful layer cannot be traced at a batch of unknown size.
+    if first is not None and not _model_state.stateful_layers(model):
+        spec = _backend.get().output_spec(step, first[0])
         if spec is not _backend.NO_SPEC:
             writer.check_spec(spec, postprocess)
-        chunks = prepend(first, source.chunks)
-    else:
-        chunks = iter(())
+    chunks = source.chunks if first is None else prepend(first, source.chunks)
 
     def run(piece):
         return to_host(step(piece[0]))

@@ -68,9 +68,7 @@ class LayerMemory:
 
     def to_dict(self) -> Dict[str, Any]:
         """The row as a JSON-serialisable dict."""
-        data = dataclasses.asdict(self)
-        data["output_shape"] = _jsonable_shape(self.output_shape)
-        return data
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # shapes as lists
 
 
 @dataclasses.dataclass(eq=False)
@@ -123,7 +121,6 @@ class MemoryReport:
         self.flops = None if any(f is None for f in flops) else sum(flops)
         self.params = sum(r.params for r in rows)
         self.per_device = dict(self.per_device or {})
-        self._spans_devices = len(self.per_device) > 1
 
     @property
     def peak_bytes(self) -> int:
@@ -229,11 +226,8 @@ class MemoryReport:
             line_length: Total width of the table; default: what its columns need.
         """
         line_length = _validate.positive_int("line_length", line_length)
-        text = _report_text.table(self, line_length)
-        if print_fn is None:
-            print(text)  # the user asked for the table
-        else:
-            print_fn(text)
+        print_fn = print if print_fn is None else print_fn  # the user asked for the table
+        print_fn(_report_text.table(self, line_length))
 
     def __str__(self) -> str:
         return _report_text.table(self, None)
@@ -352,9 +346,3 @@ def _layer_memory(row: Row, batch_size: int, frees: Dict[int, Tuple[int, int]]) 
         working_bytes_per_sample=row.working,
         trainable_bytes=row.trainable_bytes,
     )
-
-
-def _jsonable_shape(shape: Any) -> Any:
-    if isinstance(shape, tuple):
-        return [_jsonable_shape(s) for s in shape]
-    return shape

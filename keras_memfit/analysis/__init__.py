@@ -10,13 +10,6 @@
 - `placement_choice`: which cheap layers `place` pins for a budget;
 - `report_text`: the text table of a `MemoryReport`."""
 
-from keras_memfit.analysis.model import (
-    ModelAnalysis,
-    Row,
-    analyse,
-    check_built,
-    short_device,
-    training_peak,
-)
+from keras_memfit.analysis.model import ModelAnalysis, Row, analyse, short_device, training_peak
 
-__all__ = ["ModelAnalysis", "Row", "analyse", "check_built", "short_device", "training_peak"]
+__all__ = ["ModelAnalysis", "Row", "analyse", "short_device", "training_peak"]

@@ -7,8 +7,9 @@ from typing import Optional
 import keras
 
 from keras_memfit._internal import keras_compat as _keras_compat
-from keras_memfit.analysis.graph import Call, LayerGraph
+from keras_memfit.analysis.graph import LayerGraph
 from keras_memfit.analysis.sizes import size
+from keras_memfit.backend.base import TracedCall
 
 _ZERO_FLOP_LAYERS = (
     "InputLayer", "Flatten", "Reshape", "Permute", "RepeatVector", "Dropout",
@@ -36,7 +37,7 @@ def flops_per_sample(graph: LayerGraph, index: int) -> Optional[int]:
         graph.calls[index])
 
 
-def _attention_flops(call: Call) -> int:
+def _attention_flops(call: TracedCall) -> int:
     """A MultiHeadAttention's scores and weighted sum (per sample); 0 for other layers."""
     layer = call.op
     if not isinstance(layer, keras.layers.MultiHeadAttention):
@@ -49,12 +50,9 @@ def _attention_flops(call: Call) -> int:
     return 2 * layer.num_heads * size(queries) * size(keys) * (layer.key_dim + value_dim)
 
 
-def layer_flops(call: Call) -> Optional[int]:
+def layer_flops(call: TracedCall) -> Optional[int]:
     """Forward FLOPs per sample of one call of a layer of a known kind, or None."""
     bases = _keras_compat.convolution_layer_classes()
-    BaseConv, BaseConvTranspose = bases["conv"], bases["conv_transpose"]
-    BaseDepthwiseConv, BaseSeparableConv = bases["depthwise_conv"], bases["separable_conv"]
-    BaseGlobalPooling, BasePooling = bases["global_pooling"], bases["pooling"]
     layer = call.op
     outputs = [t.shape[1:] for t in call.outputs]
     if not outputs or any(None in shape for shape in outputs):
@@ -72,13 +70,13 @@ def layer_flops(call: Call) -> Optional[int]:
             return None
         fan_in, units = int(kernel.shape[0]), int(kernel.shape[1])
         return 2 * fan_in * units * size(out[:-1])
-    if isinstance(layer, BaseDepthwiseConv):
+    if isinstance(layer, bases["depthwise_conv"]):
         return 2 * size(layer.kernel_size) * out_size
-    if isinstance(layer, BaseSeparableConv):
+    if isinstance(layer, bases["separable_conv"]):
         depthwise = layer.depthwise_kernel
         in_channels = int(depthwise.shape[-2]) * int(depthwise.shape[-1])
         return 2 * size(spatial) * in_channels * (size(layer.kernel_size) + layer.filters)
-    if isinstance(layer, BaseConvTranspose):
+    if isinstance(layer, bases["conv_transpose"]):
         if kernel is None:
             return None
         # kernel: (*kernel_size, filters, in_channels); each input feeds kernel_size x filters.
@@ -86,16 +84,16 @@ def layer_flops(call: Call) -> Optional[int]:
         stride = size(layer.strides)
         in_positions = size(spatial) // max(1, stride)
         return 2 * size(layer.kernel_size) * in_channels * filters * in_positions
-    if isinstance(layer, BaseConv):
+    if isinstance(layer, bases["conv"]):
         if kernel is None:
             return None
         # kernel: (*kernel_size, in_channels / groups, filters)
         per_output = size(layer.kernel_size) * int(kernel.shape[-2])
         return 2 * per_output * out_size
-    if isinstance(layer, BaseGlobalPooling):
+    if isinstance(layer, bases["global_pooling"]):
         shape = call.inputs[0].shape if call.inputs else None
         return None if shape is None or None in shape[1:] else size(shape[1:])
-    if isinstance(layer, BasePooling):
+    if isinstance(layer, bases["pooling"]):
         return size(layer.pool_size) * out_size
     if name in _MERGE_LAYERS:
         return max(0, len(call.inputs) - 1) * out_size

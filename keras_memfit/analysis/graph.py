@@ -6,11 +6,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import keras
 
-from keras_memfit.backend.base import Trace, TracedCall, TracedTensor
-
-
-Tensor = TracedTensor
-Call = TracedCall
+from keras_memfit.backend.base import Trace
 
 
 class LayerGraph:
@@ -97,18 +93,16 @@ class LayerGraph:
             for position in range(len(sequence))
         ]
 
-    def working(self, index: int, sizes: Optional[Dict[str, int]] = None) -> int:
+    def working(self, index: int) -> int:
         """Bytes per sample a call holds at its busiest, beyond the tensors it was given."""
-        sizes = self.sizes if sizes is None else sizes
         inner = self.children.get(index, [])
-        own = sum(sizes.get(t.key, 0) for t in self.calls[index].outputs)
+        own = sum(self.sizes[t.key] for t in self.calls[index].outputs)
         if not inner:
             return own
-        entering = [t.key for t in self.calls[index].inputs]
-        cuts = self.cuts(inner, sizes, entering)
+        cuts = self.cuts(inner, entering=[t.key for t in self.calls[index].inputs])
         live, previous = 0, 0
         for position, child in enumerate(inner):
-            live = max(live, previous + self.working(child, sizes))
+            live = max(live, previous + self.working(child))
             previous = cuts[position]
         return max(live, own)
 

@@ -176,10 +176,6 @@ class ModelAnalysis:
         self.input_bytes_per_sample = sum(graph.sizes[k] for k in dict.fromkeys(graph.input_keys))
 
     # ------------------------------------------------------------ estimate
-    def devices(self) -> List[str]:
-        """The devices the model's variables live on, sorted (short form)."""
-        return sorted({v.device for v in self.variables} - {""})
-
     def peak(
         self, *, training: bool, device: Optional[str] = None
     ) -> Tuple[Optional[str], DeviceMemory, Dict[str, DeviceMemory]]:
@@ -188,7 +184,7 @@ class ModelAnalysis:
         `device` None: the non-host device holding the most weight bytes. Returns (the device,
         None without variables; its estimate; every device's).
         """
-        devices = self.devices()
+        devices = sorted({v.device for v in self.variables} - {""})
         wanted = None if device is None else short_device(device)
         if wanted is not None and devices and wanted not in devices:
             raise ValueError(

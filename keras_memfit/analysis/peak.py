@@ -87,10 +87,7 @@ def device_steps(
     """(steps, input bytes per sample) of `graph` on `device`; `sides[i]`: where `top[i]` runs."""
     residence: Dict[str, set] = {}
     for position, index in enumerate(graph.top):
-        for key in graph.produced(index):
-            residence.setdefault(key, set()).add(sides[position])
-    for position, index in enumerate(graph.top):
-        for key in graph.consumed(index):
+        for key in graph.produced(index) + graph.consumed(index):
             residence.setdefault(key, set()).add(sides[position])
     here = {key: (size if device in residence.get(key, {default}) else 0)
             for key, size in graph.sizes.items()}

@@ -60,17 +60,17 @@ class ByteCounter:
 
     def tensor(self, shape: Sequence[Optional[int]], dtype: Any) -> int:
         """Bytes per sample of a tensor whose `shape` includes the batch dimension."""
-        item = itemsize(dtype)
-        if self._compute is not None and is_floating(dtype):
-            item = self._compute
-        return size(tuple(shape)[1:]) * item
+        return _bytes(tuple(shape)[1:], dtype, self._compute)
 
     def variable(self, variable: Any) -> int:
         """Bytes of a variable (anything with `shape` and `dtype`)."""
-        item = itemsize(variable.dtype)
-        if self._variable is not None and is_floating(variable.dtype):
-            item = self._variable
-        return size(variable.shape) * item
+        return _bytes(variable.shape, variable.dtype, self._variable)
+
+
+def _bytes(shape: Sequence[Optional[int]], dtype: Any, floating_item: Optional[int]) -> int:
+    """Bytes of `shape` elements, a floating one `floating_item` bytes where given."""
+    use_policy = floating_item is not None and is_floating(dtype)
+    return size(shape) * (floating_item if use_policy else itemsize(dtype))
 
 
 class _SlotStandIn:
@@ -86,9 +86,8 @@ def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return {}
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:  # LossScaleOptimizer: its own variables are scalars
-        optimizer = inner
+    # A LossScaleOptimizer's own variables are scalars: its inner optimizer's slots count.
+    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
     trainable = list(model.trainable_variables)
     if not trainable:
         return {}

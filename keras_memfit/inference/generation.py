@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Dict, Hashable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Set, Tuple
 
 import keras
 import numpy as np
@@ -17,21 +17,15 @@ logger = logging.getLogger("keras_memfit")
 MAX_PADDING_FACTOR = 2
 
 
-def _is_string_leaf(value: Any) -> bool:
-    return isinstance(value, (str, bytes))
-
-
 def _as_rows(name: str, value: Any) -> np.ndarray:
     """`value` (a list of strings, an array, a tensor) as a numpy array of rows."""
     if isinstance(value, (list, tuple)):
-        if value and all(_is_string_leaf(v) for v in value):
+        if value and all(isinstance(v, (str, bytes)) for v in value):
             array = np.empty(len(value), dtype=object)
             array[:] = list(value)
             return array
         array = np.asarray(value)
-    elif isinstance(value, np.ndarray):
-        array = value
-    elif keras.ops.is_tensor(value) or hasattr(value, "numpy"):
+    elif isinstance(value, np.ndarray) or keras.ops.is_tensor(value) or hasattr(value, "numpy"):
         array = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
     else:
         raise TypeError(
@@ -53,18 +47,16 @@ def _is_dataset(inputs: Any) -> bool:
     return type(inputs).__name__.endswith("Dataset") and hasattr(inputs, "as_numpy_iterator")
 
 
-def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool, Optional[int]]:
-    """(chunks of `(x, None, None)`, whether `inputs` is one string, prompts or None)."""
+def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool]:
+    """(chunks of `(x, None, None)`, whether `inputs` is one string)."""
     if _is_dataset(inputs):
-        batches = ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator())
-        return batches, False, None
-    if _is_string_leaf(inputs):
-        return iter([(_as_rows("inputs", [inputs]), None, None)]), True, 1
+        return ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator()), False
+    if isinstance(inputs, (str, bytes)):
+        return iter([(_as_rows("inputs", [inputs]), None, None)]), True
     x = _rows_of(inputs)
-    rows = _batches.num_rows((x,))
-    if rows == 0:
+    if _batches.num_rows((x,)) == 0:
         raise ValueError(f"inputs must hold at least one prompt; received {inputs!r:.80}")
-    return iter([(x, None, None)]), False, rows
+    return iter([(x, None, None)]), False
 
 
 def _rows_of(inputs: Any) -> Any:
@@ -112,28 +104,26 @@ class ShapeKeeper:
         larger = [s for s in self.sizes if rows < s <= rows * MAX_PADDING_FACTOR]
         return min(larger) if larger else rows
 
-    def pad(self, x: Any) -> Tuple[Any, int]:
-        """(`x` padded to `target` rows with copies of its last row, its own rows)."""
+    def run(self, x: Any, generate: Callable[[Any], Any]) -> Any:
+        """`generate` on `x` padded to `target` rows with copies of its last row; `x`'s outputs."""
         rows = _batches.num_rows((x,))
         target = self.target(rows)
-        if target == rows:
-            return x, rows
-        extra = target - rows
-        logger.debug("generate: %d prompts padded to %d (a batch shape already compiled)",
-                     rows, target)
+        if target > rows:
+            logger.debug("generate: %d prompts padded to %d (a batch shape already compiled)",
+                         rows, target)
 
-        def grow(leaf: np.ndarray) -> np.ndarray:
-            return np.concatenate([leaf, np.repeat(leaf[-1:], extra, axis=0)], axis=0)
+            def grow(leaf: np.ndarray) -> np.ndarray:
+                return np.concatenate([leaf, np.repeat(leaf[-1:], target - rows, axis=0)], axis=0)
 
-        return keras.tree.map_structure(grow, x), rows
-
-    def failed(self, rows: int, own: int) -> None:
-        """After a padded piece failed, pad no more (smaller pieces padded up would fail too)."""
-        if rows > own:
-            self.padding = False
-
-    def ran(self, rows: int) -> None:
-        self.sizes.add(rows)
+            x = keras.tree.map_structure(grow, x)
+        try:
+            result = generate(x)
+        except Exception:
+            if target > rows:  # pad no more: smaller pieces padded up would fail too
+                self.padding = False
+            raise
+        self.sizes.add(target)
+        return take_rows(result, rows)
 
 
 def take_rows(outputs: Any, rows: int) -> Any:
@@ -143,24 +133,15 @@ def take_rows(outputs: Any, rows: int) -> Any:
     return outputs[:rows]
 
 
-class GeneratedOutputs:
-    """The outputs of consecutive pieces, joined as `generate` joins its batches."""
-
-    def __init__(self) -> None:
-        self._parts: List[Any] = []
-
-    def add(self, outputs: Any) -> None:
-        self._parts.append(outputs)
-
-    def result(self, scalar: bool) -> Any:
-        """Every piece's outputs in order; the one string for a scalar prompt."""
-        if not self._parts:
-            raise ValueError("generate ran on no prompt: the input dataset was empty")
-        joined = _join(self._parts)
-        if scalar:
-            return keras.tree.map_structure(lambda v: v[0], joined) if isinstance(
-                joined, dict) else joined[0]
-        return joined
+def joined_outputs(parts: List[Any], scalar: bool) -> Any:
+    """Every piece's outputs in order, joined as `generate` joins its batches; `scalar`: one."""
+    if not parts:
+        raise ValueError("generate ran on no prompt: the input dataset was empty")
+    joined = _join(parts)
+    if scalar:
+        return keras.tree.map_structure(lambda v: v[0], joined) if isinstance(
+            joined, dict) else joined[0]
+    return joined
 
 
 def _join(parts: List[Any]) -> Any:

@@ -46,7 +46,6 @@ class BatchLoop:
         self.model = model
         self.phase = phase
         prefix, self._stop_flag = _HOOKS[phase]
-        self._prefix = prefix
         self.num_samples = num_samples
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_progbar=False, model=model, verbose=verbose, epochs=1
@@ -61,6 +60,13 @@ class BatchLoop:
         self._on_batch_begin = getattr(self.callbacks, f"on_{prefix}_batch_begin")
         self._on_batch_end = getattr(self.callbacks, f"on_{prefix}_batch_end")
         self._on_end = getattr(self.callbacks, f"on_{prefix}_end")
+        # Whether any callback has its own `on_*_batch_{begin,end}` (none: pieces start ahead).
+        self._batch_hooks = any(
+            getattr(getattr(callback, f"on_{prefix}_batch_{event}"), "__func__", None)
+            is not getattr(keras.callbacks.Callback, f"on_{prefix}_batch_{event}")
+            for callback in self.callbacks.callbacks
+            for event in ("begin", "end")
+        )
         self.batch = 0
         self.done = 0
         self._begun = -1
@@ -91,7 +97,7 @@ class BatchLoop:
         return run_in_pieces(
             self.model, self.phase, chunks, attempt,
             requested=requested, guard=guard,
-            start=start if start is not None and not self._batch_hooks() else None,
+            start=None if self._batch_hooks else start,
         )
 
     def batch_ended(self, rows: int, logs: Any, values: Optional[list] = None) -> bool:
@@ -117,16 +123,6 @@ class BatchLoop:
             if self.batch % self._per_execution == 0:
                 self._on_batch_begin(self.batch)
             self._begun = self.batch
-
-    def _batch_hooks(self) -> bool:
-        """Whether any callback has its own `on_{predict,test}_batch_{begin,end}`."""
-        names = [f"on_{self._prefix}_batch_begin", f"on_{self._prefix}_batch_end"]
-        default = keras.callbacks.Callback
-        return any(
-            getattr(getattr(callback, name), "__func__", None) is not getattr(default, name)
-            for callback in self.callbacks.callbacks
-            for name in names
-        )
 
     def data_ended(self, source: _data.Chunks, steps: Optional[int]) -> None:
         """After the loop: close a last, shorter execution, and send the `on_*_batch_begin` Keras

@@ -113,10 +113,6 @@ class SplitBatches:
         self.done = 0
         self.split = False  # whether the current batch runs as pieces
 
-    @property
-    def trackers(self) -> List[Any]:
-        return self.counted.trackers
-
     def begin_batch(self, rows: int) -> None:
         """A batch of `rows` (one of Keras's) begins."""
         self.rows, self.done, self.split = rows, 0, False
@@ -126,7 +122,7 @@ class SplitBatches:
         """Keras's batches, each begun (arrays cut at `batch_size` where losses are settled)."""
         for chunk in chunks:
             n = _batches.num_rows(chunk)
-            step = batch_size if (self.trackers or self.loss) and batch_size else n
+            step = batch_size if (self.counted.trackers or self.loss) and batch_size else n
             for start in range(0, n, step or 1):
                 batch = _batches.rows(chunk, start, start + step)
                 self.begin_batch(_batches.num_rows(batch))
@@ -136,7 +132,7 @@ class SplitBatches:
         self, keras_step: Callable[[Any], Any], make_exact: Callable[[Any], Callable]
     ) -> Callable[[Any], Any]:
         """`keras_step` for whole batches, the exact step (`make_exact`, once) for a split one's."""
-        if not self.trackers and self.loss is None:
+        if not self.counted.trackers and self.loss is None:
             return keras_step
         exact_step = None
 
@@ -149,7 +145,7 @@ class SplitBatches:
                 self.counted.begin()
                 if self.loss is not None:
                     self.loss.begin()
-            if not self.trackers:
+            if not self.counted.trackers:
                 return keras_step(piece)
             if exact_step is None:
                 exact_step = make_exact(piece)

@@ -170,8 +170,7 @@ class OutputWriter:
                 "x yielded no batches, so the output shapes are unknown; pass at "
                 "least one batch"
             )
-        backend = _backend.get()
-        spec = backend.output_spec(step, first[0])
+        spec = _backend.get().output_spec(step, first[0])
         if spec is _backend.NO_SPEC:
             return keras.tree.map_structure(keras.ops.convert_to_numpy, step(first[0]))
         return keras.tree.map_structure(
