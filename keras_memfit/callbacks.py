@@ -242,24 +242,30 @@ class MemFit(keras.callbacks.Callback):
         # Not `self.model`: on JAX it syncs Keras's state into the variables at each step.
         model = self._model
         if name not in self._built:  # once per call and kind: Keras looks it up at every step
-            backend = _backend.get()
-            model_ref = weakref.ref(model)  # the model holds the function
-
-            def installed(*args):
-                try:
-                    with backend.keras_call(model_ref(), kind, *args) as call:
-                        result = run_batches(call.batches)
-                    return call.returned(result)
-                except BaseException as exc:
-                    if not backend.is_end_of_data(exc):  # the end of an epoch is no error
-                        self._in_fit = False
-                    raise
-                finally:
-                    self._uninstall(name)
-
-            self._built[name] = installed
+            self._built[name] = self._build(model, name, kind, run_batches)
         self._originals[name] = getattr(model, name, None)
         _keras_compat.set_function(model, name, self._built[name])
+
+    def _build(
+        self, model: Any, name: str, kind: str, run_batches: Callable[[Iterable[Any]], Any]
+    ) -> Callable[..., Any]:
+        """MemFit's `model.<kind>_function`, which uninstalls itself when it returns or raises."""
+        backend = _backend.get()
+        model_ref = weakref.ref(model)  # the model holds the function
+
+        def installed(*args):
+            try:
+                with backend.keras_call(model_ref(), kind, *args) as call:
+                    result = run_batches(call.batches)
+                return call.returned(result)
+            except BaseException as exc:
+                if not backend.is_end_of_data(exc):  # the end of an epoch is no error
+                    self._in_fit = False
+                raise
+            finally:
+                self._uninstall(name)
+
+        return installed
 
     def _uninstall(self, name: str) -> None:
         if name not in self._originals:
