@@ -44,7 +44,13 @@ def safe_evaluate(
         exact_output_losses: Per-output losses (`"<output>_loss"`) as means over samples
             instead of Keras's mean of batch means.
 
+    Returns:
+        The scalar loss (no metrics), a list of loss and metric values in
+        `model.metrics_names` order, or a dict when `return_dict=True`.
+
     Raises:
+        ValueError: If the model is not compiled, or an argument is invalid or unknown.
+        TypeError: If `model` is not a Keras model or `x` of an unsupported type.
         keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch of a
             model with stateful layers (never split) does not.
 

@@ -47,8 +47,16 @@ def safe_generate(
         batch_size: Largest number of prompts per `generate` call; None: all that fit.
         **generate_kwargs: Passed to `generate` (`stop_token_ids`, `strip_prompt`).
 
+    Returns:
+        What `causal_lm.generate(inputs, max_length, **generate_kwargs)` returns: strings
+        (one for a single prompt) with a preprocessor, else a dict of numpy arrays.
+
     Raises:
         ImportError: If keras-hub is not installed.
+        TypeError: If `causal_lm` is not a KerasHub `CausalLM`, or `inputs` is of a type
+            `generate` does not take.
+        ValueError: If `max_length` or `batch_size` is not a positive int, a keyword is not
+            one of `generate`'s, or `inputs` is empty.
         keras_memfit.OutOfMemoryError: If even one prompt does not fit.
     """
     causal_lm_class = _causal_lm_class()

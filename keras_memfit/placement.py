@@ -100,8 +100,13 @@ def place(
             too); an empty list pins nothing but places the model on the accelerator.
         accelerator: The device for the rest; default: the first GPU (none: nothing changes).
 
+    Returns:
+        The `PlacementPlan`.
+
     Raises:
-        ValueError: For an automatic choice on an unbuilt model, or an unknown layer or device.
+        TypeError: If `model` is not a Keras model.
+        ValueError: For a non-positive `budget`, an unknown layer name, an accelerator that
+            does not exist or is the host, or an automatic choice on an unbuilt model.
         NotImplementedError: On a backend that cannot place layers (JAX, torch), or under a
             distribution strategy.
     """

@@ -45,7 +45,15 @@ def safe_predict(
             larger than host RAM; returned.
         max_batch_size: Upper bound on any piece run, dataset batches included.
 
+    Returns:
+        What `model.predict` returns (ragged outputs as `tf.RaggedTensor`), or `out` when it
+        was given.
+
     Raises:
+        ValueError: If an argument is invalid, or `postprocess` drops the batch dimension.
+        TypeError: If `model` is not a Keras model, `x` or `out` is of an unsupported type,
+            `postprocess` returns something other than tensors, or a sparse batch (never
+            split) runs out of memory.
         keras_memfit.OutOfMemoryError: If even one sample does not fit, or a batch of a
             model with stateful layers (never split) does not.
 
