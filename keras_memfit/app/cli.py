@@ -11,6 +11,7 @@ Errors are one line on stderr (`keras-memfit: error: ...`), never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
@@ -38,14 +39,12 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            if (value := int(text)) >= low:
+                return value
         except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
+            pass
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
 
-    parse.__name__ = f"integer >= {low}"  # argparse names the type in some errors
     return parse
 
 
@@ -183,12 +182,11 @@ def _scale(text: str) -> "float | str":
     if text.strip().lower() == "none":
         return "none"
     try:
-        value = float(text)
+        if 0 < (value := float(text)) < float("inf"):
+            return value
     except ValueError:
-        value = None
-    if value is None or not (value > 0) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}")
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}")
 
 
 def _run_predict(args: argparse.Namespace) -> int:
@@ -316,8 +314,6 @@ def _add_report(subparsers: "argparse._SubParsersAction[_Parser]") -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    import json
-
     model_path = os.path.abspath(args.model)
     models.check_model_file(model_path, args.model)  # before TensorFlow starts
     config = dict(
@@ -326,9 +322,8 @@ def _run_report(args: argparse.Namespace) -> int:
         # The report needs no device memory: run where TensorFlow would, unlimited.
         device="gpu" if env.gpu_visible() else "cpu", memory_limit_mb=None,
     )
-    lines: List[str] = []
     result = worker.run_worker(
-        "keras_memfit.app.cli:_report_work", config, report=lines.append,
+        "keras_memfit.app.cli:_report_work", config, report=lambda line: None,
         what="the report process",
     )
     if args.json:
@@ -347,8 +342,6 @@ def _report_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
     Raises:
         PredictError: If the model does not load or cannot be reported on.
     """
-    import json
-
     import keras_memfit
 
     # Training memory needs the optimizer the model was saved with; a model

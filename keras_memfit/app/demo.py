@@ -12,6 +12,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import keras_memfit
 from keras_memfit.app import records, worker
 from keras_memfit.app.env import gpu_visible
 from keras_memfit.app.errors import WorkerError
@@ -150,14 +151,6 @@ def _check_int(name: str, value: Any, low: int) -> None:
 _OOM_LINE = re.compile(r"OOM when allocating tensor with shape\[[^\]]*\][^\n\[]*")
 
 
-def _oom_summary(exc: BaseException) -> str:
-    """One line for an OOM error: its type and TensorFlow's "OOM when..." line."""
-    message = getattr(exc, "message", None) or str(exc)
-    match = _OOM_LINE.search(message)
-    text = match.group(0).strip() if match else message.strip().splitlines()[0]
-    return f"{type(exc).__name__}: {text}"
-
-
 def build_cnn() -> Any:
     """The Kaggle Digit Recognizer notebooks' CNN, compiled (also the benchmarks' model)."""
     import keras
@@ -227,15 +220,17 @@ def _work(config: Dict[str, Any], say: Reporter) -> Dict[str, Any]:
 
 def _plain(call: Any) -> Tuple[Optional[str], float]:
     """Run a plain Keras call; its OOM as one line (None if it fitted) and its seconds."""
-    import keras_memfit
-
     t = time.perf_counter()
     try:
         call()
     except Exception as exc:
         if not keras_memfit.is_oom_error(exc):
             raise
-        return _oom_summary(exc), time.perf_counter() - t
+        # One line: its type and TensorFlow's "OOM when..." line.
+        message = getattr(exc, "message", None) or str(exc)
+        match = _OOM_LINE.search(message)
+        text = match.group(0).strip() if match else message.strip().splitlines()[0]
+        return f"{type(exc).__name__}: {text}", time.perf_counter() - t
     return None, time.perf_counter() - t
 
 
@@ -251,7 +246,6 @@ def _fit(
     """Plain `fit` at a batch that does not fit, then MemFit's, against the unlimited fit."""
     import keras
 
-    from keras_memfit import MemFit
     from keras_memfit.app import reference
 
     seed, epochs, batch = config["seed"], config["epochs"], FIT_BATCH_SIZE
@@ -276,7 +270,7 @@ def _fit(
 
     step(f"[3/5] model.fit(x_train, y_train, batch_size={batch}, callbacks=[MemFit()]) ...")
     model = fresh_model()
-    memfit = MemFit()
+    memfit = keras_memfit.MemFit()
     logged = records.LogRecords(step)
     t = time.perf_counter()
     keras.utils.set_random_seed(seed)
@@ -289,7 +283,11 @@ def _fit(
     accuracy = float(history.history["accuracy"][-1])
     step(f"      OK in {fit_seconds:.1f} s: {steps} optimizer steps of {batch} rows")
     for event in memfit.events:
-        step(f"      event: {_describe_event(event)}")
+        step(
+            f"      event: epoch {event['epoch']} step {event['step']} {event['phase']} "
+            f"{event['kind']}: split {event['old_split']} -> {event['new_split']} "
+            f"({event['reason']})"
+        )
     expected = unlimited.result()
     weights = model.get_weights()
     difference = reference.max_difference(weights, expected)
@@ -310,19 +308,9 @@ def _weights_line(difference: float, relative: float) -> str:
     )
 
 
-def _describe_event(event: Dict[str, Any]) -> str:
-    """One line for one of `MemFit.events`."""
-    return (
-        f"epoch {event['epoch']} step {event['step']} {event['phase']} {event['kind']}: "
-        f"split {event['old_split']} -> {event['new_split']} ({event['reason']})"
-    )
-
-
 def _predict(model: Any, x_test: Any, step: Reporter) -> Dict[str, Any]:
     """Plain `predict` of the whole test set, then `safe_predict`'s."""
     import keras
-
-    import keras_memfit
 
     n = len(x_test)
     step(f"[4/5] model.predict(x_test, batch_size={n}) ... (an OOM takes ~10 s to surface)")
@@ -377,13 +365,10 @@ def _summary(result: Dict[str, Any], where: str) -> List[str]:
            else f"did not run out of memory ({result['plain_seconds']:.1f} s)"),
         f"  keras_memfit.safe_predict(batch_size={n}):  OK, {result['rows']} labels in "
         f"{result['safe_seconds']:.1f} s, {result['ooms_paid']} OOM(s) paid",
+        # The size most batches ran at (the probes and the last, clipped batch are smaller).
+        f"    batch size used: {records.usual_size(result['batch_sizes'])} "
+        f"(batches run: {records.describe_sizes(result['batch_sizes'])})",
     ]
-    # The size most batches ran at (the probes and the last, clipped batch are smaller).
-    sizes = result["batch_sizes"]
-    lines.append(
-        f"    batch size used: {records.usual_size(sizes)} "
-        f"(batches run: {records.describe_sizes(sizes)})"
-    )
     lines += [f"    adapted: {message}" for message in result["adaptations"]]
     if not result["adaptations"]:
         lines.append("    adapted: nothing (the whole batch fitted)")

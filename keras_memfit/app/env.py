@@ -16,7 +16,6 @@ import numpy as np
 _PACKAGE_PARENT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
-_DEVICES = ("cpu", "gpu")
 _HOST_ALIGNMENT = 64  # bytes: TensorFlow aborts on an unaligned DLPack buffer
 CAP_VARIABLES = ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB")
 """The variables that cap TensorFlow's CPU allocator (removed for an uncapped GPU run)."""
@@ -50,7 +49,7 @@ def worker_environment(
             `base`'s allocator settings.
         base: Environment to start from (not modified); default `os.environ`.
     """
-    if device not in _DEVICES:
+    if device not in ("cpu", "gpu"):
         raise ValueError(f'device must be "cpu" or "gpu"; received device={device!r}')
     env = dict(os.environ if base is None else base)
     path = env.get("PYTHONPATH")

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, List, Tuple
+from typing import Any, List, NamedTuple, Tuple
 
 from keras_memfit.app.errors import PredictError, one_line
 
@@ -15,14 +15,13 @@ CSV_SCALE = 255.0  # what the Kaggle notebooks divide pixels by
 _PIXELS = 784  # pixel0..pixel783 in Kaggle's Digit Recognizer CSVs
 
 
-class InputFile:
+class InputFile(NamedTuple):
     """An input file's arrays by name ("" for a .npy's or .csv's one), each read when needed."""
 
-    def __init__(self, path: str, kind: str, arrays: Any, names: List[str]) -> None:
-        self.path = path
-        self.kind = kind
-        self.arrays = arrays
-        self.names = names
+    path: str
+    kind: str
+    arrays: Any
+    names: List[str]
 
 
 def open_input(path: str, header_only: bool = False) -> InputFile:
@@ -39,8 +38,6 @@ def open_input(path: str, header_only: bool = False) -> InputFile:
                 if f.read(6) != b"\x93NUMPY":
                     raise ValueError("not a .npy file (no NUMPY header)")
             array = np.load(path, mmap_mode="r")  # reads the header; data on demand
-            if not isinstance(array, np.ndarray):
-                raise ValueError("it holds no array")
             _check_samples(array, name)
             return InputFile(path, kind, {} if header_only else {"": array}, [""])
         if kind == ".npz":
@@ -56,8 +53,6 @@ def open_input(path: str, header_only: bool = False) -> InputFile:
                 return InputFile(path, kind, {}, names)
             return InputFile(path, kind, _NpzArrays(archive, name), names)
         return _open_csv(path, name, header_only)
-    except PredictError:
-        raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         detail = " ".join(str(err).split()) or type(err).__name__
         raise PredictError(f"cannot read {name} as {kind}: {detail}") from err
@@ -69,9 +64,6 @@ class _NpzArrays:
     def __init__(self, archive: Any, name: str) -> None:
         self._archive = archive
         self._name = name
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._archive.files
 
     def __getitem__(self, key: str) -> Any:
         import zipfile
@@ -160,32 +152,30 @@ def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
         specs = keras.tree.flatten(struct)
         names = [[getattr(t, "name", f"input_{i}")] for i, t in enumerate(specs)]
     shown = [n[0] for n in names]
-    if source.kind == ".npz":
-        chosen = [next((a for a in aliases if a in source.arrays), None) for aliases in names]
-        if None in chosen:
-            if len(specs) == 1 and len(source.names) == 1:
-                chosen = [source.names[0]]
-            elif len(specs) == 1:
-                raise PredictError(
-                    f"{name} holds {len(source.names)} arrays {source.names}, but model "
-                    f"'{model.name}' takes one input, named {shown[0]!r}: save one array, "
-                    "or name the one to use after the input"
-                )
-            else:
-                missing = [n[0] for n, c in zip(names, chosen) if c is None]
-                raise PredictError(
-                    f"{name} holds arrays {source.names}, but model '{model.name}' takes "
-                    f"inputs named {shown} (no array for {missing}): save one array per "
-                    "input, named after it: np.savez(path, **{input_name: array})"
-                )
-        arrays = [source.arrays[c] for c in chosen]
-    else:
-        if len(specs) != 1:
+    if source.kind != ".npz" and len(specs) != 1:
+        raise PredictError(
+            f"model '{model.name}' takes {len(specs)} inputs {shown}; a {source.kind} "
+            "file holds one array: give a .npz with one array named after each input"
+        )
+    # A .npy's or .csv's one array is named "": it goes to the model's one input.
+    chosen = [next((a for a in aliases if a in source.names), None) for aliases in names]
+    if None in chosen:
+        if len(specs) == 1 and len(source.names) == 1:
+            chosen = [source.names[0]]
+        elif len(specs) == 1:
             raise PredictError(
-                f"model '{model.name}' takes {len(specs)} inputs {shown}; a {source.kind} "
-                "file holds one array: give a .npz with one array named after each input"
+                f"{name} holds {len(source.names)} arrays {source.names}, but model "
+                f"'{model.name}' takes one input, named {shown[0]!r}: save one array, "
+                "or name the one to use after the input"
             )
-        arrays = [source.arrays[""]]
+        else:
+            missing = [n[0] for n, c in zip(names, chosen) if c is None]
+            raise PredictError(
+                f"{name} holds arrays {source.names}, but model '{model.name}' takes "
+                f"inputs named {shown} (no array for {missing}): save one array per "
+                "input, named after it: np.savez(path, **{input_name: array})"
+            )
+    arrays = [source.arrays[c] for c in chosen]
     fitted = [
         _fit_shape(a, spec, label, name)
         for a, spec, label in zip(arrays, specs, shown)
@@ -196,13 +186,11 @@ def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
             f"{name}: the model's inputs must have the same number of samples; "
             f"received {counts}"
         )
-    if isinstance(struct, dict):
+    if isinstance(struct, dict):  # in its own key order, which keras.tree would sort
         x = dict(zip(keys, fitted))
-        spec_struct = dict(zip(keys, specs))
     else:
         x = keras.tree.pack_sequence_as(struct, fitted)
-        spec_struct = struct
-    return x, spec_struct, counts[0]
+    return x, struct, counts[0]
 
 
 def _fit_shape(array: Any, spec: Any, label: str, name: str) -> Any:

@@ -6,10 +6,18 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+import keras
+import numpy as np
+
+import keras_memfit
+from keras_memfit._internal import batches
+from keras_memfit.app import records
 from keras_memfit.app.errors import PredictError, one_line
 from keras_memfit.app.inputs import arrange_inputs, open_input
 from keras_memfit.app.models import load_model
 from keras_memfit.app.outputs import temporary_path, write_csv, writing
+from keras_memfit.backend import get as backend
+from keras_memfit.planning import data
 
 
 def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str, Any]:
@@ -19,14 +27,6 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
         PredictError: For anything wrong with the model, the input or the output.
         keras_memfit.OutOfMemoryError: If even one sample does not fit.
     """
-    import keras
-    import numpy as np
-
-    import keras_memfit
-    from keras_memfit.planning import data
-    from keras_memfit.app import records
-    from keras_memfit.backend import get as backend
-
     model = load_model(config["model"], config["memory_limit_mb"])
     source = open_input(config["input"])
     x, specs, n = arrange_inputs(model, source)
@@ -63,8 +63,8 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
             if prepare is None:
                 keras_memfit.safe_predict(model, x, batch_size=batch_size, **kwargs)
             else:
-                batches = _prepared_batches(x, n, batch_size, prepare)
-                keras_memfit.safe_predict(model, batches, max_batch_size=batch_size, **kwargs)
+                prepared = _prepared_batches(x, n, batch_size, prepare)
+                keras_memfit.safe_predict(model, prepared, max_batch_size=batch_size, **kwargs)
         predict_seconds = time.perf_counter() - t
         if sum(sizes) != n:
             raise PredictError(f"predicted {sum(sizes)} of {n} samples")
@@ -95,8 +95,6 @@ def predict_work(config: Dict[str, Any], say: Callable[[str], None]) -> Dict[str
 
 def _argmax_labels(outputs: Any) -> Any:
     """--argmax's `postprocess`: labels on the device (a single output may be nested)."""
-    import keras
-
     return keras.tree.map_structure(lambda y: keras.ops.argmax(y, axis=-1), outputs)
 
 
@@ -104,11 +102,6 @@ def _one_output_row(
     model: Any, x: Any, prepare: Optional[Callable], postprocess: Optional[Callable]
 ) -> Any:
     """The first sample's outputs, as numpy; `predict_on_batch` keeps the planner's memory clean."""
-    import keras
-    import numpy as np
-
-    from keras_memfit._internal import batches
-
     first = batches.rows(x, 0, 1)
     if prepare is not None:
         first = prepare(first)
@@ -140,9 +133,6 @@ def _one_output_row(
 
 def _scaler(x: Any, specs: Any, scale: float) -> Callable[[Any], Any]:
     """A function dividing a batch of `x` by `scale`, as the float type its input takes."""
-    import keras
-    import numpy as np
-
     def float_type(spec: Any) -> Any:
         try:
             dtype = np.dtype(getattr(spec, "dtype", None) or "float32")
@@ -162,8 +152,6 @@ def _scaler(x: Any, specs: Any, scale: float) -> Callable[[Any], Any]:
 
 def _prepared_batches(x: Any, n: int, batch_size: int, prepare: Callable) -> Any:
     """Batches of `x`, each passed through `prepare` (host memory: one batch)."""
-    from keras_memfit._internal import batches
-
     for begin in range(0, n, batch_size):
         # A 1-tuple: Keras reads a 2- or 3-tuple (or list) as (x, y[, weights]).
         yield (prepare(batches.rows(x, begin, min(n, begin + batch_size))),)

@@ -17,11 +17,8 @@ def usual_size(sizes: Sequence[int]) -> int:
 
 def describe_sizes(sizes: Sequence[int]) -> str:
     """Batch sizes run, consecutive equal sizes run-length encoded: "16, 64, 755 x 36, 648"."""
-    parts: List[str] = []
-    for size, run in itertools.groupby(sizes):
-        count = len(list(run))
-        parts.append(f"{size} x {count}" if count > 1 else str(size))
-    return ", ".join(parts)
+    runs = [(size, len(list(run))) for size, run in itertools.groupby(sizes)]
+    return ", ".join(f"{size} x {count}" if count > 1 else str(size) for size, count in runs)
 
 
 class LogRecords(logging.Handler):
