@@ -18,7 +18,6 @@ from keras_memfit._internal import keras_compat as _keras_compat
 from keras_memfit._internal import legacy as _legacy
 from keras_memfit._internal import model_state as _model_state
 from keras_memfit._internal import reductions as _reductions
-from keras_memfit._internal.keras_compat import TESTED_KERAS  # noqa: F401 (kept importable here)
 from keras_memfit.planning import shape_plan as _shape_plan
 from keras_memfit.training.remat import check_setting as check_remat
 from keras_memfit.training.run import MODES, Run

@@ -22,15 +22,6 @@ _DENSE_CLASSES: Set[type] = {np.ndarray}
 _DENSE_LAYOUTS: Dict[type, Any] = {}
 
 
-def _note_dense_class(leaf: Any) -> None:
-    if keras.tree.is_nested(leaf):
-        return
-    if not hasattr(leaf, "is_sparse"):
-        _DENSE_CLASSES.add(type(leaf))
-    elif getattr(leaf, "layout", None) is not None:  # a torch.Tensor: dense by its layout
-        _DENSE_LAYOUTS[type(leaf)] = leaf.layout
-
-
 def _known_dense(leaf: Any) -> bool:
     """Whether `leaf`'s class was met before as a dense leaf (cheap, no false yes)."""
     cls = type(leaf)
@@ -64,13 +55,6 @@ def as_batch(chunk: tuple, form: int) -> Any:
     return chunk[0] if form == 0 else tuple(chunk[:form])
 
 
-def _rank(leaf: Any) -> Optional[int]:
-    try:
-        return len(leaf.shape)
-    except (TypeError, ValueError, AttributeError):  # unknown rank, no shape
-        return None
-
-
 def _splittable(leaf: Any) -> bool:
     if leaf is None:
         return True
@@ -79,8 +63,14 @@ def _splittable(leaf: Any) -> bool:
     if not _known_dense(leaf):
         if not keras.ops.is_tensor(leaf) or not _dense(leaf):
             return False
-        _note_dense_class(leaf)
-    rank = _rank(leaf)
+        if not hasattr(leaf, "is_sparse"):  # its class is dense from now on
+            _DENSE_CLASSES.add(type(leaf))
+        elif getattr(leaf, "layout", None) is not None:  # a torch.Tensor: dense by its layout
+            _DENSE_LAYOUTS[type(leaf)] = leaf.layout
+    try:
+        rank = len(leaf.shape)
+    except (TypeError, ValueError, AttributeError):  # unknown rank, no shape
+        return False
     return bool(rank) and leaf.shape[0] is not None
 
 
@@ -139,14 +129,12 @@ def concatenate(parts: List[Any]) -> Any:
     """The outputs of consecutive pieces joined on the host, as tensors in the step's form."""
     if len(parts) == 1:
         return parts[0]
-    leaves = [keras.tree.flatten(p) for p in parts]
-    joined = [
-        keras.ops.convert_to_tensor(
+    return keras.tree.map_structure(
+        lambda *column: keras.ops.convert_to_tensor(
             np.concatenate([keras.ops.convert_to_numpy(piece) for piece in column], axis=0)
-        )
-        for column in zip(*leaves)
-    ]
-    return keras.tree.pack_sequence_as(parts[0], joined)
+        ),
+        *parts,
+    )
 
 
 def pull_batches(

@@ -93,8 +93,7 @@ def from_input(
             batches = itertools.islice(_iterate_adapter(adapter), steps)  # steps=None: all
             return Chunks((_unpack(b, with_targets) for b in batches), n, False,
                           adapter.num_batches)
-        if steps is not None:
-            chunk = rows(chunk, 0, n)
+        chunk = rows(chunk, 0, n)  # all of it, without `steps`
         return Chunks(iter([chunk]), n, True)
 
     for name, value in (("y", y), ("sample_weight", sample_weight)):

@@ -50,30 +50,29 @@ class BatchPlanner:
     ) -> None:
         if probe not in ("first", "after_oom"):
             raise ValueError(f'probe must be "first" or "after_oom"; received probe={probe!r}')
-        self._backend = _backend.get()
+        backend = _backend.get()
         self.phase = phase
         self.requested = requested
         self._largest = math.inf if requested is None else requested
         self.events = events if events is not None else []
         self._label = f"{phase} on model '{getattr(model, 'name', type(model).__name__)}'"
         self.stateful = stateful_layers(model)  # its batches run as Keras runs them, whole
-        devices = self._backend.replica_devices(model) or (self._backend.compute_device(),)
-        self._memory = ReplicaMemory(self._backend, devices)
+        devices = backend.replica_devices(model) or (backend.compute_device(),)
+        self._memory = ReplicaMemory(backend, devices)
         key = signature if len(devices) == 1 else (signature, devices)
         self._k = knowledge_for(model, phase, key)
         self.device = self._memory.name
         self._limit = self._memory.limit
         self._exact = self._limit is not None and self._limit[1]  # a limit that is known
         self._stats_ok = self._memory.stats() is not None
-        self._reads_baseline = self._stats_ok and not self._exact
         self._probes: List[int] = []
         self._samples: List[Tuple[int, int]] = []
         self._baseline: Optional[int] = None
         self._streak = 0
         self._growing = False
         self._batch_rows: Optional[int] = None  # set by start_batch (MemFit)
-        self._multiple = self._backend.piece_multiple()
-        self._xla = bool(self._backend.compiles_per_shape(model))
+        self._multiple = backend.piece_multiple()
+        self._xla = bool(backend.compiles_per_shape(model))
         self._even = self._xla  # the next size is evened against the rows left
         k = self._k
         if self._xla and not k.analysed and not self.stateful:
@@ -112,7 +111,7 @@ class BatchPlanner:
             self._even = False
             self._size = max(self._granular(even_size(rows, self._size)), 1)
         size = self._probes[0] if self._probes else self._size
-        return size if self._multiple == 1 else self._granular(size)
+        return self._granular(size)
 
     def _near(self, rows: float) -> bool:
         """Whether `rows` rows may need over 1/`NEAR` of free memory."""
@@ -133,9 +132,13 @@ class BatchPlanner:
 
     def _initial_size(self) -> float:
         cap = self.ceiling()
-        if (self._exact and self._k.bytes_per_sample and not math.isinf(cap)
-                and cap < self._largest):
-            self._record("estimate", self.requested, int(cap), self._estimate_reason())
+        k = self._k
+        if self._exact and k.bytes_per_sample and cap < self._largest:
+            reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
+            free = self._memory.free()
+            if free is not None:
+                reason += f", {free / 2**20:.0f} MiB free on {self.device}"
+            self._record("estimate", self.requested, int(cap), reason)
         return cap
 
     def ceiling(self) -> float:
@@ -182,18 +185,10 @@ class BatchPlanner:
             return None
         return max(1, int((free - k.fixed_extra) * margin // k.bytes_per_sample))
 
-    def _estimate_reason(self) -> str:
-        k = self._k
-        free = self._memory.free()
-        reason = f"estimated {k.bytes_per_sample / 2**20:.2f} MiB per sample"
-        if self._limit and free is not None:
-            reason += f", {free / 2**20:.0f} MiB free on {self.device}"
-        return reason
-
     # -------------------------------------------------------------- attempts
     def started(self, size: int) -> None:
         """Call right before running a piece."""
-        if self._reads_baseline:  # what is held before the piece, for `failed`
+        if self._stats_ok and not self._exact:  # what is held before the piece, for `failed`
             stats = self._memory.stats()
             self._baseline = stats[0] if stats is not None else None
         if self._probes:
@@ -203,8 +198,7 @@ class BatchPlanner:
     def succeeded(self, size: int, full: bool) -> None:
         """Call after a piece ran; `full` if it was not clipped."""
         k = self._k
-        if size > k.largest_ok:
-            k.largest_ok = size
+        k.largest_ok = max(k.largest_ok, size)
         if self._probes:
             self._take_probe(size)
             return
@@ -213,16 +207,21 @@ class BatchPlanner:
         # remainder would compile again.
         if self._batch_rows is not None or self._xla or not full or self._size >= self._largest:
             return
-        self._streak += 1
-        if self._streak < GROW_AFTER:
-            return
-        self._streak = 0
-        ceiling = self.ceiling()
-        if ceiling > self._size:
+        ceiling = self._growth_ceiling()
+        if ceiling is not None:
             new = self._grown(ceiling)
             self._resize("grow", int(self._size), new, (
                 f"{GROW_AFTER} batches in a row fitted at batch_size={int(self._size)}"))
             self._growing = True
+
+    def _growth_ceiling(self) -> Optional[float]:
+        """Count a fit; at the `GROW_AFTER`th in a row, the ceiling where it is above the size."""
+        self._streak += 1
+        if self._streak < GROW_AFTER:
+            return None
+        self._streak = 0
+        ceiling = self.ceiling()
+        return ceiling if ceiling > self._size else None
 
     def _grown(self, ceiling: float) -> float:
         new = min(ceiling, self._size * 2)
@@ -240,20 +239,16 @@ class BatchPlanner:
         n = self._batch_rows
         if not n or self._probes or self._size >= n:
             return
-        self._streak += 1
-        if self._streak < GROW_AFTER:
+        ceiling = self._growth_ceiling()
+        if ceiling is None:
             return
-        self._streak = 0
         size = int(self._size)
-        ceiling = self.ceiling()
-        if ceiling <= size:
-            return
         old_split = math.ceil(n / size)
         # At least one piece fewer (a size that keeps the split gains nothing).
         new_split = min(math.ceil(n / min(self._grown(ceiling), n)), old_split - 1)
         new = math.ceil(n / new_split)
-        if self._multiple > 1:  # pieces laid out over the devices (see `_granular`)
-            new = math.ceil(new / self._multiple) * self._multiple
+        # Up to a multiple of `piece_multiple`: pieces laid out over the devices (`_granular`).
+        new = math.ceil(new / self._multiple) * self._multiple
         if new > ceiling:
             return  # one piece fewer is already above what may fit
         self._resize("grow", size, new, (
@@ -278,7 +273,10 @@ class BatchPlanner:
             return False
         self._probes = []
         limit = self._limit[0] if self._exact else (k.limit_floor or None)
-        self._calibrate(size, limit)
+        free = self._memory.free(limit) if limit is not None else None
+        if free is not None and k.bytes_per_sample and free > k.fixed_extra:
+            # Corrected so that `size` no longer fits.
+            k.bytes_per_sample = max(k.bytes_per_sample, (free - k.fixed_extra) / size)
         k.xla_cap = None  # estimated again from the corrected estimate
         self._even = self._xla
         if self._probe_after_oom and not k.bytes_per_sample and size >= MIN_PROBE_REQUEST:
@@ -288,7 +286,6 @@ class BatchPlanner:
                 "oom", size, self._probes[0],
                 f"out of memory at batch_size={size}; measuring memory on pieces of "
                 f"{' and '.join(map(str, PROBE_SIZES))} samples to size the rest",
-                level=logging.WARNING,
             )
             return True
         if self._growing:  # back to the size that worked, and stay there
@@ -309,7 +306,7 @@ class BatchPlanner:
         new = self._granular(max(1, new))
         self._resize("oom", size, new, (
             f"out of memory at batch_size={size}; retrying the same samples at "
-            f"batch_size={new}"), level=logging.WARNING)
+            f"batch_size={new}"))
         return True
 
     # ----------------------------------------------------------------- probes
@@ -331,13 +328,6 @@ class BatchPlanner:
         # After an OOM where the limit is unknown: within MARGIN of what it proved.
         self._size = min(self._initial_size(), self._learned_estimate(MARGIN) or math.inf)
 
-    def _calibrate(self, failed_size: int, limit: Optional[int]) -> None:
-        """Correct the estimate so that `failed_size` no longer fits."""
-        k = self._k
-        free = self._memory.free(limit) if limit is not None else None
-        if free is not None and k.bytes_per_sample and free > k.fixed_extra:
-            k.bytes_per_sample = max(k.bytes_per_sample, (free - k.fixed_extra) / failed_size)
-
     # ------------------------------------------------- unknown-limit learning
     def _learned_estimate(self, margin: float) -> Optional[int]:
         k = self._k
@@ -350,17 +340,17 @@ class BatchPlanner:
         if stats is not None:
             self._k.limit_floor = max(self._k.limit_floor, stats[1])
 
-    def _resize(self, kind: str, old: int, new: float, reason: str,
-                level: int = logging.INFO) -> None:
-        self._record(kind, old, int(new), reason, level=level)
+    def _resize(self, kind: str, old: int, new: float, reason: str) -> None:
+        self._record(kind, old, int(new), reason)
         self._size = new
 
-    def _record(self, kind: str, old: Optional[int], new: int, reason: str,
-                level: int = logging.INFO) -> None:
+    def _record(self, kind: str, old: Optional[int], new: int, reason: str) -> None:
+        """Add an `Event` and log it (an OOM as a warning)."""
         event = Event(phase=self.phase, kind=kind, old_size=old, new_size=new, reason=reason)
         self.events.append(event)
         if kind == "estimate":
             instead = f" instead of {old}" if old is not None else ""
             reason = f"using batch_size={new}{instead} ({reason})"
+        level = logging.WARNING if kind == "oom" else logging.INFO
         logger.log(level, "%s: %s", self._label, reason)
 

@@ -40,14 +40,11 @@ class ReplicaMemory:
 
     def free(self, limit: Optional[int] = None) -> Optional[int]:
         """Least bytes free on a device (under `limit`, if given, for every device), or None."""
+        limits = self._limits if limit is None else [limit] * len(self.devices)
         each = self._each()
-        if each is None:
+        if each is None or limits is None:
             return None
-        if limit is not None:
-            return min(limit - s[0] for s in each)
-        if self._limits is None:
-            return None
-        return min(lim - s[0] for lim, s in zip(self._limits, each))
+        return min(lim - s[0] for lim, s in zip(limits, each))
 
     def begin_measure(self) -> None:
         """Reset every device's peak and note what each holds before a piece runs."""

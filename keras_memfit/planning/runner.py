@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional
 
 from keras_memfit._internal import batches as _batches
 from keras_memfit.backend.base import Cut, Guard, StartedPiece, StepOutcome
@@ -102,7 +102,6 @@ def run_whole(
     planner: BatchPlanner,
     *,
     guard: Optional[Guard] = None,
-    detail: str = "",
     cut: Optional[Cut] = None,
 ) -> Any:
     """`chunk` as one piece, as `run_in_pieces` runs it first: `step`'s result, or `SPLIT`
@@ -113,7 +112,7 @@ def run_whole(
     planned = planner.next_size(n)
     if planned < n:
         return SPLIT
-    return _attempt(model, phase, step, chunk, n, planned, planner, guard, detail, cut)
+    return _attempt(model, phase, step, chunk, n, planned, planner, guard, "", cut)
 
 
 def _attempt(model: Any, phase: str, step: Callable[[Any], Any], piece: Any, size: int,
@@ -173,8 +172,7 @@ class _PieceLoop:
             planned = planner.next_size(n - offset)
             if accumulation is not None and offset == 0 and planned < n:
                 yield from self.wait_all()
-                result, parts = self._all_or_nothing(chunk, n, planner, accumulation)
-                yield Piece(n, chunk, result, parts)
+                yield self._all_or_nothing(chunk, n, planner, accumulation)
                 return
             size = int(min(planned, n - offset))
             piece = _batches.rows(chunk, offset, offset + size)
@@ -240,7 +238,7 @@ class _PieceLoop:
             newer[0].started.undo()  # the state from before all of them
 
     def _all_or_nothing(self, chunk: Any, n: int, planner: BatchPlanner,
-                        accumulation: Accumulation) -> Tuple[Any, int]:
+                        accumulation: Accumulation) -> Piece:
         """Run the `n` rows of `chunk` by `accumulation`, starting over smaller after an OOM."""
         guard = accumulation.guard
         while True:
@@ -257,17 +255,14 @@ class _PieceLoop:
                     planner.succeeded(size, full=size >= planned)
                     offset += size
                     parts += 1
-            except Exception as exc:
+            except BaseException as exc:  # a KeyboardInterrupt too: leave the chunk undone
                 guard.restore()
                 if not is_retryable_oom(exc):
                     raise
                 _failed(self.model, self.phase, chunk, planner, size, self.detail, exc)
                 drop_frames(exc)
                 continue
-            except BaseException:  # KeyboardInterrupt: leave the chunk undone
-                guard.restore()
-                raise
-            return accumulation.finish(), parts
+            return Piece(n, chunk, accumulation.finish(), parts)
 
 
 def drop_frames(exc: BaseException) -> None:

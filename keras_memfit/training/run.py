@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import keras
 
@@ -34,6 +34,7 @@ from keras_memfit.planning.planner import BatchPlanner, Event
 from keras_memfit.planning.runner import (
     SPLIT,
     Accumulation,
+    Piece,
     drop_frames,
     run_in_pieces,
     run_whole,
@@ -296,20 +297,9 @@ class Run:
             return lambda piece: exact(cut.batch(piece))
 
         run = split.step(lambda piece: step(cut.batch(piece)), make_exact)
-        planner = self._planner("evaluate", cut)
-        count = 0
-        try:
-            for piece in run_in_pieces(
-                self.model, "evaluate", [cut.chunk], run,
-                requested=None, guard=guard, planner=planner,
-            ):
-                split.finished(piece)  # a split batch counts once for its losses
-                logs = piece.result
-                count += 1
-            planner.finish_batch()
-            self._note_pieces("evaluate", count, cut)
-        finally:
-            self._note_events(cut.lanes)
+        for piece in self._pieces("evaluate", cut, run, guard):
+            split.finished(piece)  # a split batch counts once for its losses
+            logs = piece.result
         return logs
 
     # -------------------------------------------------------------- predict
@@ -324,20 +314,8 @@ class Run:
         step = self._predict_step
         outputs: List[Any] = []
         for cut in cuts:
-            planner = self._planner("predict", cut)
-            try:
-                results = [
-                    piece.result for piece in run_in_pieces(
-                        self.model, "predict", [cut.chunk],
-                        lambda piece, cut=cut: step(cut.batch(piece)),
-                        requested=None, planner=planner,
-                    )
-                ]
-                planner.finish_batch()
-                self._note_pieces("predict", len(results), cut)
-            finally:
-                self._note_events(cut.lanes)
-            outputs.append(cut.join(results))
+            pieces = self._pieces("predict", cut, lambda piece, cut=cut: step(cut.batch(piece)))
+            outputs.append(cut.join([piece.result for piece in pieces]))
         return concatenate(outputs)
 
     # ------------------------------------------------- batches MemFit passes on
@@ -357,6 +335,21 @@ class Run:
             ) from exc
 
     # --------------------------------------------------------------- shared
+    def _pieces(self, phase: str, cut: Cut, step: Callable[[Any], Any],
+                guard: Optional[Guard] = None) -> Iterator[Piece]:
+        """`cut`'s batch in pieces by `phase`'s planner (evaluate, predict); then its events."""
+        planner = self._planner(phase, cut)
+        count = 0
+        try:
+            for piece in run_in_pieces(self.model, phase, [cut.chunk], step, requested=None,
+                                       guard=guard, planner=planner):
+                count += 1
+                yield piece
+            planner.finish_batch()
+            self._note_pieces(phase, count, cut)
+        finally:
+            self._note_events(cut.lanes)
+
     def _planner(self, phase: str, cut: Cut) -> BatchPlanner:
         """The planner of `phase` at `cut`'s signature, told that a batch begins."""
         signature = cut.signature
