@@ -18,18 +18,6 @@ logger = logging.getLogger("keras_memfit")
 _PHASE = "generate"
 
 
-def _causal_lm_class() -> Any:
-    if importlib.util.find_spec("keras_hub") is None:
-        raise ImportError(
-            "safe_generate runs KerasHub's CausalLM.generate, and keras-hub is not "
-            "installed; install it with `pip install keras-hub` (or "
-            "`pip install 'keras-memfit[hub]'`)"
-        )
-    import keras_hub
-
-    return keras_hub.models.CausalLM
-
-
 def safe_generate(
     causal_lm: Any,
     inputs: Any,
@@ -59,8 +47,15 @@ def safe_generate(
             one of `generate`'s, or `inputs` is empty.
         keras_memfit.OutOfMemoryError: If even one prompt does not fit.
     """
-    causal_lm_class = _causal_lm_class()
-    if not isinstance(causal_lm, causal_lm_class):
+    if importlib.util.find_spec("keras_hub") is None:
+        raise ImportError(
+            "safe_generate runs KerasHub's CausalLM.generate, and keras-hub is not "
+            "installed; install it with `pip install keras-hub` (or "
+            "`pip install 'keras-memfit[hub]'`)"
+        )
+    import keras_hub
+
+    if not isinstance(causal_lm, keras_hub.models.CausalLM):
         raise TypeError(
             "causal_lm must be a keras_hub.models.CausalLM (e.g. GPT2CausalLM, "
             f"GemmaCausalLM); received {type(causal_lm).__name__}: {causal_lm!r:.80}"

@@ -126,6 +126,8 @@ _UPDATE_BEGAN_WHERE = {
             "update, still running when this step began"),
     "torch": "in the update, which torch applies to the weights in place",
 }
+# The advice's last resorts.
+_FREE = "free other models or tensors held on the device; or use a smaller model."
 
 
 def can_place(model: Any) -> bool:
@@ -221,13 +223,12 @@ class _OutOfMemoryErrorBody:
         head = f"Model '{self.model_name}' ran out of memory in {self.phase}{where}"
         shapes = ", ".join(str(tuple(s)) for s in self.batch_shape) or "unknown"
         rows = "unknown" if self.rows is None else self.rows
+        single = f"{head} even with a batch of a single sample (input shape {shapes}): "
         if self.cause == ONE_SAMPLE:
-            return (f"{head} even with a batch of a single sample (input shape {shapes}): "
-                    "one sample does not fit in the memory left on the device.")
+            return f"{single}one sample does not fit in the memory left on the device."
         if self.cause == ONE_LAYER:
-            return (f"{head} even with a batch of a single sample (input shape {shapes}): "
-                    f"the backward pass of layer '{self.layer}' alone needs more memory than "
-                    "is free, which recomputing other layers cannot lower.")
+            return (f"{single}the backward pass of layer '{self.layer}' alone needs more memory "
+                    "than is free, which recomputing other layers cannot lower.")
         if self.cause == UPDATE:
             return (f"{head} in the optimizer update of a batch of {rows} rows (one sample's "
                     f"input shape {shapes}): MemFit had summed the gradients of its "
@@ -284,9 +285,8 @@ class _OutOfMemoryErrorBody:
     def _advice(self) -> str:
         """What to do next, valid on the active backend."""
         if self.cause == CANNOT_SPLIT and self.stateful:
-            return ("What to do next: build the model for a smaller batch size (its "
-                    "inputs' batch_shape) and pass that batch_size; free other models or "
-                    "tensors held on the device; or use a smaller model.")
+            return ("What to do next: build the model for a smaller batch size (its inputs' "
+                    f"batch_shape) and pass that batch_size; {_FREE}")
         if self.cause == CANNOT_SPLIT:
             return ("What to do next: use a smaller batch_size, or make the input dense "
                     "before it reaches the model (e.g. tf.sparse.to_dense, "
@@ -306,8 +306,7 @@ class _OutOfMemoryErrorBody:
             shrink = ("train with MemFit(mode='shrink'), which runs such a batch as smaller "
                       "batches, one optimizer update each, without these sums; or "
                       if self.can_shrink else "")
-            return (f"What to do next: {shrink}use a batch_size that fits whole; {place}free "
-                    "other models or tensors held on the device; or use a smaller model.")
+            return f"What to do next: {shrink}use a batch_size that fits whole; {place}{_FREE}"
         if self.cause in (UPDATE, UPDATE_BEGAN):
             grows = self.cause == UPDATE_BEGAN or self.held is not None
             first = "use a smaller batch_size; " if grows else ""
@@ -318,8 +317,7 @@ class _OutOfMemoryErrorBody:
                      "model, batch_size)`, or model.summary()); ")
             rest = ("use mixed precision (keras.mixed_precision.set_global_policy("
                     "'mixed_float16'))")
-        return (f"What to do next: {first}{place}{rest}; free other models or tensors held "
-                "on the device; or use a smaller model.")
+        return f"What to do next: {first}{place}{rest}; {_FREE}"
 
     def __reduce__(self) -> Tuple[Any, ...]:  # picklable despite the backend base's __init__
         return (
@@ -342,7 +340,6 @@ else:
                 (_OutOfMemoryErrorBody, *_backend.get().oom_error_bases()),
                 {
                     "__module__": __name__,
-                    "__qualname__": "OutOfMemoryError",
                     "__doc__": _OutOfMemoryErrorBody.__doc__,
                 },
             )

@@ -98,15 +98,14 @@ def safe_predict(
         return to_host(step(piece[0]))
 
     def to_host(outputs):
-        if writer.structure is not None:
-            return keras.tree.map_structure(_outputs.to_host, outputs)
-        for leaf in keras.tree.flatten(outputs):  # first piece: eager steps were not traced
-            if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
-                origin = "postprocess" if postprocess is not None else "the model's predict_step"
-                raise TypeError(
-                    f"{origin} must return a tensor or a structure of tensors; "
-                    f"received {type(leaf).__name__}: {leaf!r:.80}"
-                )
+        if writer.structure is None:  # first piece: eager steps were not traced
+            origin = "postprocess" if postprocess is not None else "the model's predict_step"
+            for leaf in keras.tree.flatten(outputs):
+                if not (keras.ops.is_tensor(leaf) or isinstance(leaf, np.ndarray)):
+                    raise TypeError(
+                        f"{origin} must return a tensor or a structure of tensors; "
+                        f"received {type(leaf).__name__}: {leaf!r:.80}"
+                    )
         return keras.tree.map_structure(_outputs.to_host, outputs)
 
     def start(piece):  # the backend's steps can start without waiting (JAX)

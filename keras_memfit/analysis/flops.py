@@ -68,8 +68,7 @@ def layer_flops(call: TracedCall) -> Optional[int]:
     if isinstance(layer, keras.layers.Dense):
         if kernel is None:
             return None
-        fan_in, units = int(kernel.shape[0]), int(kernel.shape[1])
-        return 2 * fan_in * units * size(out[:-1])
+        return 2 * size(kernel.shape) * size(out[:-1])  # kernel: (fan_in, units)
     if isinstance(layer, bases["depthwise_conv"]):
         return 2 * size(layer.kernel_size) * out_size
     if isinstance(layer, bases["separable_conv"]):

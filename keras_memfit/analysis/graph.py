@@ -97,8 +97,6 @@ class LayerGraph:
         """Bytes per sample a call holds at its busiest, beyond the tensors it was given."""
         inner = self.children.get(index, [])
         own = sum(self.sizes[t.key] for t in self.calls[index].outputs)
-        if not inner:
-            return own
         cuts = self.cuts(inner, entering=[t.key for t in self.calls[index].inputs])
         live, previous = 0, 0
         for position, child in enumerate(inner):
@@ -121,13 +119,10 @@ class LayerGraph:
                 continue
             inputs = [current.get(t.key, t.key) for t in call.inputs]
             if id(call.op) in pinned:
-                outputs = []
                 for t in call.outputs:
                     current[t.key] = f"{t.key}@{position}"
                     sizes[current[t.key]] = sizes[t.key]
-                    outputs.append(current[t.key])
-            else:
-                outputs = [current.get(t.key, t.key) for t in call.outputs]
+            outputs = [current.get(t.key, t.key) for t in call.outputs]
             flows.append((id(call.op) in pinned, inputs, outputs))
         producer: Dict[str, bool] = {}  # key -> whether its (last) producer is pinned
         consumers: Dict[str, set] = {}  # key -> whether each consumer is pinned

@@ -25,14 +25,13 @@ class Row:
     """One top-level call of the forward pass (or, `op` None, the weights no call owns).
 
     Per sample: `produced` by it and its sublayers (`inside`: not its outputs, what recomputing
-    it frees), `working` at its busiest, `cut` alive after it. `weights`: first met here.
+    it frees), `working` at its busiest, `cut` alive after it. Weights count at their first call.
     """
 
     op: Any
     name: str
     class_name: str
     output_shape: tuple
-    weights: Tuple[Any, ...]
     params: int
     param_bytes: int
     slot_bytes: int
@@ -104,8 +103,7 @@ class ModelAnalysis:
         self.counter = counter
         self.graph = graph
         self.slots = slot_bytes(model, counter)
-        optimizer = getattr(model, "optimizer", None)
-        self.slots_resident = bool(optimizer is not None and getattr(optimizer, "built", False))
+        self.slots_resident = bool(getattr(getattr(model, "optimizer", None), "built", False))
         self.rows: List[Row] = []
         self.variables: List[VariableBytes] = []
         self.input_bytes_per_sample = 0
@@ -136,20 +134,17 @@ class ModelAnalysis:
         cuts = graph.cuts(graph.top)
 
         def row(op, name, class_name, output_shape, weights, **per_sample) -> Row:
-            devices = set()
-            for v in weights:
-                device = short_device(variable_device(v) or "")  # JAX: "cpu:0" -> "CPU:0"
-                devices.add(device)
-                self.variables.append(VariableBytes(
-                    device, self.counter.variable(v), self.slot_bytes_of(v), bool(v.trainable)))
-            trainable = [v for v in weights if v.trainable]
+            # JAX names a device "cpu:0": in short form, "CPU:0".
+            found = [VariableBytes(short_device(variable_device(v) or ""), self.counter.variable(v),
+                                   self.slot_bytes_of(v), bool(v.trainable)) for v in weights]
+            self.variables.extend(found)
             return Row(
                 op=op, name=name, class_name=class_name, output_shape=output_shape,
-                weights=tuple(weights), params=sum(size(v.shape) for v in weights),
-                param_bytes=sum(self.counter.variable(v) for v in weights),
-                slot_bytes=sum(self.slots.get(id(v), 0) for v in trainable),
-                trainable_bytes=sum(self.counter.variable(v) for v in trainable),
-                devices=tuple(sorted(devices - {""})), **per_sample,
+                params=sum(size(v.shape) for v in weights),
+                param_bytes=sum(b.nbytes for b in found),
+                slot_bytes=sum(b.slot_bytes for b in found),
+                trainable_bytes=sum(b.nbytes for b in found if b.trainable),
+                devices=tuple(sorted({b.device for b in found} - {""})), **per_sample,
             )
 
         for position, index in enumerate(graph.top):

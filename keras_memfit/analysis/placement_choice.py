@@ -12,16 +12,10 @@ from keras_memfit.analysis.model import ModelAnalysis, Row
 
 # By class name too: other libraries' lookups (keras-rs's DistributedEmbedding, say).
 _CHEAP_CLASSES = ("Embedding", "Hashing", "Lookup", "CategoryEncoding", "Discretization")
-_LOOKUP_LAYERS = ("Embedding", "Hashing", "IntegerLookup", "StringLookup", "CategoryEncoding",
-                  "Discretization", "HashedCrossing")
-
-
-def lookup_layer_classes() -> Tuple[type, ...]:
-    """Keras's layers that read their weights by index (a gather), never multiply them."""
-    return tuple(
-        cls for cls in (getattr(keras.layers, name, None) for name in _LOOKUP_LAYERS)
-        if isinstance(cls, type)
-    )
+# Keras's layers that read their weights by index (a gather), never multiply them.
+_LOOKUP_LAYERS = (keras.layers.Embedding, keras.layers.Hashing, keras.layers.IntegerLookup,
+                  keras.layers.StringLookup, keras.layers.CategoryEncoding,
+                  keras.layers.Discretization, keras.layers.HashedCrossing)
 
 
 def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
@@ -31,7 +25,7 @@ def layer_bytes(analysis: ModelAnalysis, layers: List[Any]) -> Dict[str, int]:
 
 def is_cheap(layer: Any, row: Optional[Row] = None) -> bool:
     """Whether `layer` uses each weight at most once per sample: a lookup, by FLOPs, or by class."""
-    if isinstance(layer, lookup_layer_classes()):
+    if isinstance(layer, _LOOKUP_LAYERS):
         return True
     if row is not None and row.flops is not None and row.params:
         return row.flops <= 2 * row.params * 1.01
@@ -105,17 +99,15 @@ def choose(
             rest += sizes[layer.name]
     chosen.sort(key=layers.index)
     names = ", ".join(c.name for c in chosen) or "none"
+    over = (f"weights and slots ({format_bytes(total)}) exceed {weight_share:.0%} of the budget "
+            f"({format_bytes(allowed)}); ")
     if rest <= allowed:
-        reason = (
-            f"weights and slots ({format_bytes(total)}) exceed {weight_share:.0%} of the budget "
-            f"({format_bytes(allowed)}); pinned the cheap layers with the most bytes per byte "
-            f"crossing ({names}), leaving {format_bytes(rest)} on the accelerator"
+        return chosen, (
+            f"{over}pinned the cheap layers with the most bytes per byte crossing ({names}), "
+            f"leaving {format_bytes(rest)} on the accelerator"
         )
-    else:
-        reason = (
-            f"weights and slots ({format_bytes(total)}) exceed {weight_share:.0%} of the budget "
-            f"({format_bytes(allowed)}); pinning the cheap layers ({names}) still leaves "
-            f"{format_bytes(rest)}: the compute-heavy layers themselves do not fit (cheap "
-            f"layers under {dominant_share:.0%} of the total stay on the accelerator)"
-        )
-    return chosen, reason
+    return chosen, (
+        f"{over}pinning the cheap layers ({names}) still leaves {format_bytes(rest)}: the "
+        "compute-heavy layers themselves do not fit (cheap layers under "
+        f"{dominant_share:.0%} of the total stay on the accelerator)"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Dict, Optional, Sequence
 
@@ -13,10 +14,7 @@ logger = logging.getLogger("keras_memfit")
 
 def size(shape: Sequence[Optional[int]]) -> int:
     """Number of elements of `shape`; unknown (None) dimensions count as 1."""
-    count = 1
-    for d in shape:
-        count *= 1 if d is None else int(d)
-    return count
+    return math.prod(1 if d is None else int(d) for d in shape)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -31,10 +29,6 @@ def itemsize(dtype: Any) -> int:
         return 1
     bits = re.findall(r"\d+", name)
     return max(1, int(bits[-1]) // 8) if bits else 4
-
-
-def is_floating(dtype: Any) -> bool:
-    return "float" in dtype_name(dtype)
 
 
 def dtype_policy(value: Any) -> Any:
@@ -54,7 +48,6 @@ class ByteCounter:
     """Bytes of tensors and variables; floating ones at a `policy`'s compute or variable dtype."""
 
     def __init__(self, policy: Any = None) -> None:
-        self.policy = policy
         self._compute = None if policy is None else itemsize(policy.compute_dtype)
         self._variable = None if policy is None else itemsize(policy.variable_dtype)
 
@@ -69,7 +62,7 @@ class ByteCounter:
 
 def _bytes(shape: Sequence[Optional[int]], dtype: Any, floating_item: Optional[int]) -> int:
     """Bytes of `shape` elements, a floating one `floating_item` bytes where given."""
-    use_policy = floating_item is not None and is_floating(dtype)
+    use_policy = floating_item is not None and "float" in dtype_name(dtype)
     return size(shape) * (floating_item if use_policy else itemsize(dtype))
 
 
@@ -97,10 +90,9 @@ def slot_bytes(model: keras.Model, counter: ByteCounter) -> Dict[int, int]:
         clone = type(optimizer).from_config(optimizer.get_config())
 
         def from_reference(reference_variable, name=None, initializer="zeros"):
-            stand_in = _SlotStandIn(reference_variable.shape, reference_variable.dtype)
-            by_ref[id(reference_variable)] = by_ref.get(id(reference_variable), 0) + \
-                counter.variable(stand_in)
-            return stand_in
+            key = id(reference_variable)  # its slot: a variable of its shape and dtype
+            by_ref[key] = by_ref.get(key, 0) + counter.variable(reference_variable)
+            return _SlotStandIn(reference_variable.shape, reference_variable.dtype)
 
         def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
                          layout=None, name=None, **kwargs):

@@ -43,13 +43,9 @@ def _as_rows(name: str, value: Any) -> np.ndarray:
     return array
 
 
-def _is_dataset(inputs: Any) -> bool:
-    return type(inputs).__name__.endswith("Dataset") and hasattr(inputs, "as_numpy_iterator")
-
-
 def prompt_chunks(inputs: Any) -> Tuple[Iterator[Any], bool]:
     """(chunks of `(x, None, None)`, whether `inputs` is one string)."""
-    if _is_dataset(inputs):
+    if type(inputs).__name__.endswith("Dataset") and hasattr(inputs, "as_numpy_iterator"):
         return ((_rows_of(batch), None, None) for batch in inputs.as_numpy_iterator()), False
     if isinstance(inputs, (str, bytes)):
         return iter([(_as_rows("inputs", [inputs]), None, None)]), True
@@ -90,19 +86,14 @@ class ShapeKeeper:
     """Pads a piece with copies of its last prompt up to a batch shape already run."""
 
     def __init__(self, model: Any, signature: Hashable) -> None:
-        try:
-            per_model = _SHAPES.setdefault(model, {})
-        except TypeError:  # not weakly referable
-            per_model = {}
-        self.sizes: Set[int] = per_model.setdefault(signature, set())
+        self.sizes: Set[int] = _SHAPES.setdefault(model, {}).setdefault(signature, set())
         self.padding = True
 
     def target(self, rows: int) -> int:
         """The rows a piece of `rows` prompts is run as."""
         if rows in self.sizes or not self.padding:
             return rows
-        larger = [s for s in self.sizes if rows < s <= rows * MAX_PADDING_FACTOR]
-        return min(larger) if larger else rows
+        return min((s for s in self.sizes if rows < s <= rows * MAX_PADDING_FACTOR), default=rows)
 
     def run(self, x: Any, generate: Callable[[Any], Any]) -> Any:
         """`generate` on `x` padded to `target` rows with copies of its last row; `x`'s outputs."""

@@ -71,7 +71,7 @@ class BatchLoop:
         self.done = 0
         self._begun = -1
         self._per_execution = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        self._merge_logs = merge_logs
+        self._merge_logs = merge_logs or (lambda logs: logs[-1])
         self._execution_logs: list = []  # logs of the open execution's batches
 
     def begin(self) -> None:
@@ -107,12 +107,8 @@ class BatchLoop:
         self.done += rows
         if self.progbar is not None:
             self.progbar.update(self.done, values=values, finalize=self.done == self.num_samples)
-        spe = self._per_execution
-        if spe == 1:
-            self._on_batch_end(self.batch - 1, logs)
-            return self._stopped()
         self._execution_logs.append(logs)
-        if self.batch % spe:
+        if self.batch % self._per_execution:
             return False
         self._end_execution()
         return self._stopped()
@@ -142,9 +138,9 @@ class BatchLoop:
     def _end_execution(self) -> None:
         spe = self._per_execution
         begin = (self.batch - 1) // spe * spe
-        merge = self._merge_logs
-        logs = merge(self._execution_logs) if merge else self._execution_logs[-1]
-        self._execution_logs = []
+        execution, self._execution_logs = self._execution_logs, []
+        # One batch's logs pass as they are: merging would copy its outputs on the device.
+        logs = execution[0] if len(execution) == 1 else self._merge_logs(execution)
         self._on_batch_end(begin + spe - 1, logs)  # Keras's end index, also when short
 
     def _stopped(self) -> bool:
@@ -159,8 +155,6 @@ class BatchLoop:
 
 class Then:
     """A started piece whose result `wait()` passes through `fn` (a `StartedPiece` too)."""
-
-    __slots__ = ("_started", "_fn")
 
     def __init__(self, started: StartedPiece, fn: Callable[[Any], Any]) -> None:
         self._started, self._fn = started, fn
