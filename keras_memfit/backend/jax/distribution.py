@@ -18,6 +18,7 @@ import numpy as np
 
 from keras_memfit._internal import reductions as _reductions
 from keras_memfit._internal.batches import as_chunk
+from keras_memfit.backend.base import StepOutcome
 from keras_memfit.backend.jax import processes
 from keras_memfit.backend.jax import state as _state
 
@@ -134,15 +135,12 @@ def split_rows(data: Any, multiple: int) -> Tuple[Optional[Any], Optional[Any], 
 
 # ------------------------------------------------------------------ steps
 class _Sharded:
-    """A step or accumulator (`__wrapped__`) laid out over the devices; other members are its."""
+    """A step or accumulator (`__wrapped__`) laid out over the devices."""
 
     def __init__(self, wrapped: Any) -> None:
         self.__wrapped__ = wrapped
         self._distribution = data_parallel()
         self._multiple = piece_multiple()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__wrapped__, name)
 
 
 class ShardedStep(_Sharded):
@@ -200,6 +198,14 @@ def last_logs(first: Any, second: Any) -> Any:
 class ShardedTrainStep(_Sharded):
     """A `TrainStep` whose pieces are laid out over the devices; one update per piece."""
 
+    @property
+    def snapshots_itself(self) -> bool:
+        return self.__wrapped__.snapshots_itself
+
+    @property
+    def last_outcome(self) -> Optional[StepOutcome]:
+        return self.__wrapped__.last_outcome
+
     def __call__(self, data: Any) -> Any:
         lay_out = _replicate if batch_rows(data) % self._multiple else _lay_out
         return self.__wrapped__(lay_out(data, self._distribution))
@@ -222,6 +228,15 @@ class ShardedAccumulator(_Sharded):
             if part is not None:
                 w, f = _reductions.weights(self._how, as_chunk(part), whole)
                 self.__wrapped__.add(put(part, self._distribution), weight * w, loss_factor * f)
+
+    def reset(self) -> None:
+        self.__wrapped__.reset()
+
+    def apply(self) -> None:
+        self.__wrapped__.apply()
+
+    def held(self) -> Optional[str]:
+        return self.__wrapped__.held()
 
 
 def training_layout(model: keras.Model) -> None:
