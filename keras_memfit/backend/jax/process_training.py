@@ -28,15 +28,13 @@ def _on_every_device(mesh: jax.sharding.Mesh, tail: bool) -> Callable[[Callable]
 
     def wrap(add_fn: Callable) -> Callable:
         def body(sums, trainable, non_trainable, optimizer, metrics, data, weight, loss_factor):
-            own = tuple(jax.tree_util.tree_map(lambda a: a[0], group)
-                        for group in (sums, non_trainable, metrics))
-            new = tuple(add_fn(own[0], trainable, own[1], optimizer, own[2], data, weight,
-                               loss_factor))
+            own = jax.tree_util.tree_map(lambda a: a[0], (sums, non_trainable, metrics))
+            new = add_fn(own[0], trainable, own[1], optimizer, own[2], data, weight, loss_factor)
             if tail:
                 keep = jax.lax.axis_index(axis) == 0
                 new = jax.tree_util.tree_map(
                     lambda n, o: jnp.where(keep, n, o.astype(n.dtype)), new, own)
-            return tuple(jax.tree_util.tree_map(lambda a: a[None], group) for group in new)
+            return jax.tree_util.tree_map(lambda a: a[None], new)
 
         # check_vma=False: else the replicated weights' gradient is summed over devices (a psum).
         return jax.shard_map(
@@ -109,8 +107,7 @@ class ProcessAccumulator:
         """Agree with every process, sum over them, update the global state once."""
         model = self._model_ref()
         self.update_began = False
-        everyone = processes.agree(sum(self._rows), f"a train batch of model {model.name!r}")
-        total = sum(everyone)
+        total = sum(processes.agree(sum(self._rows), f"a train batch of model {model.name!r}"))
         shares = [rows / total if total else 0.0 for rows in self._rows]
         trainable, non_trainable, optimizer, metrics = self._base
         sums, self._sums = self._sums, None

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -95,17 +95,13 @@ def post_failure(exc: BaseException) -> None:
         logger.warning("could not tell the other JAX processes of this failure: %r", err)
 
 
-def _peer_failure(client: Any, process: int) -> Optional[str]:
-    try:
-        return client.key_value_try_get(_failure_key(process))
-    except Exception:  # noqa: BLE001 - not found
-        return None
-
-
-def _wait_for(client: Any, key: str, process: int, deadline: float, what: str) -> str:
+def _wait_for(client: Any, round_: int, process: int, deadline: float, what: str) -> str:
     count = jax.process_count()
     while True:
-        failure = _peer_failure(client, process)
+        try:
+            failure = client.key_value_try_get(_failure_key(process))
+        except Exception:  # noqa: BLE001 - not found
+            failure = None
         if failure is not None:
             raise ProcessFailed(
                 f"process {process} of {count} failed: {failure} (this is process "
@@ -120,7 +116,8 @@ def _wait_for(client: Any, key: str, process: int, deadline: float, what: str) -
                 "is only slow (the first steps compile)."
             )
         try:
-            return client.blocking_key_value_get(key, int(min(left * 1000, _POLL_MS)) or 1)
+            return client.blocking_key_value_get(
+                _agreement_key(round_, process), int(min(left * 1000, _POLL_MS)) or 1)
         except Exception as err:  # noqa: BLE001 - a timeout: poll again
             if "DEADLINE" not in str(err).upper() and "TIME" not in str(err).upper():
                 raise
@@ -135,14 +132,11 @@ def agree(rows: int, what: str) -> List[int]:
         ProcessFailed: A process posted a failure, or did not post in time.
     """
     client = _client()
-    me, count = jax.process_index(), jax.process_count()
-    round_ = _AGREEMENT.round
+    me, round_ = jax.process_index(), _AGREEMENT.round
     client.key_value_set(_agreement_key(round_, me), str(int(rows)))
     deadline = time.monotonic() + timeout_s()
-    out: List[int] = []
-    for process in range(count):
-        key = _agreement_key(round_, process)
-        out.append(int(rows if process == me else _wait_for(client, key, process, deadline, what)))
+    out = [int(rows if process == me else _wait_for(client, round_, process, deadline, what))
+           for process in range(jax.process_count())]
     _AGREEMENT.round = round_ + 1
     if round_ > 0:  # every peer posted this round: each has read the last one
         try:
@@ -159,15 +153,8 @@ def _is_global(leaf: Any) -> bool:
 
 def local_devices() -> List[Any]:
     """This process's devices of the distribution's mesh, in its order (else JAX's local ones)."""
-    distribution = keras.distribution.distribution()
-    mesh = getattr(getattr(distribution, "device_mesh", None), "backend_mesh", None)
-    devices = list(mesh.local_devices) if mesh is not None else []
-    return devices or list(jax.local_devices())
-
-
-def local_device() -> Any:
-    """This process's first device, where single local copies live."""
-    return local_devices()[0]
+    mesh = keras.distribution.distribution().device_mesh.backend_mesh  # every caller: DataParallel
+    return list(mesh.local_devices) or list(jax.local_devices())
 
 
 LOCAL_AXIS = "local"  # the axis of `local_mesh()`
@@ -197,8 +184,8 @@ def _parts(array: Any) -> Dict[Any, Any]:
 
 
 def local(tree: Any) -> Any:
-    """`tree` with every replicated global array replaced by its copy on `local_device()`."""
-    device = local_device()
+    """`tree` with every replicated global array replaced by its copy on the first local device."""
+    device = local_devices()[0]
 
     def one(leaf: Any) -> Any:
         if not _is_global(leaf):
@@ -275,14 +262,14 @@ def local_rows(tree: Any) -> Any:
 
 def as_global(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     """Local `values` (the same on every process) as global arrays laid out as `like`."""
-    out = []
-    for value, ref in zip(values, like):
+
+    def one(value: Any, ref: Any) -> Any:
         if not _is_global(ref):
-            out.append(value)
-            continue
+            return value
         arrays = [jax.device_put(value, device) for device in ref.sharding.addressable_devices]
-        out.append(jax.make_array_from_single_device_arrays(ref.shape, ref.sharding, arrays))
-    return out
+        return jax.make_array_from_single_device_arrays(ref.shape, ref.sharding, arrays)
+
+    return [one(value, ref) for value, ref in zip(values, like)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,9 +285,9 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
     if not values:
         return []
     mesh = like[0].sharding.mesh
-    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
-    stacked_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
-    first = local_device()
+    stacked_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+    first = local_devices()[0]
     stacked = []
     for value, ref in zip(values, like):
         value = value if isinstance(value, jax.Array) else jnp.asarray(value)
@@ -310,7 +297,7 @@ def all_sum(values: Sequence[Any], like: Sequence[Any]) -> List[Any]:
             for device in stacked_sharding.addressable_devices:
                 part = value if device == first else jnp.zeros_like(value)
                 shards.append(jax.device_put(part[None], device))
-        elif tuple(value.shape[1:]) == shape and value.ndim == len(shape) + 1:
+        elif tuple(value.shape[1:]) == shape:
             parts = _parts(value)
             for device in stacked_sharding.addressable_devices:
                 if device not in parts or parts[device].shape[0] != 1:
