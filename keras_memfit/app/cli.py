@@ -404,8 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         try:
             args = build_parser().parse_args(argv)
-        except SystemExit as exit_:  # --help and --version exit through here
-            return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
+        except SystemExit as exit_:  # --help exits through here (errors raise UsageError)
+            return int(exit_.code or 0)
         return int(args.handler(args))
     except UsageError as err:
         _error(str(err))

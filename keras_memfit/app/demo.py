@@ -121,9 +121,8 @@ def run_demo(
             f"the 88 MiB test set; received memory_limit_mb={memory_limit_mb}"
         )
     config = dict(
-        output=output, device=device, memory_limit_mb=int(memory_limit_mb),
-        train_samples=int(train_samples), epochs=int(epochs), verbose=bool(verbose),
-        seed=int(seed),
+        output=output, device=device, memory_limit_mb=memory_limit_mb,
+        train_samples=train_samples, epochs=epochs, verbose=bool(verbose), seed=seed,
     )
     segv_hint = (
         "TensorFlow crashes instead of raising when the capped CPU allocator "

@@ -144,7 +144,7 @@ def load_kaggle_csv(path: PathLike) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     values = (
         np.fromstring(text, dtype=np.int64, sep=",") if text else np.empty(0, np.int64)
     )  # fast C parser; np.loadtxt is much slower
-    if values.size != lines * columns or values.size % columns:
+    if values.size != lines * columns:
         raise ValueError(
             f"{os.fspath(path)}: expected {columns} integer columns on each of "
             f"{lines} rows; found {values.size} values in all"
@@ -168,10 +168,9 @@ def write_submission(path: PathLike, labels: Sequence[int], start_id: int = 1) -
             f"{labels.shape}"
         )
     _check_labels(labels, "labels")
-    ids = np.arange(start_id, start_id + labels.size)
     with open(path, "w", newline="") as f:
         f.write("ImageId,Label\n")
-        f.write("".join(f"{i},{int(d)}\n" for i, d in zip(ids.tolist(), labels.tolist())))
+        f.write("".join(f"{i},{int(d)}\n" for i, d in enumerate(labels.tolist(), start_id)))
 
 
 def _check_labels(labels: np.ndarray, name: str) -> None:

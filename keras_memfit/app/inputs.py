@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from typing import Any, List, NamedTuple, Tuple
 
 from keras_memfit.app.errors import PredictError, one_line
@@ -26,8 +27,6 @@ class InputFile(NamedTuple):
 
 def open_input(path: str, header_only: bool = False) -> InputFile:
     """Open a .npy, .npz or .csv INPUT, or raise `PredictError`; with `header_only`, no arrays."""
-    import zipfile
-
     import numpy as np
 
     kind = os.path.splitext(path)[1].lower()
@@ -45,13 +44,11 @@ def open_input(path: str, header_only: bool = False) -> InputFile:
                 raise ValueError("not a zip archive")
             archive = np.load(path)  # members are read (whole) when asked for
             names = list(archive.files)
+            if header_only or not names:
+                archive.close()
             if not names:
-                archive.close()
                 raise ValueError("it holds no arrays")
-            if header_only:
-                archive.close()
-                return InputFile(path, kind, {}, names)
-            return InputFile(path, kind, _NpzArrays(archive, name), names)
+            return InputFile(path, kind, {} if header_only else _NpzArrays(archive, name), names)
         return _open_csv(path, name, header_only)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         detail = " ".join(str(err).split()) or type(err).__name__
@@ -66,8 +63,6 @@ class _NpzArrays:
         self._name = name
 
     def __getitem__(self, key: str) -> Any:
-        import zipfile
-
         label = f"{self._name}[{key!r}]"
         try:
             array = self._archive[key]
@@ -113,15 +108,13 @@ def _open_csv(path: str, name: str, header_only: bool) -> InputFile:
 def _model_inputs(model: Any) -> Any:
     """The structure of KerasTensors the model takes, or None if it declares none."""
     try:
-        struct = model.input  # Functional: the structure it was built with
-    except (AttributeError, ValueError):
-        struct = None
-    if struct is None:
-        inputs = getattr(model, "inputs", None)  # Sequential
-        if not inputs:
-            return None
-        struct = inputs[0] if len(inputs) == 1 else list(inputs)
-    return struct
+        return model.input  # Functional: the structure it was built with
+    except (AttributeError, ValueError):  # not called: Keras raises, never returns None
+        pass
+    inputs = getattr(model, "inputs", None)  # Sequential
+    if not inputs:
+        return None
+    return inputs[0] if len(inputs) == 1 else list(inputs)
 
 
 def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
@@ -145,9 +138,8 @@ def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
         return x, None, int(x.shape[0])
 
     if isinstance(struct, dict):
-        keys = list(struct)
-        specs = [struct[k] for k in keys]
-        names = [[k, getattr(t, "name", k)] for k, t in zip(keys, specs)]
+        specs = list(struct.values())
+        names = [[k, getattr(t, "name", k)] for k, t in struct.items()]
     else:
         specs = keras.tree.flatten(struct)
         names = [[getattr(t, "name", f"input_{i}")] for i, t in enumerate(specs)]
@@ -187,7 +179,7 @@ def arrange_inputs(model: Any, source: InputFile) -> Tuple[Any, Any, int]:
             f"received {counts}"
         )
     if isinstance(struct, dict):  # in its own key order, which keras.tree would sort
-        x = dict(zip(keys, fitted))
+        x = dict(zip(struct, fitted))
     else:
         x = keras.tree.pack_sequence_as(struct, fitted)
     return x, struct, counts[0]

@@ -37,12 +37,10 @@ def write_csv(path: str, values: Any, argmax: bool) -> None:
     import numpy as np
 
     n = int(values.shape[0])
-    width = int(np.prod(values.shape[1:], dtype=np.int64)) if values.ndim > 1 else 1
-    if values.dtype.kind == "f":
-        # Enough digits for the value to read back exactly.
+    width = int(np.prod(values.shape[1:], dtype=np.int64))
+    fmt = "%d"
+    if values.dtype.kind == "f":  # enough digits for the value to read back exactly
         fmt = "%.17g" if values.dtype.itemsize > 4 else "%.9g"
-    else:
-        fmt = "%d"
     header = "ImageId,Label" if argmax else "ImageId," + ",".join(f"p{i}" for i in range(width))
     with open(path, "w", encoding="utf-8", newline="") as f:
         f.write(header + "\n")

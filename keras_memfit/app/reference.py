@@ -26,7 +26,7 @@ def start_fit(
     model.save(os.path.join(folder, "model.keras"))
     np.savez(os.path.join(folder, "data.npz"), x=np.asarray(x), y=np.asarray(y))
     config = dict(folder=folder, seed=int(seed), fit_kwargs=fit_kwargs)
-    environment = _env.worker_environment("gpu" if _env.gpu_visible() else "cpu", None)
+    environment = _env.worker_environment("cpu", None)  # no limit: the device changes nothing
     for key in _env.CAP_VARIABLES:
         environment.pop(key, None)
 
