@@ -132,10 +132,8 @@ def place(
                 "model already runs on the CPU. Pass accelerator= to name another device."
             )
             _said_no_accelerator = True
-        analysis = ModelAnalysis(model, ByteCounter())
         pinned, reason = [], "no accelerator: TensorFlow sees no GPU; nothing changed"
-    else:
-        analysis = _analyse(model)
+    analysis = ModelAnalysis(model, ByteCounter()) if accelerator is None else _analyse(model)
     sizes = placement_choice.layer_bytes(analysis, model.layers)
     if pinned is None:
         if not model.built:
@@ -152,13 +150,21 @@ def place(
             oversized_bytes=OVERSIZED_BYTES, dominant_share=DOMINANT_SHARE)
     if accelerator is not None:
         _apply(model, be.placement, be.variable_device, host, accelerator, pinned)
-    plan = _plan(analysis, host, accelerator, pinned, reason, sizes)
+    total = sum(sizes.values())
+    on_host = sum(analysis.weights_bytes(layer.weights) for layer in pinned)
+    if pinned:
+        device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
+    else:
+        device_bytes = {accelerator or host: total}
+    plan = PlacementPlan(
+        cpu_layers=[layer.name for layer in pinned], accelerator=accelerator, host=host,
+        device_bytes=device_bytes, crossing_bytes_per_sample=analysis.crossing(pinned),
+        applied=bool(pinned), reason=reason, layer_bytes=dict(sizes),
+    )
     if verbose:
         plan.summary()
-    elif accelerator is None:  # the warning above said so, once per process
-        logger.debug("%s", plan)
-    else:
-        logger.info("%s", plan)
+    else:  # without an accelerator, at debug: the warning above said so, once per process
+        logger.log(logging.DEBUG if accelerator is None else logging.INFO, "%s", plan)
     return plan
 
 
@@ -232,29 +238,6 @@ def _resolve_layers(model, cpu_layers) -> List[keras.layers.Layer]:
     return chosen
 
 
-# --------------------------------------------------------------------- plan
-def _plan(
-    analysis: ModelAnalysis,
-    host: str,
-    accelerator: Optional[str],
-    pinned: List[Any],
-    reason: str,
-    sizes: Dict[str, int],
-) -> PlacementPlan:
-    """The `PlacementPlan` of pinning `pinned` (none without an accelerator)."""
-    total = sum(sizes.values())
-    on_host = sum(analysis.weights_bytes(layer.weights) for layer in pinned)
-    if pinned:
-        device_bytes = {host: on_host, accelerator: max(total - on_host, 0)}
-    else:
-        device_bytes = {accelerator or host: total}
-    return PlacementPlan(
-        cpu_layers=[layer.name for layer in pinned], accelerator=accelerator, host=host,
-        device_bytes=device_bytes, crossing_bytes_per_sample=analysis.crossing(pinned),
-        applied=bool(pinned), reason=reason, layer_bytes=dict(sizes),
-    )
-
-
 # -------------------------------------------------------------------- apply
 def _on_device(placer, device: str, method: Callable) -> Callable:
     @functools.wraps(method)
@@ -301,7 +284,7 @@ def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
         for v in model.weights
     )
 
-    def follow():
+    def settle():  # now and after each compile: slots on their variables' devices, XLA off
         optimizer = getattr(model, "optimizer", None)
         placer.follow_variable_devices(optimizer)
         if optimizer is not None and optimizer.built:
@@ -309,24 +292,21 @@ def _apply(model, placer, variable_device, host, accelerator, pinned) -> None:
                 device = variable_device(v)
                 for slot in _model_state.slot_variables(optimizer, v):
                     placer.move_variable(slot, device)
+        if pinned:
+            _no_xla(model)
 
-    follow()
+    settle()
     compile_method = model.compile
 
     @functools.wraps(compile_method)
     def compile(*args, **kwargs):
         compile_method(*args, **kwargs)
-        follow()
-        if pinned:
-            _no_xla(model)
+        settle()
 
     wrap(model, "compile", compile)
     object.__setattr__(model, _STATE, wrapped)
-    if pinned:
-        _no_xla(model)
     for attr in ("train_function", "test_function", "predict_function"):
-        if hasattr(model, attr):
-            setattr(model, attr, None)
+        setattr(model, attr, None)
     _cache.forget(model)
     logger.info(
         "place(): %d layer(s) on the host, %d variable(s) moved",

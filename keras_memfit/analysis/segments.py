@@ -17,9 +17,7 @@ def cut(tensors: Sequence[Sequence[Tuple[int, int]]],
     `tensors[p]`: (bytes, last use; n or more: alive to the end) of each tensor made at `p`;
     `alone`: positions that are a segment each; `frees`: bytes made inside, unused after it.
     """
-    n = len(tensors)
-    if not n:
-        return []
+    n = len(tensors)  # 0: the loops below find no segment
     made = np.zeros((n, n + 1))  # made[p, t]: bytes made at p whose last use is t
     for p, produced in enumerate(tensors):
         for size, last in produced:

@@ -85,8 +85,7 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
 
             object.__setattr__(variable, "_deferred_initialize", deferred_initialize)
         else:  # created, not read yet: safe to move
-            with tf.init_scope():
-                move_variable(variable, device)
+            move_variable(variable, device)
         return variable
 
     add_weight_on_device.__wrapped__ = add_weight
@@ -97,11 +96,8 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
 def _pinning_new_ops(device: str) -> Iterator[None]:
     """Give the graph ops created inside with no device (`colocate_with` drops the scope) one.
 
-    Each gets the device of the op it is colocated with, else `device`.
+    Each gets the device of the op it is colocated with, else `device` (eagerly: none is made).
     """
-    if tf.executing_eagerly():
-        yield
-        return
     graph = tf.compat.v1.get_default_graph()
     before = {id(op) for op in graph.get_operations()}
     yield
