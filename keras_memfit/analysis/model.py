@@ -34,8 +34,8 @@ class Row:
     output_shape: tuple
     params: int
     param_bytes: int
-    slot_bytes: int
     trainable_bytes: int
+    slot_bytes: int  # of its trainable weights
     produced: int
     working: int
     cut: int
