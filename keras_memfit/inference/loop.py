@@ -138,9 +138,8 @@ class BatchLoop:
     def _end_execution(self) -> None:
         spe = self._per_execution
         begin = (self.batch - 1) // spe * spe
-        execution, self._execution_logs = self._execution_logs, []
-        # One batch's logs pass as they are: merging would copy its outputs on the device.
-        logs = execution[0] if len(execution) == 1 else self._merge_logs(execution)
+        logs = self._merge_logs(self._execution_logs)
+        self._execution_logs = []
         self._on_batch_end(begin + spe - 1, logs)  # Keras's end index, also when short
 
     def _stopped(self) -> bool:

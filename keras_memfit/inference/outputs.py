@@ -32,6 +32,8 @@ def _concatenate(parts: List[Any]) -> Any:
 
 def merge_outputs(logs: List[Any]) -> Any:
     """One execution's `{"outputs": ...}`: its batches' outputs concatenated, as Keras's."""
+    if len(logs) == 1:
+        return logs[0]
     outputs = [entry["outputs"] for entry in logs]
     return {"outputs": keras.tree.map_structure(lambda *parts: _concatenate(list(parts)),
                                                 *outputs)}
