@@ -96,8 +96,11 @@ def creating_on(device: str, add_weight: Callable) -> Callable:
 def _pinning_new_ops(device: str) -> Iterator[None]:
     """Give the graph ops created inside with no device (`colocate_with` drops the scope) one.
 
-    Each gets the device of the op it is colocated with, else `device` (eagerly: none is made).
+    Each gets the device of the op it is colocated with, else `device`.
     """
+    if tf.executing_eagerly():  # no graph op is made: nothing to list
+        yield
+        return
     graph = tf.compat.v1.get_default_graph()
     before = {id(op) for op in graph.get_operations()}
     yield
